@@ -1,0 +1,224 @@
+#!/usr/bin/env python
+"""Overhead benchmark for torchember: time one training step, bare vs armed, on three models.
+
+A training step is forward + `loss_of` + backward + SGD step + zero_grad, with `torch.set_num_threads(2)`.
+Models (from `tests/corpus.py`): ResNet-18 layout at 8x3x32x32, 32 x (Linear(64,64), GELU) at 32x64, AlexNet at 2x3x224x224.
+
+Method: warm up, then time whole blocks of K steps, cycling bare and each armed configuration (bare, A1, A2, ...,
+order reversed on every other round), N blocks each; report the median per-step time and the armed/bare ratio.
+An armed block arms a fresh handle before the clock starts, calls `handle.flush()` (if it has one) before the
+clock stops, so deferred background work is counted, and disarms after. K is a multiple of 10 by default, so
+`every=10` captures the same share of steps in every block.
+
+    python bench/bench.py [--models resnet18,mlp32,alexnet] [--blocks N] [--steps K] [--quick] [--configs ember,ember10]
+    python bench/bench.py --memory [--models resnet18,mlp32] [--memory-steps 1000]
+
+To add a configuration, append a `Config(label, arm_fn)` to what `configs()` returns (or register it in `CONFIGS`);
+`arm_fn(model) -> handle`, and the handle needs a `disarm()` (or pass your own `disarm_fn`).
+"""
+import argparse, gc, itertools, os, resource, statistics, sys, tempfile, time, uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / 'tests'))   # for corpus
+sys.path.insert(0, str(HERE.parent))             # torchember from this checkout, even if not installed
+
+import torch
+import corpus
+
+try:
+    from torchember import torchEmber
+    _EMBER_ERR = None
+except Exception as e:  # the library is being written; fall back to a dummy configuration
+    torchEmber, _EMBER_ERR = None, e
+
+
+# ---------------------------------------------------------------- configurations
+
+def _default_disarm(handle):
+    if hasattr(handle, 'disarm'): handle.disarm()
+
+@dataclass
+class Config:
+    label: str
+    arm: Callable[[torch.nn.Module], Any]            # model -> handle
+    disarm: Callable[[Any], None] = _default_disarm   # handle -> None, called after the clock stops
+
+_TMP = Path(tempfile.mkdtemp(prefix='torchember-bench-'))
+_seq = itertools.count()
+def _run_name(tag): return f"bench-{tag}-{os.getpid()}-{next(_seq)}-{uuid.uuid4().hex[:6]}"
+def _db(tag): return str(_TMP / f"{tag}.db")
+
+def ember(model): return torchEmber(model, run=_run_name('every1'), db=_db('every1'))
+def ember10(model): return torchEmber(model, run=_run_name('every10'), db=_db('every10'), every=10)
+
+
+class _DummyHandle:
+    "Stand-in for a torchember handle: forward hooks on every module taking mean/std/absmax of float outputs."
+    def __init__(self, model):
+        self.stats = []
+        self.hooks = [m.register_forward_hook(self._hook) for m in model.modules()]
+    def _hook(self, mod, args, out):
+        if isinstance(out, torch.Tensor) and out.is_floating_point():
+            with torch.no_grad():
+                t = out.detach()
+                self.stats.append(torch.stack([t.mean(), t.std(), t.abs().max()]))
+    def flush(self):
+        if self.stats: torch.stack(self.stats).tolist()
+        self.stats.clear()
+    def disarm(self):
+        for h in self.hooks: h.remove()
+        self.hooks = []
+
+def dummy(model): return _DummyHandle(model)
+
+
+CONFIGS = {
+    'ember':   Config('torchEmber', ember),
+    'ember10': Config('torchEmber every=10', ember10),
+    'dummy':   Config('dummy hooks', dummy),
+}
+
+def configs(names=None) -> list:
+    "Configurations to run: `names` (keys of `CONFIGS`), else ember+ember10, or dummy if torchember isn't importable."
+    if names is None:
+        if torchEmber is None:
+            print(f"note: `from torchember import torchEmber` failed ({type(_EMBER_ERR).__name__}: {_EMBER_ERR}); "
+                  "running the dummy configuration (forward hooks computing mean/std/absmax) instead.\n")
+            names = ['dummy']
+        else: names = ['ember', 'ember10']
+    out = []
+    for n in names:
+        if n not in CONFIGS: sys.exit(f"unknown config {n!r}; known: {', '.join(CONFIGS)}")
+        if n.startswith('ember') and torchEmber is None: sys.exit(f"config {n!r} needs torchember: {_EMBER_ERR}")
+        out.append(CONFIGS[n])
+    return out
+
+
+# ---------------------------------------------------------------- models & timing
+
+MODELS = {  # name -> (factory, default steps per block, quick steps per block)
+    'resnet18': (corpus.BENCH['resnet18'], 20, 10),
+    'mlp32':    (corpus.BENCH['mlp32'], 200, 50),
+    'alexnet':  (corpus.BENCH['alexnet'], 10, 10),
+}
+
+def setup(name):
+    model, make_batch = MODELS[name][0]()
+    model.train()
+    args, kwargs = make_batch(0)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    def step():
+        out = model(*args, **kwargs)
+        corpus.loss_of(out).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, step
+
+def time_block(model, step, k, cfg: Optional[Config]) -> float:
+    "Seconds per step over one block of `k` steps; armed if `cfg` (arm before / flush inside / disarm after the clock)."
+    gc.collect()
+    handle = cfg.arm(model) if cfg else None
+    t0 = time.perf_counter()
+    for _ in range(k): step()
+    if handle is not None and hasattr(handle, 'flush'): handle.flush()
+    dt = time.perf_counter() - t0
+    if handle is not None: cfg.disarm(handle)
+    return dt / k
+
+def bench_model(name, cfgs, blocks, steps, warmup):
+    model, step = setup(name)
+    for _ in range(warmup): step()
+    for c in cfgs:  # one untimed armed block each, so first-use costs (imports, db creation) aren't timed
+        time_block(model, step, 1, c)
+    times = {None: []} | {c.label: [] for c in cfgs}
+    order = [None] + cfgs
+    for r in range(blocks):
+        for c in (order if r % 2 == 0 else order[::-1]):
+            times[c.label if c else None].append(time_block(model, step, steps, c))
+    bare = statistics.median(times[None])
+    return [(name, c.label, bare, statistics.median(times[c.label]), statistics.median(times[c.label]) / bare,
+             _spread(times[None]), _spread(times[c.label])) for c in cfgs]
+
+def _spread(xs): return (max(xs) - min(xs)) / statistics.median(xs) if len(xs) > 1 else 0.0
+
+
+# ---------------------------------------------------------------- memory
+
+def rss_mb():
+    "(VmRSS, VmHWM) in MiB from /proc/self/status; falls back to ru_maxrss for both."
+    try:
+        d = dict(l.split(':', 1) for l in Path('/proc/self/status').read_text().splitlines() if ':' in l)
+        return int(d['VmRSS'].split()[0]) / 1024, int(d['VmHWM'].split()[0]) / 1024
+    except Exception:
+        m = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        return m, m
+
+def memory(names, cfgs, n_steps):
+    print(f"resident memory (MiB), armed for {n_steps} steps; RSS = VmRSS, peak = VmHWM (process-wide)")
+    print(f"{'model':<10} {'config':<22} {'before':>8} {'@50':>8} {f'@{n_steps}':>8} {'growth':>8} {'flushed':>8} {'disarmed':>9} {'peak':>8}")
+    for name in names:
+        for cfg in cfgs:
+            model, step = setup(name)
+            for _ in range(3): step()
+            gc.collect()
+            before = rss_mb()[0]
+            h = cfg.arm(model)
+            at50 = None
+            for i in range(1, n_steps + 1):
+                step()
+                if i == 50: at50 = rss_mb()[0]
+            at_end = rss_mb()[0]
+            if hasattr(h, 'flush'): h.flush()
+            flushed = rss_mb()[0]
+            cfg.disarm(h); gc.collect()
+            disarmed, peak = rss_mb()
+            print(f"{name:<10} {cfg.label:<22} {before:8.1f} {at50 or float('nan'):8.1f} {at_end:8.1f} "
+                  f"{at_end - (at50 or before):+8.1f} {flushed:8.1f} {disarmed:9.1f} {peak:8.1f}", flush=True)
+            del model, step, h; gc.collect()
+
+
+# ---------------------------------------------------------------- CLI
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    p.add_argument('--models', default=None, help=f"comma-separated, from {','.join(MODELS)} (default: all; --memory: resnet18,mlp32)")
+    p.add_argument('--blocks', type=int, default=None, help="timed blocks per configuration (default 7, --quick 3)")
+    p.add_argument('--steps', type=int, default=None, help="steps per block (default per model: resnet18 20, mlp32 200, alexnet 10)")
+    p.add_argument('--warmup', type=int, default=None, help="untimed bare steps first (default 5, --quick 2)")
+    p.add_argument('--quick', action='store_true', help="fewer blocks and steps: a smoke test")
+    p.add_argument('--configs', default=None, help=f"comma-separated, from {','.join(CONFIGS)} (default: ember,ember10, or dummy without torchember)")
+    p.add_argument('--memory', action='store_true', help="instead of timing: RSS after step 50 and after --memory-steps, armed")
+    p.add_argument('--memory-steps', type=int, default=1000)
+    p.add_argument('--threads', type=int, default=2)
+    a = p.parse_args(argv)
+
+    torch.set_num_threads(a.threads)
+    torch.set_flush_denormal(True)  # so tiny gradients late in a run can't slow a block down
+    names = a.models.split(',') if a.models else (['resnet18', 'mlp32'] if a.memory else list(MODELS))
+    for n in names:
+        if n not in MODELS: sys.exit(f"unknown model {n!r}; known: {', '.join(MODELS)}")
+    cfgs = configs(a.configs.split(',') if a.configs else None)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, scratch dbs in {_TMP}")
+
+    if a.memory: return memory(names, cfgs, a.memory_steps)
+
+    blocks = a.blocks or (3 if a.quick else 7)
+    warmup = a.warmup if a.warmup is not None else (2 if a.quick else 5)
+    print(f"{blocks} blocks per configuration, warmup {warmup} steps; times are median ms/step "
+          f"(spread = (max-min)/median over blocks)\n")
+    hdr = f"{'model':<10} {'config':<22} {'steps':>5} {'bare ms':>9} {'armed ms':>9} {'ratio':>7} {'spread b/a':>12}"
+    print(hdr); print('-' * len(hdr))
+    t_all = time.perf_counter()
+    for n in names:
+        steps = a.steps or MODELS[n][2 if a.quick else 1]
+        for (mn, label, bare, armed, ratio, sb, sa) in bench_model(n, cfgs, blocks, steps, warmup):
+            print(f"{mn:<10} {label:<22} {steps:5d} {bare*1e3:9.2f} {armed*1e3:9.2f} {ratio:7.2f}x "
+                  f"{sb*100:5.0f}%/{sa*100:3.0f}%", flush=True)
+    print(f"\ntotal {time.perf_counter() - t_all:.0f} s")
+
+
+if __name__ == '__main__':
+    main()
