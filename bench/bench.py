@@ -11,7 +11,7 @@ clock stops, so deferred background work is counted, and disarms after. K is a m
 `every=10` captures the same share of steps in every block.
 
     python bench/bench.py [--models resnet18,mlp32,alexnet] [--blocks N] [--steps K] [--quick] [--configs ember,ember10]
-    python bench/bench.py --memory [--models resnet18,mlp32] [--memory-steps 1000]
+    python bench/bench.py --memory [--models mlp32] [--memory-steps 1000] [--configs ember]
 
 To add a configuration, append a `Config(label, arm_fn)` to what `configs()` returns (or register it in `CONFIGS`);
 `arm_fn(model) -> handle`, and the handle needs a `disarm()` (or pass your own `disarm_fn`).
@@ -100,8 +100,8 @@ def configs(names=None) -> list:
 # ---------------------------------------------------------------- models & timing
 
 MODELS = {  # name -> (factory, default steps per block, quick steps per block)
-    'resnet18': (corpus.BENCH['resnet18'], 20, 10),
-    'mlp32':    (corpus.BENCH['mlp32'], 200, 50),
+    'resnet18': (corpus.BENCH['resnet18'], 10, 10),
+    'mlp32':    (corpus.BENCH['mlp32'], 100, 50),
     'alexnet':  (corpus.BENCH['alexnet'], 10, 10),
 }
 
@@ -128,9 +128,14 @@ def time_block(model, step, k, cfg: Optional[Config]) -> float:
     if handle is not None: cfg.disarm(handle)
     return dt / k
 
-def bench_model(name, cfgs, blocks, steps, warmup):
+def warm_up(step, n, min_s):
+    "At least `n` steps and at least `min_s` seconds: the first steps of a fresh model are often several times slower."
+    t0, i = time.perf_counter(), 0
+    while i < n or time.perf_counter() - t0 < min_s: step(); i += 1
+
+def bench_model(name, cfgs, blocks, steps, warmup, warmup_s):
     model, step = setup(name)
-    for _ in range(warmup): step()
+    warm_up(step, warmup, warmup_s)
     for c in cfgs:  # one untimed armed block each, so first-use costs (imports, db creation) aren't timed
         time_block(model, step, 1, c)
     times = {None: []} | {c.label: [] for c in cfgs}
@@ -162,7 +167,7 @@ def memory(names, cfgs, n_steps):
     for name in names:
         for cfg in cfgs:
             model, step = setup(name)
-            for _ in range(3): step()
+            warm_up(step, 3, 1.0)
             gc.collect()
             before = rss_mb()[0]
             h = cfg.arm(model)
@@ -184,10 +189,10 @@ def memory(names, cfgs, n_steps):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    p.add_argument('--models', default=None, help=f"comma-separated, from {','.join(MODELS)} (default: all; --memory: resnet18,mlp32)")
-    p.add_argument('--blocks', type=int, default=None, help="timed blocks per configuration (default 7, --quick 3)")
-    p.add_argument('--steps', type=int, default=None, help="steps per block (default per model: resnet18 20, mlp32 200, alexnet 10)")
-    p.add_argument('--warmup', type=int, default=None, help="untimed bare steps first (default 5, --quick 2)")
+    p.add_argument('--models', default=None, help=f"comma-separated, from {','.join(MODELS)} (default: all; --memory: mlp32)")
+    p.add_argument('--blocks', type=int, default=None, help="timed blocks per configuration (default 9, --quick 3)")
+    p.add_argument('--steps', type=int, default=None, help="steps per block (default per model: resnet18 10, mlp32 100, alexnet 10; --quick mlp32 50)")
+    p.add_argument('--warmup', type=int, default=None, help="untimed bare steps first, and at least 3 s of them (1 s with --quick) (default 5, --quick 2)")
     p.add_argument('--quick', action='store_true', help="fewer blocks and steps: a smoke test")
     p.add_argument('--configs', default=None, help=f"comma-separated, from {','.join(CONFIGS)} (default: ember,ember10, or dummy without torchember)")
     p.add_argument('--memory', action='store_true', help="instead of timing: RSS after step 50 and after --memory-steps, armed")
@@ -197,7 +202,7 @@ def main(argv=None):
 
     torch.set_num_threads(a.threads)
     torch.set_flush_denormal(True)  # so tiny gradients late in a run can't slow a block down
-    names = a.models.split(',') if a.models else (['resnet18', 'mlp32'] if a.memory else list(MODELS))
+    names = a.models.split(',') if a.models else (['mlp32'] if a.memory else list(MODELS))
     for n in names:
         if n not in MODELS: sys.exit(f"unknown model {n!r}; known: {', '.join(MODELS)}")
     cfgs = configs(a.configs.split(',') if a.configs else None)
@@ -205,16 +210,17 @@ def main(argv=None):
 
     if a.memory: return memory(names, cfgs, a.memory_steps)
 
-    blocks = a.blocks or (3 if a.quick else 7)
+    blocks = a.blocks or (3 if a.quick else 9)
     warmup = a.warmup if a.warmup is not None else (2 if a.quick else 5)
-    print(f"{blocks} blocks per configuration, warmup {warmup} steps; times are median ms/step "
+    warmup_s = 1.0 if a.quick else 3.0
+    print(f"{blocks} blocks per configuration, warmup >= {warmup} steps and >= {warmup_s:.0f} s; times are median ms/step "
           f"(spread = (max-min)/median over blocks)\n")
     hdr = f"{'model':<10} {'config':<22} {'steps':>5} {'bare ms':>9} {'armed ms':>9} {'ratio':>7} {'spread b/a':>12}"
     print(hdr); print('-' * len(hdr))
     t_all = time.perf_counter()
     for n in names:
         steps = a.steps or MODELS[n][2 if a.quick else 1]
-        for (mn, label, bare, armed, ratio, sb, sa) in bench_model(n, cfgs, blocks, steps, warmup):
+        for (mn, label, bare, armed, ratio, sb, sa) in bench_model(n, cfgs, blocks, steps, warmup, warmup_s):
             print(f"{mn:<10} {label:<22} {steps:5d} {bare*1e3:9.2f} {armed*1e3:9.2f} {ratio:7.2f}x "
                   f"{sb*100:5.0f}%/{sa*100:3.0f}%", flush=True)
     print(f"\ntotal {time.perf_counter() - t_all:.0f} s")

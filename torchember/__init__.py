@@ -1,1 +1,8 @@
+"Arm a PyTorch model, record every module call's statistics into a SQLite event store, and read them back."
 __version__ = "0.1.0"
+
+from .stats import default_stats
+from .ember import torchEmber
+from .query import runs, load, Run, summary
+
+__all__ = ['torchEmber', 'runs', 'load', 'Run', 'default_stats', 'summary']

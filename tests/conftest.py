@@ -1,0 +1,15 @@
+import os, sys, tempfile
+from pathlib import Path
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+@pytest.fixture
+def db(tmp_path):
+    "A fresh store file for one test."
+    return str(tmp_path/'store.db')
+
+@pytest.fixture(autouse=True, scope='session')
+def _private_default_store(tmp_path_factory):
+    "Never write the user's default store from tests."
+    os.environ['TORCHEMBER_DB'] = str(tmp_path_factory.mktemp('default')/'default.db')
