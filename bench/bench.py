@@ -16,7 +16,7 @@ clock stops, so deferred background work is counted, and disarms after. K is a m
 To add a configuration, append a `Config(label, arm_fn)` to what `configs()` returns (or register it in `CONFIGS`);
 `arm_fn(model) -> handle`, and the handle needs a `disarm()` (or pass your own `disarm_fn`).
 """
-import argparse, gc, itertools, os, resource, statistics, sys, tempfile, time, uuid
+import argparse, atexit, gc, itertools, os, resource, shutil, statistics, sys, tempfile, time, uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -46,10 +46,18 @@ class Config:
     arm: Callable[[torch.nn.Module], Any]            # model -> handle
     disarm: Callable[[Any], None] = _default_disarm   # handle -> None, called after the clock stops
 
-_TMP = Path(tempfile.mkdtemp(prefix='torchember-bench-'))
+_TMP, KEEP_DB = None, False
+def scratch() -> Path:
+    "Scratch folder for the configurations' databases, made on first use and removed at exit unless `KEEP_DB`."
+    global _TMP
+    if _TMP is None:
+        _TMP = Path(tempfile.mkdtemp(prefix='torchember-bench-'))
+        atexit.register(lambda: None if KEEP_DB else shutil.rmtree(_TMP, ignore_errors=True))
+    return _TMP
+
 _seq = itertools.count()
 def _run_name(tag): return f"bench-{tag}-{os.getpid()}-{next(_seq)}-{uuid.uuid4().hex[:6]}"
-def _db(tag): return str(_TMP / f"{tag}.db")
+def _db(tag): return str(scratch() / f"{tag}.db")
 
 def ember(model): return torchEmber(model, run=_run_name('every1'), db=_db('every1'))
 def ember10(model): return torchEmber(model, run=_run_name('every10'), db=_db('every10'), every=10)
@@ -198,15 +206,20 @@ def main(argv=None):
     p.add_argument('--memory', action='store_true', help="instead of timing: RSS after step 50 and after --memory-steps, armed")
     p.add_argument('--memory-steps', type=int, default=1000)
     p.add_argument('--threads', type=int, default=2)
+    p.add_argument('--keep-db', action='store_true', help="keep the scratch databases (default: removed at exit)")
     a = p.parse_args(argv)
 
+    global KEEP_DB
+    KEEP_DB = a.keep_db
     torch.set_num_threads(a.threads)
     torch.set_flush_denormal(True)  # so tiny gradients late in a run can't slow a block down
     names = a.models.split(',') if a.models else (['mlp32'] if a.memory else list(MODELS))
     for n in names:
         if n not in MODELS: sys.exit(f"unknown model {n!r}; known: {', '.join(MODELS)}")
     cfgs = configs(a.configs.split(',') if a.configs else None)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, scratch dbs in {_TMP}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, scratch dbs in {scratch()}"
+          + (" (kept)" if KEEP_DB else " (removed at exit)"))
+    _check_load()
 
     if a.memory: return memory(names, cfgs, a.memory_steps)
 
@@ -224,6 +237,14 @@ def main(argv=None):
             print(f"{mn:<10} {label:<22} {steps:5d} {bare*1e3:9.2f} {armed*1e3:9.2f} {ratio:7.2f}x "
                   f"{sb*100:5.0f}%/{sa*100:3.0f}%", flush=True)
     print(f"\ntotal {time.perf_counter() - t_all:.0f} s")
+    _check_load()
+
+def _check_load():
+    "Warn when other processes compete for the CPUs: timings taken then are not worth much."
+    try: load, ncpu = os.getloadavg()[0], len(os.sched_getaffinity(0))
+    except (OSError, AttributeError): return
+    if load > ncpu + 0.5 or load > torch.get_num_threads() + 1.5:
+        print(f"warning: 1-minute load average {load:.1f} on {ncpu} CPUs: something else is running; timings may be noisy")
 
 
 if __name__ == '__main__':
