@@ -193,6 +193,49 @@ def memory(names, cfgs, n_steps):
             del model, step, h; gc.collect()
 
 
+# ---------------------------------------------------------------- store
+
+def store_bench(rows_per_step=258, small=100, large=10_000, reps=5):
+    "Sustained stat rows/s through the writer path, and `latest` / one-module-history query times on a short vs a long run."
+    from torchember.store import engine, create_run, write_step
+    from torchember.query import load
+    import random
+    db = _db('store')
+    eng = engine(db)
+    n_mod = 65
+    mods = [('', 'Sequential', None)] + [(str(i), 'Linear', 0) for i in range(n_mod - 1)]
+    def rows_for(step):
+        r = random.Random(step)
+        return [(i % n_mod, 0, ('input', 'output', 'weight', 'weight_grad')[i % 4], 'output', '[32, 64]', 'float32',
+                 2048.0, r.random(), r.random(), -1.0, 1.0, 10.0, 0.0, 0.0, 0.0, None) for i in range(rows_per_step)]
+    events = [('enter', i, 0) for i in range(n_mod)] + [('exit', i, 0) for i in reversed(range(n_mod))]
+    print(f"store: SQLite (WAL), {rows_per_step} stat rows per step, events written once and shared by later steps\n")
+    out = {}
+    for n_steps in (small, large):
+        name = f"store-{n_steps}-{uuid.uuid4().hex[:6]}"
+        rid, _ = create_run(eng, name, 'Sequential', mods, {})
+        batch = [rows_for(s) for s in range(min(n_steps, 200))]
+        t0 = time.perf_counter()
+        for s in range(n_steps):
+            write_step(eng, rid, s, batch[s % len(batch)], events if s == 0 else events, events_step=None if s == 0 else 0)
+        dt = time.perf_counter() - t0
+        r = load(name, db)
+        def q(f):
+            f(); ts = []
+            for _ in range(reps):
+                t = time.perf_counter(); f(); ts.append(time.perf_counter() - t)
+            return statistics.median(ts)
+        t_latest = q(lambda: r.latest())
+        t_hist = q(lambda: r.df(module='7', ttype='output', steps=(n_steps - 100, n_steps - 1)))
+        t_full = q(lambda: r.df(module='7', ttype='output'))
+        out[n_steps] = (t_latest, t_hist, t_full)
+        print(f"{n_steps:>6} steps: wrote {n_steps*rows_per_step:>9,} rows at {n_steps*rows_per_step/dt:>9,.0f} rows/s; "
+              f"latest() {t_latest*1e3:6.1f} ms; module history, last 100 steps {t_hist*1e3:6.1f} ms; "
+              f"whole history ({n_steps} steps) {t_full*1e3:7.1f} ms")
+    (a1, b1, _), (a2, b2, _) = out[small], out[large]
+    print(f"\nlong/short run: latest() {a2/a1:.2f}x, module history over the last 100 steps {b2/b1:.2f}x")
+
+
 # ---------------------------------------------------------------- CLI
 
 def main(argv=None):
@@ -205,6 +248,7 @@ def main(argv=None):
     p.add_argument('--configs', default=None, help=f"comma-separated, from {','.join(CONFIGS)} (default: ember,ember10, or dummy without torchember)")
     p.add_argument('--memory', action='store_true', help="instead of timing: RSS after step 50 and after --memory-steps, armed")
     p.add_argument('--memory-steps', type=int, default=1000)
+    p.add_argument('--store', action='store_true', help="instead of timing models: store write rate and query times on 100 vs 10,000 steps")
     p.add_argument('--threads', type=int, default=2)
     p.add_argument('--keep-db', action='store_true', help="keep the scratch databases (default: removed at exit)")
     a = p.parse_args(argv)
@@ -222,6 +266,7 @@ def main(argv=None):
     _check_load()
 
     if a.memory: return memory(names, cfgs, a.memory_steps)
+    if a.store: return store_bench()
 
     blocks = a.blocks or (3 if a.quick else 9)
     warmup = a.warmup if a.warmup is not None else (2 if a.quick else 5)
