@@ -1,0 +1,62 @@
+"What the speed design promises and a test can check without timing anything."
+import gc, weakref
+import pytest, torch
+from torch import nn
+from torchember import torchEmber
+
+def mlp(): return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 1))
+
+def test_no_tensor_of_the_model_kept_after_the_step(db):
+    model = mlp()
+    te = torchEmber(model, run='retain', db=db)
+    refs = []
+    hooks = [m.register_forward_hook(lambda m, a, o: refs.append(weakref.ref(o))) for m in model.modules()]
+    x = torch.randn(4, 8)
+    model(x).sum().backward()
+    grads = [weakref.ref(p.grad) for p in model.parameters()]
+    for h in hooks: h.remove()
+    for p in model.parameters(): p.grad = None
+    te.flush()
+    gc.collect()
+    assert refs and all(r() is None for r in refs), "an output of the recorded step is still alive"
+    assert all(r() is None for r in grads), "a grad of the recorded step is still alive"
+    assert len(te.latest()) > 0
+    te.disarm()
+
+def test_unrecorded_steps_do_no_work(db):
+    model = mlp()
+    calls = []
+    te = torchEmber(model, run='every', db=db, every=5)
+    def counting(t):
+        calls.append(1)
+        return {'n': t.numel()}
+    for tt in ('input', 'output', 'weight', 'weight_grad'): te.how_record(tt, counting)
+    model(torch.randn(2, 8)).sum().backward()          # step 0: recorded
+    n0 = len(calls)
+    assert n0 > 0
+    for _ in range(4):                                 # steps 1-4: not recorded
+        model(torch.randn(2, 8)).sum().backward()
+        assert all(not m._forward_hooks and not m._forward_pre_hooks for m in list(model.modules())[1:])
+        assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+    assert len(calls) == n0, "a stat function ran on an unrecorded step"
+    model(torch.randn(2, 8)).sum().backward()          # step 5: recorded again
+    assert len(calls) == 2 * n0
+    assert sorted(te.df().step.unique()) == [0, 5]
+    te.disarm()
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: no CUDA device here")
+def test_at_most_one_sync_per_recorded_step_on_gpu(db):
+    model = mlp().cuda()
+    te = torchEmber(model, run='gpu', db=db, every=2)
+    x = torch.randn(4, 8, device='cuda')
+    for _ in range(3): model(x).sum().backward()      # warm up (compiles kernels)
+    te.flush()
+    torch.cuda.set_sync_debug_mode('error')
+    try:
+        model(x).sum().backward()                     # step 3: not recorded, must not sync at all
+        model(x).sum().backward()                     # step 4: recorded; its close happens at the next root call
+        model(x).sum().backward()
+    finally: torch.cuda.set_sync_debug_mode(0)
+    te.flush()
+    assert 4 in set(te.df().step)
+    te.disarm()
