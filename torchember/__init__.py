@@ -4,5 +4,7 @@ __version__ = "0.1.0"
 from .stats import default_stats
 from .ember import torchEmber
 from .query import runs, load, Run, summary
+from .explore import explore, hist_stats
+from .report import report
 
-__all__ = ['torchEmber', 'runs', 'load', 'Run', 'default_stats', 'summary']
+__all__ = ['torchEmber', 'runs', 'load', 'Run', 'default_stats', 'summary', 'explore', 'hist_stats', 'report']

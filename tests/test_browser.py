@@ -1,0 +1,165 @@
+"""The explorer in a real browser: JupyterLab runs a notebook that trains a tiny model and opens the explorer; headless
+Chromium (the system's, driven by Playwright) must render its plotly figures with data, live mode must bring new steps
+to the page from its thread, and a click on a bar must reach Python and redraw the history. A screenshot goes to
+test-artifacts/explorer.png.
+
+Needs `chromium` (Debian package, /usr/bin/chromium) and the `playwright` Python package; `.ci/browser-deps`
+installs both. Skipped, saying why, only when one of them is missing."""
+import os, signal, socket, subprocess, sys, time, urllib.request
+from pathlib import Path
+import pytest
+
+CHROMIUM = os.environ.get('TORCHEMBER_CHROMIUM', '/usr/bin/chromium')
+ARGS = ['--headless=new', '--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run',
+        '--disable-background-networking', '--disable-component-update', '--disable-sync']
+ARTIFACTS = Path(__file__).resolve().parent.parent/'test-artifacts'
+WAIT_MS = 120_000
+
+try: from playwright.sync_api import sync_playwright
+except ImportError: sync_playwright = None
+
+pytestmark = [
+    pytest.mark.skipif(sync_playwright is None, reason="playwright is not installed: run .ci/browser-deps (pip install playwright)"),
+    pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"no chromium at {CHROMIUM}: run .ci/browser-deps (apt-get install chromium)"),
+]
+
+NOTEBOOK = [
+"""import torch
+from torch import nn
+from torchember import torchEmber
+from torchember.explore import explore, hist_stats
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+with torchEmber(model, run='tiny', db='store.db') as te:
+    te.how_record_out(hist_stats(16))
+    for step in range(20):
+        x = torch.rand(32, 8)
+        (model(x) - x.sum(1, keepdim=True)).pow(2).mean().backward()
+        opt.step(); opt.zero_grad()""",
+"""ex = explore(db='store.db', run='tiny', interval=0.2)
+ex.module_picker.value = '0'
+ex""",
+"""with torchEmber(model, run='tiny', db='store.db', resume=True) as te:
+    te.how_record_out(hist_stats(16))
+    for step in range(10):
+        x = torch.rand(32, 8)
+        (model(x) - x.sum(1, keepdim=True)).pow(2).mean().backward()
+        opt.step(); opt.zero_grad()""",
+]
+
+def free_port()->int:
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+def wait_http(url:str, timeout:float, proc):
+    "Wait until `url` answers; fail if the server died or the time ran out (the fixture prints its log)."
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None: pytest.fail(f"jupyter lab exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200: return
+        except OSError: pass
+        time.sleep(0.25)
+    pytest.fail(f"jupyter lab did not answer at {url} within {timeout:.0f} s")
+
+@pytest.fixture
+def lab(tmp_path):
+    "A JupyterLab server on a free port, rooted in `tmp_path`, with a notebook that opens the explorer; killed afterwards."
+    import nbformat
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in NOTEBOOK],
+                                  metadata={'kernelspec': {'name': 'python3', 'display_name': 'Python 3', 'language': 'python'}})
+    nbformat.write(nb, tmp_path/'explorer.ipynb')
+    port, home = free_port(), tmp_path/'home'
+    env = {**os.environ, 'JUPYTER_RUNTIME_DIR': str(home/'runtime'), 'PYTHONUNBUFFERED': '1'}
+    env.pop('TORCHEMBER_DB', None)
+    log = open(tmp_path/'jupyter.log', 'w')
+    proc = subprocess.Popen(
+        [sys.executable, '-m', 'jupyterlab', '--no-browser', f'--port={port}', '--ServerApp.port_retries=0',
+         "--ServerApp.token=", "--ServerApp.password=", '--ServerApp.ip=127.0.0.1', f'--ServerApp.root_dir={tmp_path}',
+         '--expose-app-in-browser', f'--LabApp.workspaces_dir={home/"workspaces"}', f'--LabApp.user_settings_dir={home/"settings"}',
+         '--LabApp.news_url=', '--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate', '--LabApp.extension_manager=readonly',
+         *(['--allow-root'] if hasattr(os, 'geteuid') and os.geteuid() == 0 else [])],
+        cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_http(f'http://127.0.0.1:{port}/api/status', 60, proc)
+        yield f'http://127.0.0.1:{port}'
+    finally:
+        try: os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError: pass
+        try: proc.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+        log.close()
+        print((tmp_path/'jupyter.log').read_text()[-3000:])
+
+def run_cells(page, upto:int=None, cell:int=None):
+    "Run the notebook's cells above `upto`, or its cell `cell`, through JupyterLab's own commands."
+    page.evaluate("""async ([upto, cell]) => {
+      const app = window.jupyterapp, w = app.shell.currentWidget;
+      await w.context.ready; await w.sessionContext.ready;
+      w.content.activeCellIndex = upto ?? cell;
+      await app.commands.execute(upto !== null ? 'notebook:run-all-above' : 'notebook:run-cell');
+    }""", [upto, cell])
+
+STATUS = "[...document.querySelectorAll('.widget-label')].map(l => l.textContent).join('|')"
+TITLES = "[...document.querySelectorAll('.js-plotly-plot .gtitle')].map(t => t.textContent)"
+
+def test_explorer_renders_in_jupyterlab(lab):
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        page, errors = browser.new_page(viewport={'width': 1500, 'height': 1700}), []
+        page.on('pageerror', lambda e: errors.append(str(e)))
+        try:
+            page.goto(f'{lab}/lab/tree/explorer.ipynb', timeout=WAIT_MS)
+            page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
+                                   " && window.jupyterapp.shell.currentWidget.sessionContext", timeout=WAIT_MS)
+            page.evaluate("() => window.jupyterapp.commands.execute('application:toggle-left-area')")
+            run_cells(page, upto=2)                                     # train, open the explorer
+
+            # three figures (history, heatmap, overview), each with drawn data
+            page.wait_for_function("() => document.querySelectorAll('.js-plotly-plot svg.main-svg').length >= 3", timeout=WAIT_MS)
+            page.wait_for_function("() => document.querySelectorAll('.js-plotly-plot .barlayer .point path').length > 0"
+                                   " && document.querySelectorAll('.js-plotly-plot .scatterlayer path.js-line').length > 0"
+                                   " && document.querySelectorAll('.js-plotly-plot .heatmaplayer image').length > 0", timeout=WAIT_MS)
+            lines = page.locator('.js-plotly-plot .scatterlayer path.js-line')
+            assert lines.count() >= 3                                   # the envelope's and band's edges, the mean
+            assert any(len(d or '') > 50 for d in lines.evaluate_all("ls => ls.map(l => l.getAttribute('d'))"))
+            assert page.locator('.js-plotly-plot .scatterlayer .trace').count() >= 5
+            bars = page.locator('.js-plotly-plot .barlayer .point path')
+            assert bars.count() == 2                                    # two Linear layers with weight grads
+            assert any('0 · output over steps' in t for t in page.evaluate(f"() => {TITLES}"))
+            assert '· 20 steps' in page.evaluate(f"() => {STATUS}")
+
+            # live mode: the thread's updates reach the page, and the page's stop button reaches the thread
+            page.get_by_role('button', name='live').click()
+            page.wait_for_function(f"() => {STATUS}.includes(' · live')", timeout=30_000)
+            run_cells(page, cell=2)                                     # ten more steps
+            page.wait_for_function(f"() => {STATUS}.includes('· 30 steps · live')", timeout=60_000)
+            page.get_by_role('button', name='stop').click()
+            page.wait_for_function(f"() => /last updated \\d\\d:\\d\\d:\\d\\d · 30 steps($|\\|)/.test({STATUS})", timeout=30_000)
+
+            # a click on the second bar (module 2) goes through Python and redraws the history
+            for attempt in range(3):
+                bars.nth(1).click(force=True)
+                try:
+                    page.wait_for_function(f"() => {TITLES}.some(t => t.includes('2 · output over steps'))", timeout=20_000)
+                    break
+                except Exception:
+                    if attempt == 2: raise
+            no_news = page.get_by_role('button', name='No', exact=True)   # JupyterLab's news toast, if it asks
+            if no_news.count(): no_news.first.click()
+            page.wait_for_timeout(500)
+            page.screenshot(path=str(ARTIFACTS/'explorer.png'))
+            assert not [e for e in errors if 'plotly' in e.lower() or 'widget' in e.lower()], errors
+        except Exception:
+            page.screenshot(path=str(ARTIFACTS/'explorer-failed.png'))
+            print('status:', page.evaluate(f"() => {STATUS}"), '\ntitles:', page.evaluate(f"() => {TITLES}"), '\npage errors:', errors)
+            raise
+        finally:
+            browser.close()
