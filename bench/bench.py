@@ -207,7 +207,7 @@ def store_bench(rows_per_step=258, small=100, large=10_000, reps=5):
     def rows_for(step):
         r = random.Random(step)
         return [(i % n_mod, 0, ('input', 'output', 'weight', 'weight_grad')[i % 4], 'output', '[32, 64]', 'float32',
-                 2048.0, r.random(), r.random(), -1.0, 1.0, 10.0, 0.0, 0.0, 0.0, None) for i in range(rows_per_step)]
+                 2048.0, r.random(), r.random(), -1.0, 1.0, 10.0, 0.0, 0.0, 0.0, None, 8192) for i in range(rows_per_step)]
     events = [('enter', i, 0) for i in range(n_mod)] + [('exit', i, 0) for i in reversed(range(n_mod))]
     print(f"store: SQLite (WAL), {rows_per_step} stat rows per step, events written once and shared by later steps\n")
     out = {}

@@ -308,20 +308,20 @@ def test_full_disk_with_strict_is_not_silent_at_disarm(db):
 
 DISK = textwrap.dedent('''
     set -e
-    mount -t tmpfs -o size=192k tmpfs "$MNT"
+    mount -t tmpfs -o size=512k tmpfs "$MNT"
     "$PY" "$SCRIPT" "$MNT/store.db" tiny 300 10 > "$OUT/stdout" 2> "$OUT/stderr" || echo "exit $?" >> "$OUT/stdout"
     cp "$MNT"/store.db* "$OUT/"
 ''')
 
 def test_really_full_filesystem(tmp_path):
-    "A store on a 192 KiB tmpfs, in a mount namespace of its own (needs root and CAP_SYS_ADMIN, or user namespaces)."
+    "A store on a 512 KiB tmpfs, in a mount namespace of its own (needs root and CAP_SYS_ADMIN, or user namespaces)."
     if not shutil.which('unshare'): pytest.skip("no `unshare` to make a private mount namespace for a tiny filesystem")
     mnt, out = tmp_path/'mnt', tmp_path/'out'
     mnt.mkdir(); out.mkdir()
     sh = tmp_path/'disk.sh'
     sh.write_text(DISK)
     cmd = ['unshare', '-m'] if os.geteuid() == 0 else ['unshare', '-r', '-m']
-    probe = subprocess.run(cmd + ['sh', '-c', f'mount -t tmpfs -o size=192k tmpfs {mnt}'], capture_output=True, text=True)
+    probe = subprocess.run(cmd + ['sh', '-c', f'mount -t tmpfs -o size=512k tmpfs {mnt}'], capture_output=True, text=True)
     if probe.returncode: pytest.skip(f"cannot mount a tiny tmpfs here ({probe.stderr.strip()}); "
                                      "test_full_disk_warns_once_and_training_goes_on covers this with a size-capped store")
     r = subprocess.run(cmd + ['sh', str(sh)], capture_output=True, text=True, timeout=300,

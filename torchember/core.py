@@ -6,13 +6,15 @@ Docs: https://torchember.github.io/torchember/core.html.md"""
 
 # %% ../nbs/00_core.ipynb #fc509c35
 from __future__ import annotations
-import dataclasses, inspect, sys
+import dataclasses, inspect, sys, time, weakref
+from fnmatch import fnmatchcase
 from functools import partial
 import torch
 from torch import nn
 
 # %% auto #0
-__all__ = ['ENTER', 'EXIT', 'module_tree', 'named_tensors', 'arg_names', 'named_inputs', 'Capture']
+__all__ = ['ENTER', 'EXIT', 'module_tree', 'module_info', 'named_tensors', 'arg_names', 'named_inputs', 'selector', 'Capture',
+           'elapsed_ms', 'sample_norms', 'attach']
 
 # %% ../nbs/00_core.ipynb #4a1aa61e
 def module_tree(model:nn.Module)->dict:
@@ -23,6 +25,13 @@ def module_tree(model:nn.Module)->dict:
         if name: nodes[name.rpartition('.')[0]]['children'].append(node)
         nodes[name] = node
     return nodes['']
+
+# %% ../nbs/00_core.ipynb #76d528bd
+def module_info(m:nn.Module)->tuple:
+    "`(n_params, n_learnable, param_bytes)` of module `m`, its submodules included."
+    ps = list(m.parameters())
+    return (sum(p.numel() for p in ps), sum(p.numel() for p in ps if p.requires_grad),
+            sum(p.numel() * p.element_size() for p in ps))
 
 # %% ../nbs/00_core.ipynb #afde3362
 def named_tensors(obj, prefix:str='output', _depth:int=0, _inside:frozenset=frozenset())->list:
@@ -73,6 +82,17 @@ class _Hook(partial):
     def __reduce__(self): return (_Inert, ())
     def __deepcopy__(self, memo): return _Inert()
 
+# %% ../nbs/00_core.ipynb #62845d51
+def selector(modules=None)->callable:
+    "A predicate `(name, module) -> bool` from globs on names, module classes, a list of those, or a predicate; None: all."
+    if modules is None: return lambda name, m: True
+    if callable(modules) and not isinstance(modules, type): return modules
+    items = list(modules) if isinstance(modules, (list, tuple, set)) else [modules]
+    bad = [i for i in items if not isinstance(i, (str, type))]
+    if bad: raise TypeError(f"modules= takes glob strings, module classes or a predicate, not {bad[0]!r}")
+    globs, types = [i for i in items if isinstance(i, str)], tuple(i for i in items if isinstance(i, type))
+    return lambda name, m: isinstance(m, types) or any(fnmatchcase(name, g) for g in globs)
+
 # %% ../nbs/00_core.ipynb #60f3af40
 class Capture:
     "Arms every module of `model` with hooks that report its steps to `recorder`."
@@ -80,26 +100,36 @@ class Capture:
                  model:nn.Module,  # the model to arm; its root call defines a step
                  recorder,         # gets `open`, `tensor`, `params` and `close` calls
                  every:int=1,      # record one step in `every`
+                 modules=None,     # which modules to record: globs, classes or a predicate (see `selector`)
+                 record_eval:bool=True, # record calls made in eval mode (False: they are not steps)
+                 timing:bool=False,     # time each call's forward and backward
+                 io_grad:bool=False,    # record the grads w.r.t. each module's inputs and outputs
                 ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"torchember arms an nn.Module, not {type(model).__name__}")
         if not (isinstance(every, int) and every >= 1): raise ValueError(f"every must be a positive int, got {every!r}")
         self.model, self.recorder, self.every = model, recorder, every
+        self.record_eval, self.timing, self.io_grad = record_eval, timing, io_grad
         named = list(model.named_modules())
+        pick = selector(modules)
+        self.selected = [bool(pick(n, m)) for n, m in named]
         self.names = [n for n, _ in named]
         self.mtypes = [type(m).__name__ for _, m in named]
         self.mods = [m for _, m in named]
         self.sigs = [arg_names(m.forward) for m in self.mods]
+        self.index = {id(m): i for i, m in enumerate(self.mods)}
         self.params = self.current_params()
         self.step, self.enabled, self.armed = -1, True, False
-        self.recording, self._depth, self._open = False, 0, False
+        self.recording, self._depth, self._open, self._skip = False, 0, False, False
         self._root, self._sub = [], []
-        self._grads = None
+        self._grads, self._times = None, {}
+        self.clock = _host_clock
 
     def current_params(self)->list:
         "`(mi, name, parameter)` for every parameter, each under the first module that owns it."
         seen, out = set(), []
         for mi, m in enumerate(self.mods):
+            if not self.selected[mi]: continue
             for pn, p in m._parameters.items():
                 if p is not None and id(p) not in seen: seen.add(id(p)); out.append((mi, pn, p))
         return out
@@ -111,6 +141,8 @@ class Capture:
 # %% ../nbs/00_core.ipynb #a259bdd5
 from fastcore.basics import patch
 
+_owners = weakref.WeakKeyDictionary()   # module -> the Capture that armed it (for `attach`)
+
 @patch
 def arm(self:Capture):
     "Put the root hooks on the model (idempotent)."
@@ -118,6 +150,9 @@ def arm(self:Capture):
     root = self.mods[0]
     self._root = [root.register_forward_pre_hook(_Hook(self._root_pre), with_kwargs=True, prepend=True),
                   root.register_forward_hook(_Hook(self._root_post), always_call=True)]
+    for m in self.mods: _owners[m] = self
+    p = next(iter(self.model.parameters()), None)
+    self.clock = _CudaClock() if self.timing and p is not None and p.is_cuda else _host_clock
     self.armed = True
     return self
 
@@ -125,6 +160,7 @@ def arm(self:Capture):
 def _install(self:Capture):
     "Put the per-module and per-parameter hooks in place for a recorded step."
     for mi, m in enumerate(self.mods[1:], 1):
+        if not self.selected[mi]: continue
         self._sub.append(m.register_forward_pre_hook(_Hook(self._pre, mi), with_kwargs=True))
         self._sub.append(m.register_forward_hook(_Hook(self._post, mi), always_call=True))
     for pi, (_, _, p) in enumerate(self.params):
@@ -146,6 +182,8 @@ def disarm(self:Capture):
     for h in self._root: h.remove()
     self._root = []
     self._uninstall()
+    for m in self.mods:
+        if _owners.get(m) is self: del _owners[m]
     self.armed = self.recording = False
     self._depth = 0
     return self
@@ -155,6 +193,10 @@ def disarm(self:Capture):
 def _root_pre(self:Capture, mod, args, kwargs):
     if self._depth and not self._nested(): self._depth = 0   # the last root call was interrupted (Ctrl-C)
     if self._depth == 0:
+        self._skip = not self.record_eval and not mod.training
+        if self._skip:                 # an eval-mode call, and eval calls are not recorded: not a step at all
+            self._depth += 1
+            return
         self.close()
         self.step += 1
         rec = self.enabled and self.step % self.every == 0
@@ -169,10 +211,10 @@ def _root_pre(self:Capture, mod, args, kwargs):
         self.recording = rec
         if rec:
             self._open, self._events, self._calls, self._stack = True, [], [0]*len(self.mods), []
-            self.recorder.open(self.step)
+            self.recorder.open(self.step, training=mod.training)
             self.recorder.params(self.step, 'weight', [(mi, pn, p) for mi, pn, p in self.params])
     self._depth += 1
-    if self.recording: self._pre(0, mod, args, kwargs)
+    if self.recording and self.selected[0]: self._pre(0, mod, args, kwargs)
 
 @patch
 def _nested(self:Capture)->bool:
@@ -185,34 +227,87 @@ def _nested(self:Capture)->bool:
 
 @patch
 def _root_post(self:Capture, mod, args, out):
-    if self.recording: self._post(0, mod, args, out)
+    if self.recording and self.selected[0]: self._post(0, mod, args, out)
     self._depth -= 1
-    if self._depth == 0 and sys.exc_info()[1] is not None: self.close()
+    if self._depth == 0:
+        if self._skip: self._skip = False
+        elif sys.exc_info()[1] is not None: self.close()
 
 # %% ../nbs/00_core.ipynb #4fa25472
 @patch
 def _pre(self:Capture, mi, mod, args, kwargs):
-    if not self._open: return
+    if not self._open or self._skip: return
     c = self._calls[mi]
     self._calls[mi] = c + 1
     self._stack.append(c)
     self._events.append((ENTER, mi, c))
     rec = self.recorder.tensor
-    for name, t in named_inputs(args, kwargs, self.sigs[mi]): rec(mi, c, 'input', name, t)
+    ins = named_inputs(args, kwargs, self.sigs[mi])
+    for name, t in ins: rec(mi, c, 'input', name, t)
+    if self.timing or self.io_grad: self._watch_grads(mi, c, 'input_grad', ins)
+    if self.timing: self._times[mi, c] = [mod.training, self.clock(), None, None, None]
 
 @patch
 def _post(self:Capture, mi, mod, args, out):
-    if not self._open or not self._stack: return
+    if not self._open or self._skip or not self._stack: return
     c = self._stack.pop()
+    if self.timing and (mi, c) in self._times: self._times[mi, c][2] = self.clock()
     rec = self.recorder.tensor
-    if isinstance(out, torch.Tensor): rec(mi, c, 'output', 'output', out)
-    else:
-        for name, t in named_tensors(out, 'output'): rec(mi, c, 'output', name, t)
+    outs = [('output', out)] if isinstance(out, torch.Tensor) else named_tensors(out, 'output')
+    for name, t in outs: rec(mi, c, 'output', name, t)
+    if self.timing or self.io_grad: self._watch_grads(mi, c, 'output_grad', outs)
     self._events.append((EXIT, mi, c))
+
+# %% ../nbs/00_core.ipynb #3c9c9b06
+def _host_clock(): return time.perf_counter()
+
+class _CudaClock:
+    "A clock of CUDA events: `()` records one on the current stream."
+    def __call__(self):
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+def elapsed_ms(a, b)->float|None:
+    "Milliseconds from stamp `a` to stamp `b` (host seconds or CUDA events); None if either is missing."
+    if a is None or b is None: return None
+    if isinstance(a, float): return (b - a) * 1e3
+    b.synchronize()
+    return a.elapsed_time(b)
+
+@patch
+def _watch_grads(self:Capture, mi, c, ttype, tensors):
+    "Hook the grads of `tensors` (named) of call `c` of module `mi`."
+    for name, t in tensors:
+        if t.requires_grad and t.grad_fn is not None or t.is_leaf and t.requires_grad:
+            try: t.register_hook(_Hook(self._on_grad, mi, c, ttype, name))
+            except RuntimeError: pass          # e.g. a tensor that autograd won't hook; its grads go unseen
+
+@patch
+def _on_grad(self:Capture, mi, c, ttype, name, g):
+    if not self._open or not self.armed: return
+    if self.timing and (mi, c) in self._times:
+        t = self._times[mi, c]
+        now = self.clock()
+        if ttype == 'output_grad':
+            if t[3] is None: t[3] = now
+        else: t[4] = now
+    if self.io_grad and g is not None: self.recorder.tensor(mi, c, ttype, name, sample_norms(g))
+
+def sample_norms(g:torch.Tensor)->torch.Tensor:
+    "The L2 norm of each sample (first dimension) of grad `g`, on its device; a 0-d grad is one sample."
+    g = g.detach()
+    if g.layout != torch.strided: g = g.to_dense()
+    if g.dim() == 0 or g.shape[0] == 0: return torch.linalg.vector_norm(g.reshape(1, -1), dim=1)
+    return torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1)
 
 # %% ../nbs/00_core.ipynb #bba5f788
 @patch
 def _grad_hook(self:Capture, pi, p):
+    if self.timing and self._open:
+        now, mi = self.clock(), self.params[pi][0]
+        for (m, c), t in self._times.items():
+            if m == mi: t[4] = now
     if self._grads is None:
         self._grads = {}
         torch.autograd.Variable._execution_engine.queue_callback(_Hook(self._grads_done))
@@ -229,4 +324,22 @@ def close(self:Capture):
     "Close the open step, if any, handing its events to the recorder."
     if not self._open: return
     self._open = False
-    self.recorder.close(self.step, self._events)
+    calls = [(mi, c, *t) for (mi, c), t in self._times.items()]
+    self._times = {}
+    self.recorder.close(self.step, self._events, calls=calls)
+
+# %% ../nbs/00_core.ipynb #39f3d636
+def attach(t:torch.Tensor,     # the tensor to record; returned unchanged
+           module:nn.Module,   # the module whose call it belongs to (usually `self`)
+           name:str,           # its tname
+          )->torch.Tensor:
+    "Record `t` as ttype `attached` of `module`'s current call when `module` is armed and its step recorded."
+    cap = _owners.get(module)
+    if cap is not None and isinstance(t, torch.Tensor): cap._attach(module, name, t)
+    return t
+
+@patch
+def _attach(self:Capture, module, name, t):
+    if not (self._open and self.recording) or self._skip: return
+    mi = self.index[id(module)]
+    self.recorder.tensor(mi, max(self._calls[mi] - 1, 0), 'attached', name, t)

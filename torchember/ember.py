@@ -11,8 +11,9 @@ from functools import partial
 import torch
 from torch import nn
 from fastcore.basics import patch
-from .core import Capture, module_tree, _Inert, _Hook
+from .core import Capture, module_tree, module_info, _Inert, _Hook
 from .stats import Recorder, TTYPES, default_stats
+from .instruments import hist_stats, Snapshots, Changes, UpdateTracker
 from .store import engine, create_run, write_step, Writer, db_url
 from .query import Run
 
@@ -29,6 +30,16 @@ class torchEmber:
                  every:int=1,           # record one step in `every`
                  resume:bool=False,     # continue the run of this name instead of refusing it
                  strict:bool=False,     # raise on failing stat functions and writes instead of warning
+                 modules=None,          # which modules to record: globs on names, classes, or a predicate; default all
+                 record_eval:bool=True, # record calls made in eval mode (the mode is stored either way)
+                 timing:bool=False,     # forward and backward time of every call (CUDA events on a GPU)
+                 io_grad:bool=False,    # per-sample L2 norms of the grads w.r.t. every module's inputs and outputs
+                 hist:int=0,            # add a histogram of this many bins to every tensor's stats (0: none)
+                 sample_n:int=None,     # histograms from a random sample of this many elements of larger tensors
+                 outliers:float=None,   # histogram range mean ± outliers·std instead of min..max
+                 snapshot=None,         # glob(s) of tensor keys to save raw, e.g. 'layers.3.output' or '*.weight.grad'
+                 snapshot_fn=None,      # applied to a tensor before it is saved
+                 track_updates:bool=False, # update_norm and init_dist of every weight (keeps two copies of the weights)
                 ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"torchEmber arms an nn.Module, not {type(model).__name__}")
@@ -41,13 +52,22 @@ class torchEmber:
         self.run_name = run if run is not None else f"{type(model).__name__.lower()}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
         self.recorder = Recorder(self._emit, strict=strict)
         self.stat_fns = self.recorder.stat_fns
-        self.capture = Capture(model, self.recorder, every=every)
+        self.capture = Capture(model, self.recorder, every=every, modules=modules, record_eval=record_eval,
+                               timing=timing, io_grad=io_grad)
         self.recorder.names = self.capture.names
+        if hist: self.stat_fns.update({tt: hist_stats(hist, sample_n, outliers) for tt in TTYPES})
+        if snapshot is not None: self.recorder.on_tensor = Snapshots(snapshot, self.capture.names, snapshot_fn)
+        if track_updates: self.recorder.param_extras = UpdateTracker()
+        self._changes = Changes()
+        config = dict(every=every, modules=None if modules is None else repr(modules), record_eval=record_eval,
+                      timing=timing, io_grad=io_grad, hist=hist, sample_n=sample_n, outliers=outliers,
+                      snapshot=snapshot, track_updates=track_updates)
         idx = {n: i for i, n in enumerate(self.capture.names)}
-        mods = [(n, t, idx.get(n.rpartition('.')[0]) if n else None) for n, t in zip(self.capture.names, self.capture.mtypes)]
+        mods = [(n, t, idx.get(n.rpartition('.')[0]) if n else None, *module_info(m))
+                for n, t, m in zip(self.capture.names, self.capture.mtypes, self.capture.mods)]
         self.engine = engine(db)
         self.run_id, last = create_run(self.engine, self.run_name, type(model).__name__, mods, module_tree(model),
-                                       config=dict(every=every), resume=resume)
+                                       config=config, resume=resume)
         if last is not None: self.capture.step = last
         self.writer, self._disarm_hook, self._last_events = None, _Hook(self.disarm), (None, None)
         self.arm()
@@ -73,7 +93,8 @@ def _emit(self:torchEmber, rec):
 def _write(self:torchEmber, rec):
     same = rec.events and rec.events == self._last_events[1]
     write_step(self.engine, self.run_id, rec.step, rec.rows(), rec.events, closed=rec.closed,
-               events_step=self._last_events[0] if same else None)
+               events_step=self._last_events[0] if same else None, training=rec.training, calls=rec.call_rows(),
+               scalars=rec.scalar_values(), snapshots=self._changes.rows(rec.snapshots))
     if rec.events and not same: self._last_events = (rec.step, rec.events)
 
 # %% ../nbs/04_ember.ipynb #e2c7a131
@@ -188,3 +209,24 @@ def mod_tree(self:torchEmber)->dict:
 def mt_log(self:torchEmber)->list:
     "The enter/exit log of the latest step (the original name of `sequence()`)."
     return self.sequence()
+
+# %% ../nbs/04_ember.ipynb #285b1d8a
+@patch
+def log(self:torchEmber, **scalars):
+    "Store `scalars` (numbers or 0-d tensors) with the current step."
+    for k, v in scalars.items():
+        if isinstance(v, torch.Tensor) and v.numel() != 1 or not isinstance(v, (int, float, torch.Tensor)) or isinstance(v, bool):
+            raise TypeError(f"te.log takes numbers or one-element tensors, got {k}={type(v).__name__}")
+    step = max(self.capture.step, 0)
+    for k, v in scalars.items(): self.recorder.scalar(step, k, v)
+    return self
+
+def _set_enabled(self:torchEmber, on:bool): self.capture.enabled = bool(on)
+torchEmber.enabled = property(lambda self: self.capture.enabled, _set_enabled,
+                              doc="Whether steps are recorded (the model stays armed either way).")
+
+@patch
+def enable(self:torchEmber): self.enabled = True; return self
+
+@patch
+def disable(self:torchEmber): self.enabled = False; return self

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from fastcore.basics import patch_to
+from .core import elapsed_ms
 
 # %% auto #0
 __all__ = ['MOMENTS', 'STATS', 'FLOATS', 'SMALL', 'ROW_FIELDS', 'TTYPES', 'as_real', 'moments', 'stats_of_moments',
@@ -61,11 +62,11 @@ def stats_of_moments(m:torch.Tensor)->torch.Tensor:
 
 # %% ../nbs/01_stats.ipynb #1fbe18f7
 def _moments5(x):
-    x = x.reshape(-1).to(torch.float64)
-    return torch.stack([x.sum(), (x*x).sum(), x.amin(), x.amax(), (x != 0).sum().to(torch.float64)])
+    d = x.to(torch.float64)    # sums in float64; min and max in x's own dtype (exact, and 2-3x faster)
+    return torch.stack([d.sum(), (d*d).sum(), x.amin().to(torch.float64), x.amax().to(torch.float64),
+                        (x != 0).sum().to(torch.float64)])
 
 def _moments7(x):
-    x = x.reshape(-1)
     return torch.cat([_moments5(x), torch.stack([x.isnan().sum(), x.isinf().sum()]).to(torch.float64)])
 
 def _eager5(x):
@@ -74,8 +75,9 @@ def _eager5(x):
                         mn.double(), mx.double(), torch.count_nonzero(x).double()])
 
 def _rows5(x):
-    x = x.to(torch.float64)
-    return torch.stack([x.sum(1), (x*x).sum(1), x.amin(1), x.amax(1), (x != 0).sum(1).to(torch.float64)], 1)
+    d = x.to(torch.float64)
+    return torch.stack([d.sum(1), (d*d).sum(1), x.amin(1).to(torch.float64), x.amax(1).to(torch.float64),
+                        (x != 0).sum(1).to(torch.float64)], 1)
 
 def _rows7(x):
     return torch.cat([_rows5(x), torch.stack([x.isnan().sum(1), x.isinf().sum(1)], 1).to(torch.float64)], 1)
@@ -103,12 +105,17 @@ def _guarded(compiled, eager):
             return eager(x)
     return f
 
+def _flat(t:torch.Tensor)->torch.Tensor:
+    "`t` as a 1-d tensor that is not a view: the compiled kernel then guards on its length alone, one graph for every shape."
+    if not t.is_contiguous(): return t.reshape(-1)   # a copy, with no base
+    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), (t.numel(),), (1,))
+
 def fused_moments(t:torch.Tensor)->torch.Tensor:
     "The 8 `MOMENTS` of `t` as a float64 tensor on its device, reading a large float tensor once."
     t = t.detach()
     if t.dtype not in FLOATS or t.is_sparse: return moments(as_real(t)[None])[0]
     cpu, n = t.device.type == 'cpu', t.numel()
-    m = _kernel('flat', cpu)(t.reshape(-1))
+    m = _kernel('flat', cpu)(_flat(t))
     if cpu:
         counts = [0., 0.] if math.isfinite(m[:4].sum()) else [t.isnan().sum().item(), t.isinf().sum().item()]
         return torch.cat([m.new_tensor([n]), m, m.new_tensor(counts)])
@@ -157,11 +164,23 @@ class StepRecord:
     values: torch.Tensor|None = None                 # custom stats' tensor values, flat, float64, on the host once `ready()`
     done: object = None                              # an accelerator event that marks the transfer complete
     closed: bool = True                              # False for grads that arrive after their step was written
+    training: bool|None = None                       # the root module's mode in this step
+    calls: list = field(default_factory=list)       # (mi, call, training, fwd start, fwd end, bwd start, bwd end) when timed
+    scalars: dict = field(default_factory=dict)     # name -> number or 0-d tensor, from `te.log`
+    snapshots: list = field(default_factory=list)   # (mi, call, ttype, tname, tensor on the host)
 
     def ready(self):
         "Wait for the host copies to be complete."
         if self.done is not None: self.done.synchronize()
         return self
+
+    def call_rows(self)->list:
+        "`(module_id, call, training, fwd_ms, bwd_ms)` of each timed call."
+        return [(mi, c, int(tr), elapsed_ms(f0, f1), elapsed_ms(b0, b1)) for mi, c, tr, f0, f1, b0, b1 in self.calls]
+
+    def scalar_values(self)->dict:
+        "The logged scalars as floats (a tensor's value is read here, on the writer thread)."
+        return {k: float(v) for k, v in self.scalars.items()}
 
 # %% ../nbs/01_stats.ipynb #09ffcb84
 def _val(v, values):
@@ -179,11 +198,21 @@ def _stats_np(m:np.ndarray)->np.ndarray:
         var = np.maximum((ss - s*mean) / (n - 1), 0)
         return np.stack([n, mean, np.sqrt(var), mn, mx, np.sqrt(ss), 1 - nz/n, nan, inf], 1)
 
-ROW_FIELDS = ('module_id', 'call', 'ttype', 'tname', 'shape', 'dtype', *STATS, 'extra')
+ROW_FIELDS = ('module_id', 'call', 'ttype', 'tname', 'shape', 'dtype', *STATS, 'extra', 'nbytes')
+
+_ITEMSIZE = {}
+def _nbytes(shape, dtype:str):
+    "Bytes of a dense tensor of `shape` and `dtype` (its name), or None where unknown."
+    if shape is None: return None
+    if dtype not in _ITEMSIZE:
+        try: _ITEMSIZE[dtype] = getattr(torch, dtype).itemsize
+        except (AttributeError, TypeError): _ITEMSIZE[dtype] = None
+    size = _ITEMSIZE[dtype]
+    return None if size is None else math.prod(shape) * size
 
 @patch_to(StepRecord)
 def rows(self:StepRecord)->list:
-    "One tuple per recorded tensor, fields as `ROW_FIELDS`: its key, the default `STATS` (None where a custom function left them out) and `extra` (JSON of other stats)."
+    "One tuple per recorded tensor, fields as `ROW_FIELDS`: its key, the default `STATS` (None where a custom function left them out), `extra` (JSON of other stats) and `nbytes`."
     self.ready()
     S = _stats_np(self.moments.numpy()).tolist() if self.moments is not None and len(self.moments) else []
     vals = self.values.tolist() if self.values is not None else []
@@ -195,11 +224,11 @@ def rows(self:StepRecord)->list:
             for i, k in enumerate(STATS):
                 if k in x and not isinstance(x[k], list): st[i] = x.pop(k)
             if x: extra = json.dumps(x, allow_nan=True)
-        out.append((mi, call, ttype, tname, 'null' if shape is None else str(shape), dtype, *st, extra))
+        out.append((mi, call, ttype, tname, 'null' if shape is None else str(shape), dtype, *st, extra, _nbytes(shape, dtype)))
     return out
 
 # %% ../nbs/01_stats.ipynb #2fad112f
-TTYPES = ('input', 'output', 'weight', 'weight_grad')
+TTYPES = ('input', 'output', 'weight', 'weight_grad', 'input_grad', 'output_grad', 'attached')
 
 class Recorder:
     "Collects a step's tensors into a `StepRecord`, computing stats on their devices, and hands it to `emit`."
@@ -213,9 +242,11 @@ class Recorder:
         self.stat_fns = {tt: default_stats for tt in TTYPES}
         self.stat_fns.update(stat_fns or {})
         self._warned, self.rec, self.last = set(), None, None
+        self.on_tensor = None      # called as `(rec, mi, call, ttype, tname, t)` for every recorded tensor (snapshots)
+        self.param_extras = None   # called as `(ttype, items)`: per item a dict of more stats of weights, or None
 
-    def open(self, step:int):
-        self.rec = StepRecord(step)
+    def open(self, step:int, training:bool=None):
+        self.rec = StepRecord(step, training=training)
         self._groups, self._pieces, self._nm, self._seen, self._xvals = {}, [], 0, {}, []
 
 # %% ../nbs/01_stats.ipynb #a3561aa6
@@ -234,6 +265,7 @@ def shape_of(t:torch.Tensor)->list|None:
 @patch_to(Recorder)
 def tensor(self, mi, call, ttype, tname, t):
     "Record tensor `t` of module `mi`'s `call`."
+    if self.on_tensor is not None: self.on_tensor(self.rec, mi, call, ttype, tname, t)
     fn = self.stat_fns[ttype]
     keys, key = self.rec.keys, id(t)
     seen = self._seen.get(key)
@@ -315,14 +347,49 @@ def params(self, step, ttype, items):
     fn = self.stat_fns[ttype]
     if fn is default_stats:
         keys = self.rec.keys
-        for mi, tname, t in items:
-            keys.append((mi, 0, ttype, tname, shape_of(t), dtype_name(t), self._default(t, copy=False, where=(mi, ttype, tname)), -1))
+        more = self.param_extras(ttype, items) if self.param_extras is not None else None
+        for i, (mi, tname, t) in enumerate(items):
+            if self.on_tensor is not None: self.on_tensor(self.rec, mi, 0, ttype, tname, t)
+            xi = self._extras(more[i]) if more and more[i] else -1
+            keys.append((mi, 0, ttype, tname, shape_of(t), dtype_name(t), self._default(t, copy=False, where=(mi, ttype, tname)), xi))
         self._reduce_groups()
     else:
-        for mi, tname, t in items: self.tensor(mi, 0, ttype, tname, t)
+        more = self.param_extras(ttype, items) if self.param_extras is not None else None
+        for i, (mi, tname, t) in enumerate(items):
+            self.tensor(mi, 0, ttype, tname, t)
+            if more and more[i]: self._merge_extras(more[i])
     if late:
         self.close(step, [], closed=False)
         if keep: self.rec, self._groups, self._pieces, self._nm, self._seen, self._xvals = keep
+
+@patch_to(Recorder)
+def _extras(self, d:dict)->int:
+    "Add a dict of 0-d tensors as the extra stats of a row; its index."
+    d = {k: (True, v.detach().reshape(1).to(torch.float64)) for k, v in d.items()}
+    self._xvals += [x for _, x in d.values()]
+    self.rec.extras.append(d)
+    return len(self.rec.extras) - 1
+
+@patch_to(Recorder)
+def _merge_extras(self, d:dict):
+    "Add a dict of 0-d tensors to the extra stats of the last row."
+    keys = self.rec.keys
+    *head, xi = keys[-1]
+    if xi < 0: keys[-1] = (*head, self._extras(d)); return
+    more = {k: (True, v.detach().reshape(1).to(torch.float64)) for k, v in d.items()}
+    self._xvals += [x for _, x in more.values()]
+    self.rec.extras[xi].update(more)
+
+@patch_to(Recorder)
+def scalar(self, step:int, name:str, value):
+    "Record a scalar of `step` (a number or a 0-d tensor, read on the writer thread)."
+    if isinstance(value, torch.Tensor): value = value.detach()
+    if self.rec is not None and self.rec.step == step: self.rec.scalars[name] = value; return
+    keep = (self.rec, self._groups, self._pieces, self._nm, self._seen, self._xvals) if self.rec else None
+    self.open(step)
+    self.rec.scalars[name] = value
+    self.close(step, [], closed=False)
+    if keep: self.rec, self._groups, self._pieces, self._nm, self._seen, self._xvals = keep
 
 @patch_to(Recorder)
 def _reduce_groups(self):
@@ -345,7 +412,7 @@ def _to_host(ts:list):
     return out, ev
 
 @patch_to(Recorder)
-def close(self, step, events, closed:bool=True):
+def close(self, step, events, closed:bool=True, calls=()):
     "Finish the open step and `emit` its `StepRecord` (`closed=False`: late rows of a step already written)."
     rec = self.rec
     if rec is None: return
@@ -367,6 +434,6 @@ def close(self, step, events, closed:bool=True):
                 off += x.numel()
     rec.values, ev2 = _to_host(self._xvals)
     rec.done = ev2 if ev2 is not None else ev1
-    rec.events, rec.closed = events, closed
+    rec.events, rec.closed, rec.calls = events, closed, list(calls)
     self.rec, self.last, self._seen, self._xvals, self._pieces = None, rec, {}, [], []
     self.emit(rec)

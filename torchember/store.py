@@ -9,15 +9,16 @@ from __future__ import annotations
 import getpass, json, os, platform, queue, socket, stat, threading, time, warnings, atexit, weakref
 from pathlib import Path
 import sqlalchemy as sa
-from sqlalchemy import (Column, Float, ForeignKey, Index, Integer, MetaData, PrimaryKeyConstraint, String, Table, Text,
-                        event, insert, select, update, func)
+from sqlalchemy import (Column, Float, ForeignKey, Integer, LargeBinary, MetaData, PrimaryKeyConstraint, String, Table,
+                        Text, event, insert, select, update, func)
 
 # %% auto #0
-__all__ = ['SCHEMA_VERSION', 'metadata', 'STAT_COLS', 'meta_t', 'runs_t', 'modules_t', 'steps_t', 'events_t', 'stats_t', 'VIEWS',
-           'default_db', 'db_url', 'StoreError', 'engine', 'create_run', 'write_step', 'Writer']
+__all__ = ['SCHEMA_VERSION', 'metadata', 'STAT_COLS', 'meta_t', 'runs_t', 'modules_t', 'steps_t', 'events_t', 'stats_t',
+           'calls_t', 'scalars_t', 'snapshots_t', 'VIEWS', 'default_db', 'db_url', 'StoreError', 'engine', 'create_run',
+           'write_step', 'Writer']
 
 # %% ../nbs/02_store.ipynb #2b4773a6
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 def default_db()->str:
     "The store used when none is given: `$TORCHEMBER_DB`, else `~/.torchember/torchember.db`."
@@ -43,10 +44,11 @@ runs_t = Table('runs', metadata,
 modules_t = Table('modules', metadata,
     Column('run_id', Integer, ForeignKey('runs.id'), nullable=False), Column('id', Integer, nullable=False),
     Column('name', String, nullable=False), Column('mtype', String), Column('parent', Integer),
+    Column('n_params', Integer), Column('n_learnable', Integer), Column('param_bytes', Integer),
     PrimaryKeyConstraint('run_id', 'id'))
 steps_t = Table('steps', metadata,
     Column('run_id', Integer, nullable=False), Column('step', Integer, nullable=False),
-    Column('closed', Float), Column('n_records', Integer), Column('events_step', Integer),
+    Column('closed', Float), Column('n_records', Integer), Column('events_step', Integer), Column('training', Integer),
     PrimaryKeyConstraint('run_id', 'step'))
 events_t = Table('events', metadata,
     Column('run_id', Integer, nullable=False), Column('step', Integer, nullable=False), Column('seq', Integer, nullable=False),
@@ -57,13 +59,28 @@ stats_t = Table('stats', metadata,
     Column('module_id', Integer, nullable=False), Column('call', Integer, nullable=False),
     Column('ttype', String, nullable=False), Column('tname', String, nullable=False),
     Column('shape', String), Column('dtype', String),
-    *[Column(c, Float) for c in STAT_COLS], Column('extra', Text),
-    Index('stats_step', 'run_id', 'step', 'module_id'), Index('stats_module', 'run_id', 'module_id', 'step'))
+    *[Column(c, Float) for c in STAT_COLS], Column('extra', Text), Column('nbytes', Integer),
+    PrimaryKeyConstraint('run_id', 'step', 'module_id', 'call', 'ttype', 'tname'), sqlite_with_rowid=False)
+calls_t = Table('calls', metadata,
+    Column('run_id', Integer, nullable=False), Column('step', Integer, nullable=False),
+    Column('module_id', Integer, nullable=False), Column('call', Integer, nullable=False),
+    Column('training', Integer), Column('fwd_ms', Float), Column('bwd_ms', Float),
+    PrimaryKeyConstraint('run_id', 'step', 'module_id', 'call'), sqlite_with_rowid=False)
+scalars_t = Table('scalars', metadata,
+    Column('run_id', Integer, nullable=False), Column('step', Integer, nullable=False),
+    Column('name', String, nullable=False), Column('value', Float),
+    PrimaryKeyConstraint('run_id', 'step', 'name'), sqlite_with_rowid=False)
+snapshots_t = Table('snapshots', metadata,
+    Column('run_id', Integer, nullable=False), Column('module_id', Integer, nullable=False),
+    Column('ttype', String, nullable=False), Column('tname', String, nullable=False), Column('call', Integer, nullable=False),
+    Column('step', Integer, nullable=False), Column('dtype', String), Column('shape', String), Column('data', LargeBinary),
+    PrimaryKeyConstraint('run_id', 'module_id', 'ttype', 'tname', 'call', 'step'))
 
 VIEWS = {
  'records': """CREATE VIEW IF NOT EXISTS records AS
    SELECT r.name AS run, s.step, s.call, m.name AS module, m.mtype, s.ttype, s.tname, s.shape, s.dtype,
-          s.numel, s.mean, s.std, s.min, s.max, s.norm, s.zero_frac, s.nan_count, s.inf_count, s.extra, s.run_id, s.module_id
+          s.numel, s.mean, s.std, s.min, s.max, s.norm, s.zero_frac, s.nan_count, s.inf_count, s.nbytes, s.extra,
+          s.run_id, s.module_id
    FROM stats s JOIN runs r ON r.id = s.run_id JOIN modules m ON m.run_id = s.run_id AND m.id = s.module_id""",
  'latest': """CREATE VIEW IF NOT EXISTS latest AS
    SELECT rec.* FROM records rec
@@ -119,36 +136,48 @@ def _init_schema(eng, tries:int=3):
             if tables and 'meta' not in tables:
                 raise StoreError(f"{eng.url.render_as_string(hide_password=True)} is a database but not a torchember store "
                                  f"(it has tables {', '.join(sorted(tables)[:5])}); choose another file")
+            ver = _stored_version(c, eng) if tables else None    # refuses a newer or garbled store before touching it
             metadata.create_all(c)
-            _check_layout(c, eng)
-            _views_and_version(c, eng)
+            if ver is not None and (_upgrade(c, eng) or ver < SCHEMA_VERSION):
+                for v in VIEWS: c.exec_driver_sql(f'DROP VIEW IF EXISTS {v}')
+            for v in VIEWS.values(): c.exec_driver_sql(v)
+            if ver is None: c.execute(insert(meta_t).values(key='schema_version', value=str(SCHEMA_VERSION)))
+            elif ver < SCHEMA_VERSION:
+                c.execute(update(meta_t).where(meta_t.c.key == 'schema_version').values(value=str(SCHEMA_VERSION)))
     except (sa.exc.OperationalError, sa.exc.IntegrityError) as e:   # another process created the schema at the same moment
-        if tries <= 1 or not any(m in str(e.orig) for m in ('already exists', 'UNIQUE constraint')): raise
+        if tries <= 1 or not any(m in str(e.orig) for m in ('already exists', 'UNIQUE constraint', 'duplicate column')): raise
         time.sleep(0.05)
         _init_schema(eng, tries - 1)
 
-def _check_layout(c, eng):
-    "Refuse a store whose tables lack columns this version writes."
-    insp = sa.inspect(c)
+def _upgrade(c, eng)->bool:
+    "Bring an older store up to date: add the columns it lacks (new tables `create_all` has made already); whether it did."
+    insp, added = sa.inspect(c), False
     for t in metadata.sorted_tables:
         have = {col['name'] for col in insp.get_columns(t.name)}
-        missing = [col.name for col in t.columns if col.name not in have]
-        if missing: raise StoreError(f"store {eng.url.render_as_string(hide_password=True)} has an older layout (table {t.name!r} "
-                                     f"lacks {', '.join(missing)}); record into a new store file")
+        for col in t.columns:
+            if col.name in have: continue
+            if col.primary_key or not col.nullable:
+                raise StoreError(f"store {eng.url.render_as_string(hide_password=True)} has an unknown layout (table {t.name!r} "
+                                 f"lacks {col.name!r}); record into a new store file")
+            kind = col.type.compile(dialect=c.dialect)
+            c.exec_driver_sql(f'ALTER TABLE {t.name} ADD COLUMN "{col.name}" {kind}')   # names are ours, not user input
+            added = True
+    return added
 
-def _views_and_version(c, eng):
-    for v in VIEWS.values(): c.exec_driver_sql(v)
+def _stored_version(c, eng)->int|None:
+    "The store's schema version; a newer or unreadable one is refused."
     ver = c.execute(select(meta_t.c.value).where(meta_t.c.key == 'schema_version')).scalar()
-    if ver is None: c.execute(insert(meta_t).values(key='schema_version', value=str(SCHEMA_VERSION)))
-    elif not str(ver).isdigit():
+    if ver is None: return None
+    if not str(ver).isdigit():
         raise StoreError(f"store {eng.url.render_as_string(hide_password=True)} has an unreadable schema version {ver!r}")
     elif int(ver) > SCHEMA_VERSION:
         raise StoreError(f"store {eng.url.render_as_string(hide_password=True)} has schema version {ver}, newer than this "
                          f"torchember's {SCHEMA_VERSION}: upgrade torchember to read it")
+    return int(ver)
 
 # %% ../nbs/02_store.ipynb #cd2f66e7
 def create_run(eng, name:str, model:str, modules:list, tree:dict, config:dict=None, resume:bool=False)->tuple:
-    "Create run `name` (or find it with `resume`) with `modules` as `(name, mtype, parent)`; its id and last step."
+    "Create run `name` (or find it with `resume`) with `modules` as `(name, mtype, parent[, n_params, n_learnable, param_bytes])`; its id and last step."
     try: return _create_run(eng, name, model, modules, tree, config, resume)
     except sa.exc.OperationalError as e:
         raise StoreError(f"cannot write run {name!r} to store {eng.url.render_as_string(hide_password=True)}: {e.orig} "
@@ -161,13 +190,15 @@ def _create_run(eng, name, model, modules, tree, config, resume):
             if not resume: raise ValueError(f"a run named {name!r} already exists in this store; pick another name or pass resume=True")
             stored = c.execute(select(modules_t.c.name, modules_t.c.mtype).where(modules_t.c.run_id == row.id)
                                .order_by(modules_t.c.id)).all()
-            if [tuple(r) for r in stored] != [(n, t) for n, t, _ in modules]:
+            if [tuple(r) for r in stored] != [tuple(m[:2]) for m in modules]:
                 raise ValueError(f"run {name!r} was recorded from a model with other modules; resume it with the same model")
             return row.id, row.last_step
         rid = c.execute(insert(runs_t).values(
             name=name, model=model, started=time.time(), user=_user(), host=socket.gethostname(), torch=_torch_version(),
             tree=json.dumps(tree), config=json.dumps(config or {}), last_step=None)).inserted_primary_key[0]
-        c.execute(insert(modules_t), [dict(run_id=rid, id=i, name=n, mtype=t, parent=p) for i, (n, t, p) in enumerate(modules)])
+        info = ('n_params', 'n_learnable', 'param_bytes')
+        c.execute(insert(modules_t), [dict(run_id=rid, id=i, name=n, mtype=t, parent=p, **(dict.fromkeys(info) | dict(zip(info, rest))))
+                                      for i, (n, t, p, *rest) in enumerate(modules)])
         return rid, None
 
 def _user():
@@ -183,26 +214,33 @@ def _torch_version():
 # %% ../nbs/02_store.ipynb #a8b558f6
 _sql = {}
 
-def _executemany(c, table:Table, rows:list):
-    "Insert `rows` (tuples in `table`'s column order) with one executemany of SQLAlchemy's compiled `insert`."
-    key = (c.engine.dialect.name, table.name)
+def _executemany(c, table:Table, rows:list, replace:bool=False):
+    "Insert `rows` (tuples in `table`'s column order) with one executemany of SQLAlchemy's compiled `insert`; `replace`: a row with the same key replaces the old one (SQLite)."
+    key = (c.engine.dialect.name, table.name, replace)
     if key not in _sql:
-        comp = insert(table).compile(dialect=c.engine.dialect)
+        ins = insert(table)
+        if replace and c.engine.dialect.name == 'sqlite': ins = ins.prefix_with('OR REPLACE')
+        comp = ins.compile(dialect=c.engine.dialect)
         names = [col.name for col in table.columns]
         pos = comp.positional and list(comp.positiontup) == names
         _sql[key] = (str(comp), pos, names)
     sql, pos, names = _sql[key]
     c.exec_driver_sql(sql, rows if pos else [dict(zip(names, r)) for r in rows])
 
-def write_step(eng, run_id:int, step:int, rows:list, events:list=(), closed:bool=True, events_step:int=None):
-    "Write a step's stat `rows` (tuples in `stats` column order after `run_id, step`) and `events` (`(kind, module_id, call)`) in one transaction; `events_step`: an earlier step whose events these equal (none are written)."
+def write_step(eng, run_id:int, step:int, rows:list, events:list=(), closed:bool=True, events_step:int=None,
+               training:bool=None, calls:list=(), scalars:dict=None, snapshots:list=()):
+    "Write a step's stat `rows` (tuples in `stats` column order after `run_id, step`), `events` (`(kind, module_id, call)`), `calls` (`(module_id, call, training, fwd_ms, bwd_ms)`), `scalars` and `snapshots` (`(module_id, ttype, tname, call, dtype, shape, data)`) in one transaction; `events_step`: an earlier step whose events these equal (none are written)."
     with eng.begin() as c:
-        if rows: _executemany(c, stats_t, [(run_id, step, *r) for r in rows])
+        if rows: _executemany(c, stats_t, [(run_id, step, *r) for r in rows], replace=True)
+        if calls: _executemany(c, calls_t, [(run_id, step, *r) for r in calls], replace=True)
+        if scalars: _executemany(c, scalars_t, [(run_id, step, k, v) for k, v in scalars.items()], replace=True)
+        if snapshots: _executemany(c, snapshots_t, [(run_id, m, tt, tn, call, step, *rest) for m, tt, tn, call, *rest in snapshots], replace=True)
         if events and events_step is None:
             _executemany(c, events_t, [(run_id, step, i, k, m, n) for i, (k, m, n) in enumerate(events)])
         if closed:
             c.execute(insert(steps_t).values(run_id=run_id, step=step, closed=time.time(), n_records=len(rows),
-                                             events_step=step if events_step is None else events_step))
+                                             events_step=step if events_step is None else events_step,
+                                             training=None if training is None else int(training)))
             c.execute(update(runs_t).where(runs_t.c.id == run_id).values(last_step=step))
 
 # %% ../nbs/02_store.ipynb #8cb47b5c
