@@ -61,6 +61,9 @@ def _db(tag): return str(scratch() / f"{tag}.db")
 
 def ember(model): return torchEmber(model, run=_run_name('every1'), db=_db('every1'))
 def ember10(model): return torchEmber(model, run=_run_name('every10'), db=_db('every10'), every=10)
+def _instrument(tag, **opts):
+    "A configuration with one opt-in instrument on top of the defaults."
+    return lambda model: torchEmber(model, run=_run_name(tag), db=_db(tag), **opts)
 
 
 class _DummyHandle:
@@ -87,6 +90,13 @@ CONFIGS = {
     'ember':   Config('torchEmber', ember),
     'ember10': Config('torchEmber every=10', ember10),
     'dummy':   Config('dummy hooks', dummy),
+    # the cost of each opt-in instrument, on top of the defaults (`--configs ember,timing,io_grad,hist,updates,snapshot`)
+    'timing':  Config('+ timing=True', _instrument('timing', timing=True)),
+    'io_grad': Config('+ io_grad=True', _instrument('io_grad', io_grad=True)),
+    'hist':    Config('+ hist=32', _instrument('hist', hist=32)),
+    'hist_s':  Config('+ hist=32, sample_n=4096', _instrument('hist_s', hist=32, sample_n=4096)),
+    'updates': Config('+ track_updates=True', _instrument('updates', track_updates=True)),
+    'snapshot':Config("+ snapshot='*.output' (every output)", _instrument('snapshot', snapshot='*.output')),
 }
 
 def configs(names=None) -> list:

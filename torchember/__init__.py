@@ -1,10 +1,12 @@
 "Arm a PyTorch model, record every module call's statistics into a SQLite event store, and read them back."
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 from .stats import default_stats
+from .core import attach
+from .instruments import hist_stats
 from .ember import torchEmber
 from .query import runs, load, Run, summary
-from .explore import explore, hist_stats
+from .explore import explore
 from .report import report
 
-__all__ = ['torchEmber', 'runs', 'load', 'Run', 'default_stats', 'summary', 'explore', 'hist_stats', 'report']
+__all__ = ['torchEmber', 'runs', 'load', 'Run', 'default_stats', 'attach', 'summary', 'explore', 'hist_stats', 'report']

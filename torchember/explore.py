@@ -1,4 +1,4 @@
-"""Look at a run in Jupyter: a module's stats over steps, its histogram over steps, and every module at the latest step, following a run while it trains.
+"""Look at a run in Jupyter: a module's stats over steps, its histogram over steps, every module at the latest step, and pictures of stored tensors, following a run while it trains.
 
 Docs: https://torchember.github.io/torchember/explore.html.md"""
 
@@ -21,29 +21,13 @@ from .query import runs, load, Run
 from .ember import torchEmber
 
 # %% auto #0
-__all__ = ['BLUE', 'ORANGE', 'RED', 'hist_stats', 'with_stats', 'stat_columns', 'combine', 'recorded_steps', 'thin', 'history',
+__all__ = ['BLUE', 'ORANGE', 'RED', 'TIME', 'KINDS', 'with_stats', 'stat_columns', 'combine', 'recorded_steps', 'thin', 'history',
            'heat', 'nan_steps', 'nan_trace', 'history_traces', 'modules_in_order', 'latest_by_module', 'module_label',
-           'overview_traces', 'heatmap_traces', 'tree_options', 'Explorer', 'explore']
+           'overview_traces', 'latest_times', 'heatmap_traces', 'tensor_image', 'tensor_figure', 'tree_options',
+           'Explorer', 'explore']
 
 # %% ../nbs/05_explore.ipynb #e5848b4d
-def hist_stats(bins:int=32, # equal-width bins between the tensor's finite min and max
-              ):            # a stat function `tensor -> dict`
-    "A stat function: `default_stats` plus a `bins`-bin histogram over `[hist_lo, hist_hi]`, via `torch.histc` on the tensor's device."
-    if bins < 1: raise ValueError(f"hist_stats needs at least one bin, got {bins}")
-    def hist(t:torch.Tensor)->dict:
-        d = default_stats(t)
-        if t.device.type == 'meta': return d
-        x = t.detach().reshape(-1)
-        if x.is_complex(): x = x.abs()
-        if x.dtype not in (torch.float32, torch.float64): x = x.float()
-        if x.numel() == 0: return {**d, 'hist': [0.]*bins, 'hist_lo': math.nan, 'hist_hi': math.nan}
-        fin = x.isfinite()
-        lo, hi = torch.stack([torch.where(fin, x, math.inf).amin(), torch.where(fin, x, -math.inf).amax()]).tolist()
-        if lo > hi: return {**d, 'hist': [0.]*bins, 'hist_lo': math.nan, 'hist_hi': math.nan}
-        if lo == hi: lo, hi = lo - 0.5, hi + 0.5
-        return {**d, 'hist': torch.histc(x, bins, lo, hi), 'hist_lo': lo, 'hist_hi': hi}
-    hist.__name__ = hist.__qualname__ = f'hist_stats({bins})'
-    return hist
+from .instruments import hist_stats
 
 # %% ../nbs/05_explore.ipynb #f654825d
 _META = ('run', 'step', 'call', 'module', 'mtype', 'ttype', 'tname', 'shape', 'dtype')
@@ -100,7 +84,7 @@ def thin(steps:list, n:int)->list:
 
 def history(run:Run,              # the run to read
             module:str,           # module name ('' for the model itself)
-            ttype:str='output',   # input, output, weight or weight_grad
+            ttype:str='output',   # input, output, weight, weight_grad, or another ttype the run recorded
             tname:str=None,       # e.g. 'weight' or 'bias'; None: all, combined
             max_points:int=2000,  # at most this many steps, evenly spaced
             steps:list=None,      # the run's closed steps, if already known
@@ -108,9 +92,8 @@ def history(run:Run,              # the run to read
     "Per-step stats of one tensor of `module`, calls combined, at most `max_points` steps of the run."
     steps = recorded_steps(run) if steps is None else steps
     if not steps: return with_stats(run.df(step=[], module=module, ttype=ttype, tname=tname))
-    sel = thin(steps, max_points)
-    where = dict(step=sel) if len(sel) < len(steps) else dict(steps=(steps[0], steps[-1]))
-    return combine(with_stats(run.df(module=module, ttype=ttype, tname=tname, **where)), ['step'])
+    sel = thin(steps, max_points)   # named steps: the store seeks each (step, module) rather than scanning the run
+    return combine(with_stats(run.df(step=sel, module=module, ttype=ttype, tname=tname)), ['step'])
 
 # %% ../nbs/05_explore.ipynb #0d1352c1
 def heat(h:pd.DataFrame,  # per-step records with `hist`, `hist_lo`, `hist_hi` (see `hist_stats`)
@@ -179,25 +162,41 @@ def modules_in_order(tree:dict)->list:
     "Module names of a `Run.tree()`, parents before children."
     return [tree['name'], *[n for c in tree.get('children', []) for n in modules_in_order(c)]]
 
-def latest_by_module(run:Run, ttype:str='weight_grad', step:int=None)->pd.DataFrame:
-    "One row per module of `run` at `step` (default: the latest), its `ttype` tensors combined, in tree order."
-    step = run.last_step if step is None else step
-    df = combine(with_stats(run.df(step=-1 if step is None else step, ttype=ttype)), ['module'])
+def _in_tree_order(df:pd.DataFrame, run:Run)->pd.DataFrame:
     order = {m: i for i, m in enumerate(modules_in_order(run.tree()))}
     return df.assign(_o=df['module'].map(order)).sort_values('_o', kind='stable').drop(columns='_o').reset_index(drop=True)
 
+def latest_by_module(run:Run, ttype:str='weight_grad', step:int=None)->pd.DataFrame:
+    "One row per module of `run` at `step` (default: the latest), its `ttype` tensors combined, in tree order."
+    step = run.last_step if step is None else step
+    return _in_tree_order(combine(with_stats(run.df(step=-1 if step is None else step, ttype=ttype)), ['module']), run)
+
 def module_label(name:str)->str: return name if name else '(root)'
 
-def overview_traces(o:pd.DataFrame, stat:str, selected:str=None, run:str='', color:str=BLUE)->list:
-    "Bars of `stat` per module of `o` (from `latest_by_module`), `selected` darker, NaN/Inf ones red with a cross."
+def overview_traces(o:pd.DataFrame,     # one row per module, from `latest_by_module` or `latest_times`
+                    stat:str,           # the column to draw
+                    selected:str=None,  # a module to draw darker and outlined
+                    run:str='',         # a run name to prefix the trace names with (for an overlaid run)
+                    color:str=BLUE,     # the run's colour
+                    flagged:str=None,   # a module to draw red: the one that made the first NaN/Inf
+                   )->list:
+    "Bars of `stat` per module of `o`, `selected` darker, NaN/Inf ones and `flagged` red, a cross under NaN/Inf."
     if o.empty or stat not in o: return []
     bad = set(nan_steps(o)['module'])
-    colors = [RED if m in bad else color if m == selected else _rgba(color, .55) for m in o['module']]
+    colors = [RED if m in bad or m == flagged else color if m == selected else _rgba(color, .55) for m in o['module']]
     labels = [f"{module_label(m)}<br>{t}" for m, t in zip(o['module'], o['mtype'])]
     bar = go.Bar(x=labels, y=_list(o[stat]), name=f'{run}: {stat}' if run else stat, customdata=o['module'].tolist(),
                  marker=dict(color=colors, line=dict(width=[2 if m == selected else 0 for m in o['module']], color='black')),
                  hovertemplate='%{x}<br>' + stat + ' %{y:.4g}<extra></extra>')
     return [bar] + ([nan_trace(o.assign(label=labels), x='label', name=f'{run}: NaN/Inf' if run else 'NaN/Inf')] if bad else [])
+
+# %% ../nbs/05_explore.ipynb #6071aa57
+def latest_times(run:Run, step:int=None)->pd.DataFrame:
+    "One row per timed module of `run` at `step` (default: the latest): forward and backward ms summed over its calls, in tree order."
+    step = run.last_step if step is None else step
+    g = run.calls(step=-1 if step is None else step).groupby(['run', 'step', 'module', 'mtype'], sort=False)
+    df = g[['fwd_ms', 'bwd_ms']].sum(min_count=1).join(g.size().rename('n_calls')).reset_index()
+    return _in_tree_order(df, run)
 
 # %% ../nbs/05_explore.ipynb #15d03818
 def heatmap_traces(h:pd.DataFrame, bins:int=None)->list:
@@ -208,6 +207,104 @@ def heatmap_traces(h:pd.DataFrame, bins:int=None)->list:
                      hovertemplate='step %{x}<br>value %{y:.4g}<br>fraction %{z:.3f}<extra></extra>')]
     if not nan_steps(h).empty: tr.append(nan_trace(h, y=pd.Series(hm['y'][-1], index=h.index)))
     return tr
+
+# %% ../nbs/05_explore.ipynb #7f7d0a5a
+def _host(t:torch.Tensor)->torch.Tensor:
+    "`t` detached on the host as float64 (a complex one as its magnitude)."
+    x = t.detach().cpu()
+    return (x.abs() if x.is_complex() else x).to(torch.float64)
+
+def tensor_image(t:torch.Tensor,    # any tensor
+                 max_tiles:int=64,  # from 3-D on: at most this many channels
+                )->np.ndarray:      # 2-D, float64, NaN between tiles
+    "`t` as a 2-D array to draw: a vector as a row, a matrix as is, and from 3-D on its first sample, channels tiled in a grid."
+    x = _host(t)
+    if x.numel() == 0: return np.zeros((0, 0))
+    if x.ndim < 2: return x.reshape(1, -1).numpy()
+    if x.ndim > 2: x = x[0]
+    if x.ndim == 2: return x.numpy()
+    x = x.reshape(-1, *x.shape[-2:])[:max_tiles].numpy()
+    (c, h, w), cols = x.shape, math.ceil(math.sqrt(len(x)))
+    img = np.full((math.ceil(c / cols) * (h + 1) - 1, cols * (w + 1) - 1), np.nan)
+    for i, tile in enumerate(x):
+        r, k = divmod(i, cols)
+        img[r * (h + 1):r * (h + 1) + h, k * (w + 1):k * (w + 1) + w] = tile
+    return img
+
+def _pcs(x:torch.Tensor)->tuple:
+    "The rows of `x` (samples x features, centred) on their first two principal components, and each one's share of the variance."
+    if min(x.shape) > 256:   # large: randomized, on a private RNG so the caller's random state is left alone
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            p = x @ torch.pca_lowrank(x, q=2, center=False)[2][:, :2]
+    else:
+        u, s, _ = torch.linalg.svd(x, full_matrices=False)
+        p = u[:, :2] * s[:2]
+    p = torch.cat([p, p.new_zeros(len(p), 2 - p.shape[1])], 1)
+    total = x.pow(2).sum()
+    return p, (p.pow(2).sum(0) / total if total > 0 else p.new_zeros(2)).tolist()
+
+def tensor_figure(t:torch.Tensor,      # the tensor to draw
+                  kind:str='heatmap',  # 'heatmap', 'hist' or 'pca'
+                  bins:int=50,         # bins of the histogram
+                  title:str=None,      # default: the tensor's shape and dtype
+                  max_tiles:int=64,    # a feature map's heatmap shows at most this many channels
+                 )->go.Figure:
+    "A picture of `t`: a heatmap of its values, their histogram, or its samples on their first two principal components."
+    if kind not in ('heatmap', 'hist', 'pca'): raise ValueError(f"unknown kind {kind!r}: choose 'heatmap', 'hist' or 'pca'")
+    if kind == 'hist' and bins < 1: raise ValueError(f"a histogram needs at least one bin, got {bins}")
+    x = _host(t)
+    title = title or f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+    nan, inf = int(x.isnan().sum()), int(x.isinf().sum())
+    note = [f"{nan} NaN, {inf} Inf left out"] if nan or inf else []
+    layout = dict(height=380, width=560, template='plotly_white', margin=dict(l=50, r=20, t=50, b=40))
+    if kind == 'heatmap':
+        img = tensor_image(t, max_tiles)
+        img = np.where(np.isfinite(img), img, np.nan)
+        if t.dim() > 2: note.insert(0, 'sample 0')
+        if t.dim() > 3:
+            c = math.prod(t.shape[1:-2])
+            note.insert(1, f"{c} channels" if c <= max_tiles else f"first {max_tiles} of {c} channels")
+        signed = bool(np.nanmin(img, initial=0) < 0 < np.nanmax(img, initial=0))
+        tr = go.Heatmap(z=img, colorscale='RdBu_r' if signed else 'Viridis', zmid=0 if signed else None,
+                        hovertemplate='row %{y}, col %{x}: %{z:.4g}<extra></extra>')
+        layout |= dict(yaxis=dict(autorange='reversed'))
+    elif kind == 'hist':
+        v = x[x.isfinite()]
+        lo, hi = (v.min().item(), v.max().item()) if len(v) else (0., 1.)
+        if lo == hi: lo, hi = lo - .5, hi + .5
+        counts, edges = torch.histogram(v, bins=bins, range=(lo, hi))
+        tr = go.Bar(x=((edges[:-1] + edges[1:]) / 2).tolist(), y=counts.tolist(), width=(edges[1:] - edges[:-1]).tolist(),
+                    marker_color=BLUE, name='count', hovertemplate='%{x:.4g}: %{y}<extra></extra>')
+        layout |= dict(xaxis_title='value', yaxis_title='count', bargap=0)
+    else:
+        if x.dim() < 2 or len(x) < 2:
+            raise ValueError(f"a PCA needs a batch: 2 or more samples along the first dim, got shape {tuple(t.shape)}")
+        x = x.reshape(len(x), -1)
+        keep = x.isfinite().all(1)
+        if keep.sum() < 2: raise ValueError(f"a PCA needs 2 or more samples without NaN/Inf, got {int(keep.sum())}")
+        note = [f"{int((~keep).sum())} samples with NaN/Inf left out"] if not keep.all() else []
+        p, share = _pcs(x[keep] - x[keep].mean(0))
+        tr = go.Scatter(x=p[:, 0].tolist(), y=p[:, 1].tolist(), mode='markers', marker=dict(color=BLUE, size=7),
+                        text=[f'sample {i}' for i in keep.nonzero()[:, 0].tolist()], hovertemplate='%{text}<extra></extra>')
+        layout |= dict(xaxis_title=f'PC1 ({share[0]:.0%} of variance)', yaxis_title=f'PC2 ({share[1]:.0%} of variance)')
+    return go.Figure([tr], layout=dict(title=' · '.join([title, *note]), **layout))
+
+# %% ../nbs/05_explore.ipynb #2112f8aa
+@patch
+def picture(self:Run,
+            module:str,          # the module's name ('' for the model)
+            tname:str,           # the tensor's name, e.g. 'weight' or 'output'
+            step:int=None,       # the step; default the newest closed one
+            kind:str='heatmap',  # 'heatmap', 'hist' or 'pca' (see `tensor_figure`)
+            ttype:str=None,      # needed only when the module has snapshots of several kinds named `tname`
+            call:int=0,          # which call of the module
+            bins:int=50,         # bins of a histogram
+           )->go.Figure:
+    "A picture of the stored snapshot of `module`'s `tname` as it was at `step`."
+    t = self.snapshot(module, tname, step=step, ttype=ttype, call=call)
+    at = self.last_step if step is None else step
+    return tensor_figure(t, kind, bins, title=f"{self.name} · {module_label(module)} {tname} at step {at} · {tuple(t.shape)}")
 
 # %% ../nbs/05_explore.ipynb #fb5ede98
 def tree_options(tree:dict, filter:str='')->list:
@@ -244,6 +341,13 @@ def _set_options(w, options:list, prefer=()):
     if list(w.options) != list(options): w.options = options
     if w.value != keep: w.value = keep
 
+TIME = 'time'   # the overview's pseudo-ttype: milliseconds per module call
+KINDS = ('input', 'output', 'attached', 'weight', 'weight_grad', 'output_grad', 'input_grad')
+
+def _kinds_in_order(kinds)->list:
+    "The ttypes in `kinds` in the selectors' order: forward, weights, grads; unknown ones after."
+    return sorted(set(kinds), key=lambda k: (KINDS.index(k) if k in KINDS else len(KINDS), k))
+
 class Explorer(W.VBox):
     "A widget on a store: a module's stats over steps, its histogram over steps, and every module at the latest step."
     def __init__(self,
@@ -256,6 +360,7 @@ class Explorer(W.VBox):
         self.db, self.max_points, self.interval = db, max_points, interval
         self.run = self.overlay = None
         self.history_df = self.overlay_df = self.overview_df = self._ov_overlay = None
+        self._first_bad, self._bad_after, self._timed = None, None, False
         self._steps, self._seen, self._updated, self._hold, self._lock = [], None, None, 0, threading.RLock()
         self._stop, self._thread = threading.Event(), None
         self._combos = pd.DataFrame(columns=['module', 'ttype', 'tname'])
@@ -336,8 +441,13 @@ def show_run(self:Explorer, name:str):
         ends = sorted({self._steps[0], self._steps[-1]}) if self._steps else [-1]
         recs = self.run.df(step=ends)
         self._combos = recs[['module', 'ttype', 'tname']].drop_duplicates().reset_index(drop=True)
+        self._timed = bool(self._steps) and not self.run.calls(step=self._steps[-1]).empty
+        self._first_bad = self._bad_after = None
+        ov = [(k, k) for k in _kinds_in_order(self._combos['ttype']) or _kinds_in_order(TTYPES)]
+        if self._timed: ov.append(('time (ms)', TIME))
         with self._quiet():
             self.run_picker.value = name
+            _set_options(self.ov_ttype, ov, prefer=['weight_grad', 'output'])
             _set_options(self.stat_picker, stat_columns(recs))
             if not self.stat_picker.value and 'mean' in self.stat_picker.options: self.stat_picker.value = ('mean',)
             self._fill_modules()
@@ -354,7 +464,7 @@ def _fill_modules(self:Explorer):
 def _fill_tensors(self:Explorer):
     c = self._combos[self._combos['module'] == self.module_picker.value]
     with self._quiet():
-        _set_options(self.ttype_picker, [t for t in TTYPES if t in set(c['ttype'])], prefer=['output'])
+        _set_options(self.ttype_picker, _kinds_in_order(c['ttype']), prefer=['output'])
         names = sorted(set(c.loc[c['ttype'] == self.ttype_picker.value, 'tname']))
         _set_options(self.tname_picker, names, prefer=['weight', 'output'])
 
@@ -364,6 +474,7 @@ def refresh(self:Explorer, seen:tuple=None):
     "Redraw every figure from the store and stamp the status line; `seen`: the state `_steps` was read at, for `poll`."
     with self._lock:
         if seen is not None: self._seen = seen
+        self._find_first_bad()
         self.refresh_history()
         self.refresh_overview()
         self._updated = time.strftime('%H:%M:%S')
@@ -373,8 +484,17 @@ def refresh(self:Explorer, seen:tuple=None):
 @patch
 def _stamp(self:Explorer):
     "Write the status line: when the figures were last read from the store, how many steps, whether live."
-    n = len(self._steps)
-    self.status.value = f"last updated {self._updated} · {n} step{'s' if n != 1 else ''}" + (' · live' if self.live_toggle.value else '')
+    n, f = len(self._steps), self._first_bad
+    bad = f" · first NaN/Inf: {module_label(f['module'])} ({f['mtype']}) {f['ttype']} at step {f['step']}" if f else ''
+    live = ' · live' if self.live_toggle.value else ''
+    self.status.value = f"last updated {self._updated} · {n} step{'s' if n != 1 else ''}{bad}{live}"
+
+@patch
+def _find_first_bad(self:Explorer):
+    "Look for the run's first NaN/Inf in the steps not searched yet (and the newest searched one, which late grads may reach)."
+    if self._first_bad is not None or not self._steps: return
+    self._first_bad = self.run.first_nonfinite(after=self._bad_after)
+    self._bad_after = self._steps[-2] if len(self._steps) > 1 else None
 
 @patch
 def _state(self:Explorer)->tuple:
@@ -409,8 +529,9 @@ def refresh_overview(self:Explorer):
     "Read the latest step of every module for the chosen ttype and redraw its bars."
     with self._lock:
         tt = self.ov_ttype.value
-        self.overview_df = latest_by_module(self.run, tt) if self.run is not None else pd.DataFrame()
-        self._ov_overlay = latest_by_module(self.overlay, tt) if self.overlay is not None else None
+        read = latest_times if tt == TIME else lambda r: latest_by_module(r, tt)
+        self.overview_df = read(self.run) if self.run is not None else pd.DataFrame()
+        self._ov_overlay = read(self.overlay) if self.overlay is not None else None
         with self._quiet(): _set_options(self.ov_stat, stat_columns(self.overview_df), prefer=['norm', 'std'])
         return self._draw_overview()
 
@@ -418,10 +539,10 @@ def refresh_overview(self:Explorer):
 def _draw_overview(self:Explorer):
     "Redraw the bars of the latest step already read, the selected module outlined."
     o, stat = self.overview_df, self.ov_stat.value
-    traces = overview_traces(o, stat, self.module_picker.value)
+    traces = overview_traces(o, stat, self.module_picker.value, flagged=self._first_bad and self._first_bad['module'])
     if self._ov_overlay is not None: traces += overview_traces(self._ov_overlay, stat, run=self.overlay.name, color=ORANGE)
-    step = o['step'].iloc[0] if len(o) else '—'
-    _redraw(self.overview_fig, traces, title=f"step {step}: {stat or '—'} of {self.ov_ttype.value} per module",
+    step, tt = o['step'].iloc[0] if len(o) else '—', self.ov_ttype.value
+    _redraw(self.overview_fig, traces, title=f"step {step}: {stat or '—'}{'' if tt == TIME else f' of {tt}'} per module",
             yaxis_type='log' if self.log_toggle.value else 'linear', barmode='group')
     for t in self.overview_fig.data:
         if t.type == 'bar': t.on_click(self._on_bar_click)

@@ -38,6 +38,10 @@ def hist_stats(bins:int=32,        # bins between hist_lo and hist_hi
             mean = xf.sum() / n
             std = ((xf - mean).square().where(fin, 0.).sum() / n).sqrt()
             lo, hi = torch.maximum(lo, mean - outliers * std), torch.minimum(hi, mean + outliers * std)
+        same = hi <= lo                               # one distinct value: a unit-wide range around it
+        lo, hi = torch.where(same, lo - 0.5, lo), torch.where(same, hi + 0.5, hi)
+        none = ~fin.any()                             # nothing finite: no range at all
+        lo, hi = torch.where(none, math.nan, lo), torch.where(none, math.nan, hi)
         width = (hi - lo).clamp_min(torch.finfo(x.dtype).tiny)
         inside = fin & (x >= lo) & (x <= hi)
         idx = ((x - lo) / width * bins).floor().clamp(0, bins - 1).long()

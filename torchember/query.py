@@ -1,4 +1,4 @@
-"""Read a store back as pandas DataFrames: the runs it holds, a run's records, its latest step, tree and call sequence.
+"""Read a store back as pandas DataFrames: the runs it holds, a run's records, steps, call timings, logged scalars and tensor snapshots, and where NaN first appeared.
 
 Docs: https://torchember.github.io/torchember/query.html.md"""
 
@@ -6,14 +6,16 @@ Docs: https://torchember.github.io/torchember/query.html.md"""
 
 # %% ../nbs/03_query.ipynb #f8c73f73
 from __future__ import annotations
-import json, math
+import json, math, zlib
+from pathlib import Path
 import pandas as pd
 import sqlalchemy as sa
+import torch
 from sqlalchemy import select, func
-from .store import engine, runs_t, modules_t, steps_t, events_t, stats_t, STAT_COLS
+from .store import engine, runs_t, modules_t, steps_t, events_t, stats_t, calls_t, scalars_t, snapshots_t, STAT_COLS
 
 # %% auto #0
-__all__ = ['runs', 'records', 'Run', 'load', 'summary']
+__all__ = ['FORWARD', 'BACKWARD', 'NONFINITE_KINDS', 'runs', 'records', 'Run', 'load', 'summary', 'flow_order', 'decode_snapshot']
 
 # %% ../nbs/03_query.ipynb #1536ffaf
 def runs(db=None)->pd.DataFrame:
@@ -38,19 +40,19 @@ def records(db, run_id:int, run:str, step=None, module=None, ttype=None, tname=N
     eng = engine(db)
     s, m = stats_t.c, modules_t
     q = (select(s.step, s.call, m.c.name.label('module'), m.c.mtype, s.ttype, s.tname, s.shape, s.dtype,
-                *[s[c] for c in STAT_COLS], s.extra)
+                *[s[c] for c in STAT_COLS], s.nbytes, s.extra)
          .join(m, sa.and_(m.c.run_id == s.run_id, m.c.id == s.module_id)).where(s.run_id == run_id))
     if step is not None: q = q.where(s.step.in_(_as_list(step)))
     if steps is not None: q = q.where(s.step.between(*steps))
     if module is not None:
         with eng.connect() as c:
             ids = c.execute(select(m.c.id).where(m.c.run_id == run_id, m.c.name.in_(_as_list(module)))).scalars().all()
-        q = q.where(s.module_id.in_(ids))   # by id, so SQLite searches the (run, module, step) index
+        q = q.where(s.module_id.in_(ids))   # by id: with steps named, SQLite seeks each (run, step, module) key
     if ttype is not None: q = q.where(s.ttype.in_(_as_list(ttype)))
     if tname is not None: q = q.where(s.tname.in_(_as_list(tname)))
     q = q.order_by(s.step, s.module_id, s.call, s.ttype, s.tname)
     with eng.connect() as c: rows = c.execute(q).all()
-    df = pd.DataFrame.from_records([tuple(r) for r in rows], columns=_META[1:] + list(STAT_COLS) + ['extra'])
+    df = pd.DataFrame.from_records([tuple(r) for r in rows], columns=_META[1:] + list(STAT_COLS) + ['nbytes', 'extra'])
     df.insert(0, 'run', run)
     df['shape'] = [tuple(v) if x and (v := json.loads(x)) is not None else None for x in df['shape']]
     return _expand(df)
@@ -58,7 +60,7 @@ def records(db, run_id:int, run:str, step=None, module=None, ttype=None, tname=N
 def _expand(df:pd.DataFrame)->pd.DataFrame:
     "Drop default stat columns no row has, and spread the `extra` JSON into columns."
     extra = df.pop('extra')
-    df = df.drop(columns=[c for c in STAT_COLS if df[c].isna().all() and not df.empty])
+    df = df.drop(columns=[c for c in (*STAT_COLS, 'nbytes') if df[c].isna().all() and not df.empty])
     if extra.notna().any():
         x = pd.DataFrame([json.loads(e) if isinstance(e, str) else {} for e in extra], index=df.index)
         x.columns = [f'stat_{c}' if c in df.columns or c in _META else c for c in x.columns]   # never hide a column
@@ -118,14 +120,20 @@ def tree(self:Run)->dict:
     return json.loads(self._tree)
 
 @patch
-def sequence(self:Run, step:int=None)->list:
-    "Enter/exit order of `step` (default: the newest closed step), as `'enter features.0'` strings."
+def events(self:Run, step:int=None)->pd.DataFrame:
+    "The enter and exit events of `step` (default: the newest closed step) in the order they happened: kind, module, call."
     step = self.last_step if step is None else step
     e, m = events_t.c, modules_t
     src = select(steps_t.c.events_step).where(steps_t.c.run_id == self.id, steps_t.c.step == step).scalar_subquery()
-    q = (select(e.kind, m.c.name).join(m, sa.and_(m.c.run_id == e.run_id, m.c.id == e.module_id))
+    q = (select(e.kind, m.c.name, e.call).join(m, sa.and_(m.c.run_id == e.run_id, m.c.id == e.module_id))
          .where(e.run_id == self.id, e.step == src).order_by(e.seq))
-    with engine(self.db).connect() as c: return [f"{k} {n}" for k, n in c.execute(q).all()]
+    with engine(self.db).connect() as c: return pd.DataFrame([tuple(r) for r in c.execute(q)], columns=['kind', 'module', 'call'])
+
+@patch
+def sequence(self:Run, step:int=None)->list:
+    "Enter/exit order of `step` (default: the newest closed step), as `'enter features.0'` strings."
+    ev = self.events(step)
+    return [f"{k} {n}" for k, n in zip(ev['kind'], ev['module'])]
 
 # %% ../nbs/03_query.ipynb #0c6b57fe
 def summary(df:pd.DataFrame)->pd.DataFrame:
@@ -147,3 +155,216 @@ def summary(df:pd.DataFrame)->pd.DataFrame:
 def summary(self:Run, step:int=None)->pd.DataFrame:
     "One line per module call of `step` (default: the newest closed step)."
     return summary(self.df(step=step) if step is not None else self.latest())
+
+# %% ../nbs/03_query.ipynb #8cb53409
+@patch
+def modules(self:Run)->pd.DataFrame:
+    "The run's modules in registration order: name, class, parent's name, parameter count, learnable count and bytes."
+    m, p = modules_t, modules_t.alias('p')
+    q = (select(m.c.name, m.c.mtype, p.c.name, m.c.n_params, m.c.n_learnable, m.c.param_bytes)
+         .outerjoin(p, sa.and_(p.c.run_id == m.c.run_id, p.c.id == m.c.parent)).where(m.c.run_id == self.id).order_by(m.c.id))
+    with engine(self.db).connect() as c: rows = c.execute(q).all()
+    sizes = ['n_params', 'n_learnable', 'param_bytes']
+    df = pd.DataFrame([tuple(r) for r in rows], columns=['module', 'mtype', 'parent', *sizes], dtype=object)
+    return df.astype({c: 'Int64' for c in sizes})
+
+# %% ../nbs/03_query.ipynb #e1bef288
+_CALLS = ['run', 'step', 'module', 'mtype', 'call', 'training', 'fwd_ms', 'bwd_ms']
+
+@patch
+def calls(self:Run, step=None, module=None)->pd.DataFrame:
+    "Every timed module call, optionally of step(s) and module(s): its mode, forward and backward milliseconds."
+    k, m = calls_t.c, modules_t
+    q = (select(k.step, m.c.name, m.c.mtype, k.call, k.training, k.fwd_ms, k.bwd_ms)
+         .join(m, sa.and_(m.c.run_id == k.run_id, m.c.id == k.module_id)).where(k.run_id == self.id))
+    if step is not None: q = q.where(k.step.in_(_as_list(step)))
+    if module is not None: q = q.where(m.c.name.in_(_as_list(module)))
+    with engine(self.db).connect() as c: rows = c.execute(q.order_by(k.step, k.module_id, k.call)).all()
+    df = pd.DataFrame([tuple(r) for r in rows], columns=_CALLS[1:], dtype=object)
+    df = df.astype({'step': int, 'call': int, 'fwd_ms': float, 'bwd_ms': float})
+    df.insert(0, 'run', self.name)
+    return df.assign(training=df['training'].astype('boolean'))
+
+# %% ../nbs/03_query.ipynb #1ab19dc7
+@patch
+def scalars(self:Run)->pd.DataFrame:
+    "Every value logged with `te.log`: one row per step and name."
+    s = scalars_t.c
+    q = select(s.step, s.name, s.value).where(s.run_id == self.id).order_by(s.step, s.name)
+    with engine(self.db).connect() as c: rows = c.execute(q).all()
+    return pd.DataFrame([tuple(r) for r in rows], columns=['step', 'name', 'value']).astype({'value': float})
+
+_STEPS = ['step', 'closed', 'training', 'n_records', 'grad_norm', 'weight_norm']
+
+@patch
+def steps(self:Run)->pd.DataFrame:
+    "One row per closed step: when it closed, its mode, records, global grad and weight L2 norms, and each logged scalar."
+    st, s = steps_t.c, stats_t.c
+    norms = (select(s.step, s.ttype, func.sum(s.norm * s.norm), func.count(), func.count(s.norm))
+             .where(s.run_id == self.id, s.ttype.in_(['weight', 'weight_grad'])).group_by(s.step, s.ttype))
+    with engine(self.db).connect() as c:
+        steps = c.execute(select(st.step, st.closed, st.training, st.n_records).where(st.run_id == self.id).order_by(st.step)).all()
+        sq = pd.DataFrame([tuple(r) for r in c.execute(norms)], columns=['step', 'ttype', 'sq', 'n', 'known'])
+    df = pd.DataFrame([tuple(r) for r in steps], columns=_STEPS[:4], dtype=object)
+    df = df.astype({'step': int, 'closed': float, 'n_records': 'Int64'})
+    df['closed'], df['training'] = pd.to_datetime(df['closed'], unit='s'), df['training'].astype('boolean')
+    sq['norm'] = (sq['sq'].astype(float) ** .5).where(sq['n'] == sq['known'])   # a NaN (stored as NULL) norm: unknown
+    for tt, col in (('weight_grad', 'grad_norm'), ('weight', 'weight_norm')):
+        df[col] = df['step'].map(sq[sq['ttype'] == tt].set_index('step')['norm']).astype(float)
+    sc = self.scalars().pivot(index='step', columns='name', values='value')
+    for name in sc.columns: df[f'scalar_{name}' if name in df.columns else name] = df['step'].map(sc[name])
+    return df
+
+# %% ../nbs/03_query.ipynb #2df5f71c
+FORWARD = ('input', 'attached', 'output')                 # as a call makes them
+BACKWARD = ('output_grad', 'input_grad', 'weight_grad')   # as a call's backward makes them
+
+def flow_order(df:pd.DataFrame,      # records with `module`, `ttype`, and optionally `call`
+               events:pd.DataFrame,  # the step's `Run.events`
+              )->pd.DataFrame:       # `df`'s rows reordered, index reset
+    "The records of `df` in the order their step made them: forward as calls entered and returned, then grads, then weights."
+    pos = {}
+    for i, (kind, m, call) in enumerate(zip(events['kind'], events['module'], events['call'])):
+        pos.setdefault((kind, m, call), i); pos.setdefault((kind, m, None), i)
+    def key(i, m, call, tt):
+        at = lambda kind: pos.get((kind, m, call), pos.get((kind, m, None), math.inf))
+        if tt in FORWARD: return (0, at('enter' if tt == 'input' else 'exit'), FORWARD.index(tt), i)
+        if tt in BACKWARD:
+            p = at('exit' if tt == 'output_grad' else 'enter')
+            return (1, -p if p < math.inf else p, BACKWARD.index(tt), i)
+        return (2, at('exit'), 0, i)
+    calls = df['call'].tolist() if 'call' in df else [None] * len(df)
+    keys = [key(i, m, c, tt) for i, (m, c, tt) in enumerate(zip(df['module'], calls, df['ttype']))]
+    return df.iloc[sorted(range(len(df)), key=keys.__getitem__)].reset_index(drop=True)
+
+# %% ../nbs/03_query.ipynb #f2647a9b
+NONFINITE_KINDS = ('output', 'attached', *BACKWARD)
+
+@patch
+def first_nonfinite(self:Run,
+                    step:int=None,   # the step to look in; default the first step that had NaN or Inf
+                    after:int=None,  # with no `step`: search only the steps after this one
+                   )->dict|None:     # step, module, mtype, ttype, tname, call, nan_count, inf_count; None if clean
+    "The first module call whose output, attached tensor or grad held NaN or Inf, in the order its step computed them."
+    s, m = stats_t.c, modules_t
+    where = [s.run_id == self.id, s.ttype.in_(NONFINITE_KINDS), sa.or_(s.nan_count > 0, s.inf_count > 0)]
+    with engine(self.db).connect() as c:
+        if step is None:
+            step = c.execute(select(func.min(s.step)).where(*where, *([s.step > after] if after is not None else []))).scalar()
+            if step is None: return None
+        q = (select(s.step, m.c.name, m.c.mtype, s.ttype, s.tname, s.call, s.nan_count, s.inf_count)
+             .join(m, sa.and_(m.c.run_id == s.run_id, m.c.id == s.module_id)).where(*where, s.step == step)
+             .order_by(s.module_id, s.call, s.ttype, s.tname))   # the order kept where the events don't decide
+        rows = c.execute(q).all()
+    if not rows: return None
+    cols = ['step', 'module', 'mtype', 'ttype', 'tname', 'call', 'nan_count', 'inf_count']
+    first = flow_order(pd.DataFrame([tuple(r) for r in rows], columns=cols), self.events(step)).iloc[0]
+    return {k: int(first[k] or 0) if k in ('step', 'call', 'nan_count', 'inf_count') else first[k] for k in cols}
+
+# %% ../nbs/03_query.ipynb #09eb35ec
+def _json_value(v):
+    "`v` as plain JSON: Python numbers, `None` for missing and non-finite values."
+    if v is None or v is pd.NA: return None
+    if isinstance(v, (bool, str)): return v
+    v = v.item() if hasattr(v, 'item') else v
+    return None if isinstance(v, float) and not math.isfinite(v) else v
+
+@patch
+def to_json(self:Run,
+            path=None,      # a file to write the JSON to; None: only return it
+            step:int=None,  # the step; default the newest closed one
+           )->dict:         # {model class: {'info': {...}, 'children': {short name: {...}}}}
+    "The modules of a step as nested `info` and `children` dicts, written to `path` as JSON if given."
+    step = self.last_step if step is None else step
+    cols = ['module', 'call', 'ttype', 'mean', 'std', 'nan_count', 'inf_count', 'nbytes']
+    d = self.df(step=-1 if step is None else step).reindex(columns=cols)
+    d['bad'] = (d['nan_count'].fillna(0) + d['inf_count'].fillna(0)) > 0
+    nbytes = d.groupby(['module', 'ttype'])['nbytes'].sum(min_count=1)
+    bad = d.groupby(['module', 'ttype'])['bad'].any()
+    out = d[d['ttype'] == 'output'].drop_duplicates('module').set_index('module')
+    ms = self.calls(step=-1 if step is None else step).groupby('module')[['fwd_ms', 'bwd_ms']].sum(min_count=1)
+    sizes = self.modules().set_index('module')
+    def info(name, mtype):
+        i = dict(name=name, type=mtype, **{c: sizes[c].get(name) for c in ('n_params', 'n_learnable', 'param_bytes')})
+        for tt, key in (('input', 'input_bytes'), ('output', 'output_bytes'), ('weight_grad', 'grad_bytes')):
+            i[key] = nbytes.get((name, tt), 0)
+        i |= {c: ms[c].get(name) for c in ('fwd_ms', 'bwd_ms')}
+        i['output_nonfinite'] = bool(bad.get((name, 'output'), False))
+        i['grad_nonfinite'] = any(bad.get((name, tt), False) for tt in BACKWARD)
+        i |= {f'output_{c}': out[c].get(name) for c in ('mean', 'std')}
+        return {k: _json_value(v) for k, v in i.items()}
+    def node(t): return {'info': info(t['name'], t.get('type')),
+                         'children': {c.get('short') or c['name']: node(c) for c in t.get('children', [])}}
+    res = {self.model: node(self.tree())}
+    if path is not None:
+        p = Path(path).expanduser()
+        if p.is_dir(): raise IsADirectoryError(f"{str(p)!r} is a directory; give a file path such as {str(p/(self.name + '.json'))!r}")
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(res, indent=1, allow_nan=False), encoding='utf-8')
+    return res
+
+# %% ../nbs/03_query.ipynb #3731d4fd
+def decode_snapshot(dtype:str,   # a torch dtype's name, e.g. 'float32'
+                    shape:str,   # the shape as a JSON list
+                    data:bytes,  # the tensor's raw bytes, zlib-compressed
+                   )->torch.Tensor:
+    "The tensor a snapshot row stores."
+    dt, shape = getattr(torch, dtype, None), json.loads(shape)
+    if not isinstance(dt, torch.dtype): raise ValueError(f"snapshot has unknown dtype {dtype!r}")
+    n = math.prod(shape) * dt.itemsize
+    raw = zlib.decompressobj().decompress(data, n + 1)   # never inflates more than the tensor can hold
+    if len(raw) != n:
+        raise ValueError(f"corrupt snapshot: {f'more than {n}' if len(raw) > n else len(raw)} bytes for a {dtype} tensor of shape {shape}")
+    if n == 0: return torch.empty(shape, dtype=dt)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dt).reshape(shape)
+
+_SNAPS = ['module', 'ttype', 'tname', 'call', 'step', 'dtype', 'shape']
+
+@patch
+def snapshots(self:Run, module=None)->pd.DataFrame:
+    "The run's tensor snapshots, of module(s) `module` if given, without their data: module, ttype, tname, call, step, dtype, shape."
+    p, m = snapshots_t.c, modules_t
+    q = (select(m.c.name, p.ttype, p.tname, p.call, p.step, p.dtype, p.shape)
+         .join(m, sa.and_(m.c.run_id == p.run_id, m.c.id == p.module_id)).where(p.run_id == self.id))
+    if module is not None: q = q.where(m.c.name.in_(_as_list(module)))
+    with engine(self.db).connect() as c: rows = c.execute(q.order_by(p.module_id, p.ttype, p.tname, p.call, p.step)).all()
+    df = pd.DataFrame([tuple(r) for r in rows], columns=_SNAPS)
+    df['shape'] = [tuple(json.loads(s)) for s in df['shape']]
+    return df
+
+def _have(snaps:pd.DataFrame)->str:
+    "What `snaps` holds, for an error message: one `ttype tname (call c) at steps ...` per tensor."
+    g = snaps.groupby(['module', 'ttype', 'tname', 'call'], sort=False)['step']
+    return '; '.join(f"{m!r} {tt} {tn}{f' (call {c})' if c else ''} at step{'s' if len(v) > 1 else ''} "
+                     f"{', '.join(map(str, v.tolist()[:8]))}{' …' if len(v) > 8 else ''}" for (m, tt, tn, c), v in list(g)[:10])
+
+@patch
+def snapshot(self:Run,
+             module:str,        # the module's name ('' for the model)
+             tname:str,         # the tensor's name, e.g. 'weight' or 'output'
+             step:int=None,     # the step; default the newest closed one
+             ttype:str=None,    # which kind of tensor; needed only when the module has several kinds named `tname`
+             call:int=0,        # which call of the module, for inputs and outputs
+            )->torch.Tensor:
+    "The stored tensor `tname` of `module` as it was at `step`: the newest snapshot taken at or before it."
+    step = self.last_step if step is None else step
+    snaps = self.snapshots(module)
+    kinds = sorted(set(snaps.loc[snaps['tname'] == tname, 'ttype']))
+    if ttype is None and len(kinds) > 1:
+        raise ValueError(f"module {module!r} has snapshots of {tname!r} as {' and '.join(kinds)}: pass ttype= to choose")
+    ttype = ttype if ttype is not None else kinds[0] if kinds else None
+    hit = snaps[(snaps['tname'] == tname) & (snaps['ttype'] == ttype) & (snaps['call'] == call)
+                & (snaps['step'] <= (step if step is not None else -1))]
+    if hit.empty:
+        what = f"{ttype or ''} {tname!r}{f' (call {call})' if call else ''}".strip()
+        have = (f"it has {_have(snaps)}" if len(snaps) else
+                f"it has none of {module!r}; the run has {_have(self.snapshots())}" if len(self.snapshots()) else "the run has none")
+        when = f"at or before step {step}" if step is not None else "(no step closed yet)"
+        raise KeyError(f"no snapshot of module {module!r} {what} {when} in run {self.name!r}; {have}")
+    row = hit.iloc[-1]
+    p = snapshots_t.c
+    q = select(p.data).where(p.run_id == self.id, p.module_id == select(modules_t.c.id).where(
+        modules_t.c.run_id == self.id, modules_t.c.name == module).scalar_subquery(),
+        p.ttype == ttype, p.tname == tname, p.call == call, p.step == int(row['step']))
+    with engine(self.db).connect() as c: data = c.execute(q).scalar()
+    return decode_snapshot(row['dtype'], json.dumps(list(row['shape'])), data)

@@ -6,7 +6,7 @@ Docs: https://torchember.github.io/torchember/report.html.md"""
 
 # %% ../nbs/06_report.ipynb #64c8751a
 from __future__ import annotations
-import html, json, math, re, time
+import html, json, re, time
 from pathlib import Path
 import pandas as pd
 import plotly.graph_objects as go
@@ -14,7 +14,7 @@ from plotly.subplots import make_subplots
 from fastcore.basics import patch
 from sqlalchemy import text
 from .store import engine
-from .query import Run, load
+from .query import Run, load, flow_order
 from .explore import (BLUE, ORANGE, recorded_steps, thin, with_stats, combine, history_traces, heatmap_traces,
                                 latest_by_module, overview_traces, modules_in_order, module_label)
 
@@ -29,15 +29,9 @@ def nonfinite(run:Run)->pd.DataFrame:
                 FROM records WHERE run_id = :rid AND (nan_count > 0 OR inf_count > 0)
                 GROUP BY module_id, module, ttype, tname ORDER BY module_id, ttype, tname""")
     cols = ['module', 'ttype', 'tname', 'first_step', 'steps', 'nan', 'inf']
-    with engine(run.db).connect() as c: df = pd.DataFrame(c.execute(q, dict(rid=run.id)).all(), columns=cols)
-    done = {}   # first step -> module -> position of its exit in that step's sequence
-    for s in df['first_step'].unique():
-        done[s] = {}
-        for i, ev in enumerate(run.sequence(int(s))):
-            if ev.startswith('exit '): done[s].setdefault(ev[5:], i)
-    key = pd.DataFrame({'s': df['first_step'], 'w': (~df['ttype'].isin(['input', 'output'])).astype(int),
-                        'e': [done[s].get(m, math.inf) for s, m in zip(df['first_step'], df['module'])]})
-    return df.loc[key.sort_values(['s', 'w', 'e'], kind='stable').index].reset_index(drop=True)
+    with engine(run.db).connect() as c: df = pd.DataFrame([tuple(r) for r in c.execute(q, dict(rid=run.id))], columns=cols)
+    parts = [flow_order(g, run.events(int(s))) for s, g in df.groupby('first_step', sort=True)]
+    return pd.concat(parts, ignore_index=True) if parts else df
 
 # %% ../nbs/06_report.ipynb #8d559344
 _LAYOUT = dict(template='plotly_white', margin=dict(l=50, r=20, t=50, b=40))
@@ -87,6 +81,9 @@ def report_html(run:Run, max_points:int=500)->str:
             'store': engine(run.db).url.database or str(engine(run.db).url), 'report written': time.strftime('%Y-%m-%d %H:%M:%S')}
     parts = [f"<h1>torchember report: {e(run.name)}</h1>", '<table class="meta">',
              *[f"<tr><td>{e(k)}</td><td>{e(str(v))}</td></tr>" for k, v in meta.items()], '</table>', '<h2>NaN and Inf</h2>']
+    if f := run.first_nonfinite():
+        parts.append(f"<p>First NaN/Inf: <b>{e(module_label(f['module']))}</b> ({e(str(f['mtype']))}) {e(f['ttype'])} "
+                     f"{e(f['tname'])} at step {f['step']}, call {f['call']}</p>")
     nf = nonfinite(run)
     parts.append(nf.assign(module=nf['module'].map(module_label)).to_html(index=False, border=0) if len(nf)
                  else '<p class="ok">No NaN or Inf in any recorded tensor.</p>')
