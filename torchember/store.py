@@ -1,4 +1,4 @@
-"""The SQLite event store: a small documented schema, one transaction per step, written by a background thread.
+"""The event store: a small documented schema in SQLite (the default) or PostgreSQL, one transaction per step, written by a background thread.
 
 Docs: https://torchember.github.io/torchember/store.html.md"""
 
@@ -9,13 +9,14 @@ from __future__ import annotations
 import getpass, json, os, platform, queue, socket, stat, threading, time, warnings, atexit, weakref
 from pathlib import Path
 import sqlalchemy as sa
-from sqlalchemy import (Column, Float, ForeignKey, Integer, LargeBinary, MetaData, PrimaryKeyConstraint, String, Table,
-                        Text, event, insert, select, update, func)
+from sqlalchemy import (BigInteger, Column, Float, ForeignKey, Integer, LargeBinary, MetaData, PrimaryKeyConstraint, String,
+                        Table, Text, event, insert, select, update, func)
+from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 # %% auto #0
-__all__ = ['SCHEMA_VERSION', 'metadata', 'STAT_COLS', 'meta_t', 'runs_t', 'modules_t', 'steps_t', 'events_t', 'stats_t',
-           'calls_t', 'scalars_t', 'snapshots_t', 'VIEWS', 'default_db', 'db_url', 'StoreError', 'engine', 'create_run',
-           'write_step', 'Writer']
+__all__ = ['SCHEMA_VERSION', 'metadata', 'STAT_COLS', 'Str', 'Size', 'meta_t', 'runs_t', 'modules_t', 'steps_t', 'events_t',
+           'stats_t', 'calls_t', 'scalars_t', 'snapshots_t', 'VIEWS', 'default_db', 'db_url', 'StoreError', 'engine',
+           'create_run', 'write_step', 'Writer']
 
 # %% ../nbs/02_store.ipynb #2b4773a6
 SCHEMA_VERSION = 2
@@ -35,16 +36,18 @@ def db_url(db=None)->str:
 # %% ../nbs/02_store.ipynb #6a4bd03f
 metadata = MetaData()
 STAT_COLS = ('numel', 'mean', 'std', 'min', 'max', 'norm', 'zero_frac', 'nan_count', 'inf_count')
+Str = String().with_variant(String(collation='C'), 'postgresql')   # sorts byte by byte, as SQLite does, whatever the locale
+Size = BigInteger().with_variant(Integer(), 'sqlite')              # counts and bytes past 2**31 (SQLite's integers are 64-bit)
 
-meta_t = Table('meta', metadata, Column('key', String, primary_key=True), Column('value', Text))
+meta_t = Table('meta', metadata, Column('key', Str, primary_key=True), Column('value', Text))
 runs_t = Table('runs', metadata,
-    Column('id', Integer, primary_key=True), Column('name', String, nullable=False, unique=True),
-    Column('model', String), Column('started', Float), Column('user', String), Column('host', String),
-    Column('torch', String), Column('tree', Text), Column('config', Text), Column('last_step', Integer))
+    Column('id', Integer, primary_key=True), Column('name', Str, nullable=False, unique=True),
+    Column('model', Str), Column('started', Float), Column('user', Str), Column('host', Str),
+    Column('torch', Str), Column('tree', Text), Column('config', Text), Column('last_step', Integer))
 modules_t = Table('modules', metadata,
     Column('run_id', Integer, ForeignKey('runs.id'), nullable=False), Column('id', Integer, nullable=False),
-    Column('name', String, nullable=False), Column('mtype', String), Column('parent', Integer),
-    Column('n_params', Integer), Column('n_learnable', Integer), Column('param_bytes', Integer),
+    Column('name', Str, nullable=False), Column('mtype', Str), Column('parent', Integer),
+    Column('n_params', Size), Column('n_learnable', Size), Column('param_bytes', Size),
     PrimaryKeyConstraint('run_id', 'id'))
 steps_t = Table('steps', metadata,
     Column('run_id', Integer, nullable=False), Column('step', Integer, nullable=False),
@@ -52,14 +55,14 @@ steps_t = Table('steps', metadata,
     PrimaryKeyConstraint('run_id', 'step'))
 events_t = Table('events', metadata,
     Column('run_id', Integer, nullable=False), Column('step', Integer, nullable=False), Column('seq', Integer, nullable=False),
-    Column('kind', String, nullable=False), Column('module_id', Integer, nullable=False), Column('call', Integer),
+    Column('kind', Str, nullable=False), Column('module_id', Integer, nullable=False), Column('call', Integer),
     PrimaryKeyConstraint('run_id', 'step', 'seq'))
 stats_t = Table('stats', metadata,
     Column('run_id', Integer, nullable=False), Column('step', Integer, nullable=False),
     Column('module_id', Integer, nullable=False), Column('call', Integer, nullable=False),
-    Column('ttype', String, nullable=False), Column('tname', String, nullable=False),
-    Column('shape', String), Column('dtype', String),
-    *[Column(c, Float) for c in STAT_COLS], Column('extra', Text), Column('nbytes', Integer),
+    Column('ttype', Str, nullable=False), Column('tname', Str, nullable=False),
+    Column('shape', Str), Column('dtype', Str),
+    *[Column(c, Float) for c in STAT_COLS], Column('extra', Text), Column('nbytes', Size),
     PrimaryKeyConstraint('run_id', 'step', 'module_id', 'call', 'ttype', 'tname'), sqlite_with_rowid=False)
 calls_t = Table('calls', metadata,
     Column('run_id', Integer, nullable=False), Column('step', Integer, nullable=False),
@@ -68,25 +71,22 @@ calls_t = Table('calls', metadata,
     PrimaryKeyConstraint('run_id', 'step', 'module_id', 'call'), sqlite_with_rowid=False)
 scalars_t = Table('scalars', metadata,
     Column('run_id', Integer, nullable=False), Column('step', Integer, nullable=False),
-    Column('name', String, nullable=False), Column('value', Float),
+    Column('name', Str, nullable=False), Column('value', Float),
     PrimaryKeyConstraint('run_id', 'step', 'name'), sqlite_with_rowid=False)
 snapshots_t = Table('snapshots', metadata,
     Column('run_id', Integer, nullable=False), Column('module_id', Integer, nullable=False),
-    Column('ttype', String, nullable=False), Column('tname', String, nullable=False), Column('call', Integer, nullable=False),
-    Column('step', Integer, nullable=False), Column('dtype', String), Column('shape', String), Column('data', LargeBinary),
+    Column('ttype', Str, nullable=False), Column('tname', Str, nullable=False), Column('call', Integer, nullable=False),
+    Column('step', Integer, nullable=False), Column('dtype', Str), Column('shape', Str), Column('data', LargeBinary),
     PrimaryKeyConstraint('run_id', 'module_id', 'ttype', 'tname', 'call', 'step'))
 
 VIEWS = {
- 'records': """CREATE VIEW IF NOT EXISTS records AS
-   SELECT r.name AS run, s.step, s.call, m.name AS module, m.mtype, s.ttype, s.tname, s.shape, s.dtype,
+ 'records': """SELECT r.name AS run, s.step, s.call, m.name AS module, m.mtype, s.ttype, s.tname, s.shape, s.dtype,
           s.numel, s.mean, s.std, s.min, s.max, s.norm, s.zero_frac, s.nan_count, s.inf_count, s.nbytes, s.extra,
           s.run_id, s.module_id
    FROM stats s JOIN runs r ON r.id = s.run_id JOIN modules m ON m.run_id = s.run_id AND m.id = s.module_id""",
- 'latest': """CREATE VIEW IF NOT EXISTS latest AS
-   SELECT rec.* FROM records rec
+ 'latest': """SELECT rec.* FROM records rec
    JOIN (SELECT run_id, MAX(step) AS step FROM steps GROUP BY run_id) l ON l.run_id = rec.run_id AND l.step = rec.step""",
- 'sequences': """CREATE VIEW IF NOT EXISTS sequences AS
-   SELECT r.name AS run, st.step, e.seq, e.kind, m.name AS module, e.call, st.run_id
+ 'sequences': """SELECT r.name AS run, st.step, e.seq, e.kind, m.name AS module, e.call, st.run_id
    FROM steps st JOIN runs r ON r.id = st.run_id
    JOIN events e ON e.run_id = st.run_id AND e.step = st.events_step
    JOIN modules m ON m.run_id = e.run_id AND m.id = e.module_id"""}
@@ -125,13 +125,28 @@ def engine(db=None, create:bool=True)->sa.Engine:
         try: _init_schema(eng)
         except sa.exc.DatabaseError as e:
             eng.dispose()
-            raise StoreError(f"{u.render_as_string(hide_password=True)} is not a usable torchember store: {e.orig}") from None
+            folder = Path(u.database or '.').parent
+            if sqlite and not create and Path(u.database).is_file() and not os.access(folder, os.W_OK): eng = _archive_engine(u)
+            else: raise StoreError(f"{u.render_as_string(hide_password=True)} is not a usable torchember store: {e.orig}") from None
         _engines[url] = eng
         return eng
+
+def _archive_engine(u:sa.URL)->sa.Engine:
+    "Read a store in a folder this process cannot write (read-only media, another user's results): as an immutable file."
+    eng = sa.create_engine(f"sqlite:///file:{Path(u.database).absolute()}?mode=ro&immutable=1&uri=true")
+    try:
+        with eng.connect() as c:
+            if 'meta' not in sa.inspect(c).get_table_names(): raise StoreError(f"{u.database!r} is not a torchember store")
+            _stored_version(c, eng)
+    except sa.exc.DatabaseError as e:
+        eng.dispose()
+        raise StoreError(f"{u.database!r} is not a readable torchember store: {e.orig}") from None
+    return eng
 
 def _init_schema(eng, tries:int=3):
     try:
         with eng.begin() as c:
+            if c.dialect.name == 'postgresql': c.exec_driver_sql('SELECT pg_advisory_xact_lock(7461)')  # one creator at a time, till commit
             tables = set(sa.inspect(c).get_table_names())
             if tables and 'meta' not in tables:
                 raise StoreError(f"{eng.url.render_as_string(hide_password=True)} is a database but not a torchember store "
@@ -140,14 +155,28 @@ def _init_schema(eng, tries:int=3):
             metadata.create_all(c)
             if ver is not None and (_upgrade(c, eng) or ver < SCHEMA_VERSION):
                 for v in VIEWS: c.exec_driver_sql(f'DROP VIEW IF EXISTS {v}')
-            for v in VIEWS.values(): c.exec_driver_sql(v)
+            _create_views(c)
             if ver is None: c.execute(insert(meta_t).values(key='schema_version', value=str(SCHEMA_VERSION)))
             elif ver < SCHEMA_VERSION:
                 c.execute(update(meta_t).where(meta_t.c.key == 'schema_version').values(value=str(SCHEMA_VERSION)))
-    except (sa.exc.OperationalError, sa.exc.IntegrityError) as e:   # another process created the schema at the same moment
-        if tries <= 1 or not any(m in str(e.orig) for m in ('already exists', 'UNIQUE constraint', 'duplicate column')): raise
+    except (sa.exc.OperationalError, sa.exc.IntegrityError, sa.exc.ProgrammingError) as e:
+        if tries <= 1 or not _lost_race(e.orig): raise
         time.sleep(0.05)
         _init_schema(eng, tries - 1)
+
+def _lost_race(err)->bool:
+    "Whether `err` says another process created the schema at the same moment (SQLite's messages, PostgreSQL's SQLSTATEs)."
+    return (getattr(err, 'sqlstate', None) in ('23505', '42P07', '42710', '42701')   # unique violation, duplicate table/object/column
+            or any(m in str(err) for m in ('already exists', 'UNIQUE constraint', 'duplicate column')))
+
+def _create_views(c):
+    "Create the views the store lacks: SQLite has `CREATE VIEW IF NOT EXISTS`; elsewhere only missing ones are created."
+    if c.dialect.name == 'sqlite':
+        for name, q in VIEWS.items(): c.exec_driver_sql(f'CREATE VIEW IF NOT EXISTS {name} AS {q}')
+        return
+    have = set(sa.inspect(c).get_view_names())   # not CREATE OR REPLACE: that locks out readers of the view each time a store opens
+    for name, q in VIEWS.items():
+        if name not in have: c.exec_driver_sql(f'CREATE VIEW {name} AS {q}')
 
 def _upgrade(c, eng)->bool:
     "Bring an older store up to date: add the columns it lacks (new tables `create_all` has made already); whether it did."
@@ -215,12 +244,17 @@ def _torch_version():
 _sql = {}
 
 def _executemany(c, table:Table, rows:list, replace:bool=False):
-    "Insert `rows` (tuples in `table`'s column order) with one executemany of SQLAlchemy's compiled `insert`; `replace`: a row with the same key replaces the old one (SQLite)."
-    key = (c.engine.dialect.name, table.name, replace)
+    "Insert `rows` (tuples in `table`'s column order) with one executemany of SQLAlchemy's compiled `insert`; `replace`: a row with the same key replaces the old one."
+    dialect = c.engine.dialect
+    key = (dialect.name, dialect.driver, table.name, replace)
     if key not in _sql:
         ins = insert(table)
-        if replace and c.engine.dialect.name == 'sqlite': ins = ins.prefix_with('OR REPLACE')
-        comp = ins.compile(dialect=c.engine.dialect)
+        if replace and dialect.name == 'sqlite': ins = ins.prefix_with('OR REPLACE')
+        elif replace and dialect.name == 'postgresql':
+            ins = pg_insert(table)
+            ins = ins.on_conflict_do_update(index_elements=list(table.primary_key.columns),
+                                            set_={col.name: ins.excluded[col.name] for col in table.columns if not col.primary_key})
+        comp = ins.compile(dialect=dialect)
         names = [col.name for col in table.columns]
         pos = comp.positional and list(comp.positiontup) == names
         _sql[key] = (str(comp), pos, names)
