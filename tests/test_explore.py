@@ -91,7 +91,7 @@ def test_history_queries_only_the_steps_it_draws(store, monkeypatch):
     monkeypatch.setattr(Run, 'df', spy)
     h = history(load('good', store), '2', 'output', max_points=7)
     assert len(h) == 7 and h['step'].iloc[0] == 0 and h['step'].iloc[-1] == STEPS - 1
-    assert calls == [dict(module='2', ttype='output', tname=None, step=h['step'].tolist())]
+    assert calls == [dict(module='2', ttype='output', tname=None, rank=None, step=h['step'].tolist())]
 
 # the explorer
 

@@ -28,7 +28,7 @@ def hook_counts(model):
     return {n: tuple(len(getattr(m, a)) for a in HOOK_DICTS) for n, m in model.named_modules()}, \
            [len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()]
 
-TORCH_MARKS = ('_is_torch_compile',)   # what torch.compile itself writes into a module's __dict__
+TORCH_MARKS = ('_is_torch_compile', '_compile_kwargs')   # what torch.compile (and Lightning's wrapper of it, once imported) writes into a module's __dict__
 
 def assert_bare(model, before, ignore=()):
     "No hook of any kind on any module or parameter, and every module's attributes as in `before` (but `ignore`d keys)."

@@ -82,7 +82,7 @@ def test_modules(run, db):
 
 def test_calls(run, db):
     c = run.calls()
-    assert list(c.columns) == ['run', 'step', 'module', 'mtype', 'call', 'training', 'fwd_ms', 'bwd_ms']
+    assert list(c.columns) == ['run', 'step', 'rank', 'module', 'mtype', 'call', 'training', 'fwd_ms', 'bwd_ms']
     assert len(c) == 4 * len(MODS) and (c['run'] == 'inst').all()
     s1 = run.calls(step=1, module=['head', 'act'])
     assert s1['module'].tolist() == ['act', 'head'] and s1['fwd_ms'].tolist() == [8., 10.] and s1['bwd_ms'].tolist() == [16., 20.]
@@ -96,12 +96,12 @@ def test_calls(run, db):
 
 def test_scalars(run):
     sc = run.scalars()
-    assert list(sc.columns) == ['step', 'name', 'value'] and len(sc) == 7
+    assert list(sc.columns) == ['step', 'rank', 'name', 'value'] and len(sc) == 7
     assert sc[sc['name'] == 'loss']['value'].tolist() == [1., .5, 1/3, .2]
 
 def test_steps(run, db):
     st = run.steps()
-    assert list(st.columns) == ['step', 'closed', 'training', 'n_records', 'grad_norm', 'weight_norm', 'loss', 'lr']
+    assert list(st.columns) == ['step', 'rank', 'closed', 'training', 'n_records', 'grad_norm', 'weight_norm', 'loss', 'lr']
     assert st['step'].tolist() == [0, 1, 2, 3] and pd.api.types.is_datetime64_any_dtype(st['closed'])
     assert st['training'].tolist() == [True, True, True, False]
     assert st['grad_norm'].iloc[0] == pytest.approx(math.sqrt(3**2 + 3**2))   # two weight grads of norm 3, biases 0
@@ -141,7 +141,7 @@ def test_events_and_flow_order(run):
         ['head', 'weight']]                                                   # weights last
 
 def test_first_nonfinite(run):
-    assert run.first_nonfinite() == dict(step=1, module='head', mtype='Linear', ttype='input_grad', tname='input', call=0,
+    assert run.first_nonfinite() == dict(step=1, rank=0, module='head', mtype='Linear', ttype='input_grad', tname='input', call=0,
                                          nan_count=0, inf_count=8)
     f2 = run.first_nonfinite(step=2)
     assert (f2['module'], f2['ttype'], f2['nan_count']) == ('act', 'output', 8)     # before `head` and the root, whose ids differ

@@ -310,11 +310,14 @@ def _grad_hook(self:Capture, pi, p):
             if m == mi: t[4] = now
     if self._grads is None:
         self._grads = {}
-        torch.autograd.Variable._execution_engine.queue_callback(_Hook(self._grads_done))
+        torch.autograd.Variable._execution_engine.queue_callback(_Hook(self._grads_done, True))
     self._grads[pi] = p
 
 @patch
-def _grads_done(self:Capture):
+def _grads_done(self:Capture, again:bool=False):
+    if again:   # queue once more, to run after the callbacks queued since (DDP's writes the averaged grads)
+        try: return torch.autograd.Variable._execution_engine.queue_callback(_Hook(self._grads_done))
+        except RuntimeError: pass
     grads, self._grads = self._grads, None
     items = [(self.params[pi][0], self.params[pi][1], p.grad) for pi, p in grads.items() if p.grad is not None]
     if items and self.step >= 0: self.recorder.params(self.step, 'weight_grad', items)

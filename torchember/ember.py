@@ -9,23 +9,24 @@ from __future__ import annotations
 import atexit, secrets, time, warnings, weakref
 from functools import partial
 import torch
+import torch.distributed as dist
 from torch import nn
 from fastcore.basics import patch
 from .core import Capture, module_tree, module_info, _Inert, _Hook
 from .stats import Recorder, TTYPES, default_stats
 from .instruments import hist_stats, Snapshots, Changes, UpdateTracker
-from .store import engine, create_run, write_step, Writer, db_url
+from .store import engine, create_run, write_step, Writer, db_url, keyed_by_rank, StoreError
 from .query import Run
 
 # %% auto #0
-__all__ = ['torchEmber', 'unwrap']
+__all__ = ['torchEmber', 'unwrap', 'process_rank', 'agree_run_name', 'rank_selector']
 
 # %% ../nbs/04_ember.ipynb #654a6fa8
 class torchEmber:
     "Arm `model`: record every module call's inputs, outputs, weights and weight grads into a store, step by step."
     def __init__(self,
-                 model:nn.Module,       # the model to arm; a step is one call of it
-                 run:str=None,          # the run's name; unique default from the model class and time
+                 model:nn.Module,       # the model to arm (a `DistributedDataParallel` or compiled one is armed inside); a step is one call of it
+                 run:str=None,          # the run's name; unique default from the model class and time (agreed by all ranks)
                  db=None,               # store path or SQLAlchemy URL; default `~/.torchember/torchember.db` or `$TORCHEMBER_DB`
                  every:int=1,           # record one step in `every`
                  resume:bool=False,     # continue the run of this name instead of refusing it
@@ -40,16 +41,20 @@ class torchEmber:
                  snapshot=None,         # glob(s) of tensor keys to save raw, e.g. 'layers.3.output' or '*.weight.grad'
                  snapshot_fn=None,      # applied to a tensor before it is saved
                  track_updates:bool=False, # update_norm and init_dist of every weight (keeps two copies of the weights)
+                 ranks=None,            # which ranks of a distributed job record: a list of ranks or a predicate `rank -> bool`; default all
                 ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"torchEmber arms an nn.Module, not {type(model).__name__}")
         model = unwrap(model)
+        pick = rank_selector(ranks)
+        self.rank, self.world_size = process_rank()
+        self.recording = bool(pick(self.rank))
         prev = _armed.get(model)
-        if prev is not None and prev.capture.armed:
+        if self.recording and prev is not None and prev.capture.armed:
             warnings.warn(f"torchember: this model was armed for run {prev.run_name!r}; disarming that one first", stacklevel=2)
             prev.disarm()
         self.model, self.db, self.strict = model, db, strict
-        self.run_name = run if run is not None else f"{type(model).__name__.lower()}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+        self.run_name = agree_run_name(run, model)
         self.recorder = Recorder(self._emit, strict=strict)
         self.stat_fns = self.recorder.stat_fns
         self.capture = Capture(model, self.recorder, every=every, modules=modules, record_eval=record_eval,
@@ -59,29 +64,63 @@ class torchEmber:
         if snapshot is not None: self.recorder.on_tensor = Snapshots(snapshot, self.capture.names, snapshot_fn)
         if track_updates: self.recorder.param_extras = UpdateTracker()
         self._changes = Changes()
+        self.writer, self._disarm_hook, self._last_events = None, _Hook(self.disarm), (None, None)
+        self.engine = self.run_id = None
+        if not self.recording: return        # a rank left out: nothing armed, nothing written
         config = dict(every=every, modules=None if modules is None else repr(modules), record_eval=record_eval,
                       timing=timing, io_grad=io_grad, hist=hist, sample_n=sample_n, outliers=outliers,
-                      snapshot=snapshot, track_updates=track_updates)
+                      snapshot=snapshot, track_updates=track_updates, ranks=None if ranks is None else repr(ranks))
         idx = {n: i for i, n in enumerate(self.capture.names)}
         mods = [(n, t, idx.get(n.rpartition('.')[0]) if n else None, *module_info(m))
                 for n, t, m in zip(self.capture.names, self.capture.mtypes, self.capture.mods)]
         self.engine = engine(db)
+        writers = sum(bool(pick(r)) for r in range(self.world_size))
+        if writers > 1 and not keyed_by_rank(self.engine):
+            raise StoreError(f"store {self.engine.url.render_as_string(hide_password=True)} was made before torchember kept ranks "
+                             f"apart: record the {writers} ranks of this job into a new store file, or only one of them (ranks=[0])")
         self.run_id, last = create_run(self.engine, self.run_name, type(model).__name__, mods, module_tree(model),
-                                       config=config, resume=resume)
+                                       config=config, resume=resume, rank=self.rank, world_size=self.world_size)
         if last is not None: self.capture.step = last
-        self.writer, self._disarm_hook, self._last_events = None, _Hook(self.disarm), (None, None)
         self.arm()
 
     def __reduce__(self): return (_Inert, ())
     def __repr__(self):
-        state = 'armed' if self.capture.armed else 'disarmed'
-        return f"torchEmber(run={self.run_name!r}, model={type(self.model).__name__}, step={self.capture.step}, store={self.engine.url.database or self.engine.url}, {state})"
+        state = 'armed' if self.capture.armed else 'disarmed' if self.recording else f'rank {self.rank} not recorded'
+        where = f", rank={self.rank} of {self.world_size}" if self.world_size > 1 else ''
+        store = self.engine.url.database or self.engine.url if self.engine is not None else self.db
+        return f"torchEmber(run={self.run_name!r}, model={type(self.model).__name__}, step={self.capture.step}{where}, store={store}, {state})"
 
 # %% ../nbs/04_ember.ipynb #34287e9d
 def unwrap(model:nn.Module)->nn.Module:
-    "The model inside a `torch.compile` wrapper, else `model`."
-    inner = getattr(model, '_orig_mod', None)
-    return inner if isinstance(inner, nn.Module) and type(model).__name__ == 'OptimizedModule' else model
+    "The model inside `torch.compile`'s, `DistributedDataParallel`'s and `DataParallel`'s wrappers (nested ones too), else `model`."
+    while True:
+        inner = getattr(model, '_orig_mod', None)
+        if type(model).__name__ == 'OptimizedModule' and isinstance(inner, nn.Module): model = inner
+        elif isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)): model = model.module
+        else: return model
+
+# %% ../nbs/04_ember.ipynb #ec122825
+def process_rank()->tuple:
+    "`(rank, world_size)` of this process in the initialised `torch.distributed` process group; `(0, 1)` without one."
+    if dist.is_available() and dist.is_initialized(): return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+# %% ../nbs/04_ember.ipynb #94842e96
+def agree_run_name(run:str|None, model:nn.Module)->str:
+    "`run`, or a unique default from the model's class and the time, made by rank 0 and broadcast to every rank."
+    if run is not None: return run
+    name = [f"{type(model).__name__.lower()}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"]
+    if process_rank()[1] > 1: dist.broadcast_object_list(name, src=0)
+    return name[0]
+
+# %% ../nbs/04_ember.ipynb #6dc808a7
+def rank_selector(ranks=None)->callable:
+    "A predicate `rank -> bool` from a list (or one int) of ranks or a predicate; None: every rank."
+    if ranks is None: return lambda rank: True
+    if callable(ranks): return ranks
+    chosen = {ranks} if isinstance(ranks, int) else set(ranks)
+    if not all(isinstance(r, int) and r >= 0 for r in chosen): raise TypeError(f"ranks= takes ranks (ints >= 0) or a predicate, not {ranks!r}")
+    return lambda rank: rank in chosen
 
 # %% ../nbs/04_ember.ipynb #83fa450b
 @patch
@@ -94,7 +133,7 @@ def _write(self:torchEmber, rec):
     same = rec.events and rec.events == self._last_events[1]
     write_step(self.engine, self.run_id, rec.step, rec.rows(), rec.events, closed=rec.closed,
                events_step=self._last_events[0] if same else None, training=rec.training, calls=rec.call_rows(),
-               scalars=rec.scalar_values(), snapshots=self._changes.rows(rec.snapshots))
+               scalars=rec.scalar_values(), snapshots=self._changes.rows(rec.snapshots), rank=self.rank)
     if rec.events and not same: self._last_events = (rec.step, rec.events)
 
 # %% ../nbs/04_ember.ipynb #e2c7a131
@@ -109,7 +148,8 @@ def _close_open_steps():
 
 @patch
 def arm(self:torchEmber):
-    "Arm the model (again); recording continues the same run."
+    "Arm the model (again); recording continues the same run. On a rank that `ranks=` leaves out, nothing happens."
+    if not self.recording: return self
     other = _armed.get(self.model)
     if other is not None and other is not self and other.capture.armed: other.disarm()
     _armed[self.model] = self
@@ -158,7 +198,7 @@ def df(self:torchEmber, **filters):
 
 @patch
 def latest(self:torchEmber):
-    "Records of the latest complete step."
+    "Records of the latest complete step (in a distributed job, the newest that every rank has closed: see `Run.latest`)."
     return self.flush().run.latest()
 
 @patch
@@ -213,17 +253,18 @@ def mt_log(self:torchEmber)->list:
 # %% ../nbs/04_ember.ipynb #285b1d8a
 @patch
 def log(self:torchEmber, **scalars):
-    "Store `scalars` (numbers or 0-d tensors) with the current step."
+    "Store `scalars` (numbers or 0-d tensors) with the current step (on a rank not recorded, nothing)."
     for k, v in scalars.items():
         if isinstance(v, torch.Tensor) and v.numel() != 1 or not isinstance(v, (int, float, torch.Tensor)) or isinstance(v, bool):
             raise TypeError(f"te.log takes numbers or one-element tensors, got {k}={type(v).__name__}")
+    if not self.recording: return self
     step = max(self.capture.step, 0)
     for k, v in scalars.items(): self.recorder.scalar(step, k, v)
     return self
 
 def _set_enabled(self:torchEmber, on:bool): self.capture.enabled = bool(on)
-torchEmber.enabled = property(lambda self: self.capture.enabled, _set_enabled,
-                              doc="Whether steps are recorded (the model stays armed either way).")
+torchEmber.enabled = property(lambda self: self.recording and self.capture.enabled, _set_enabled,
+                              doc="Whether steps are recorded (the model stays armed either way); always False on a rank `ranks=` leaves out.")
 
 @patch
 def enable(self:torchEmber): self.enabled = True; return self

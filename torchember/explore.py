@@ -21,16 +21,16 @@ from .query import runs, load, Run
 from .ember import torchEmber
 
 # %% auto #0
-__all__ = ['BLUE', 'ORANGE', 'RED', 'TIME', 'KINDS', 'with_stats', 'stat_columns', 'combine', 'recorded_steps', 'thin', 'history',
-           'heat', 'nan_steps', 'nan_trace', 'history_traces', 'modules_in_order', 'latest_by_module', 'module_label',
-           'overview_traces', 'latest_times', 'heatmap_traces', 'tensor_image', 'tensor_figure', 'tree_options',
-           'Explorer', 'explore']
+__all__ = ['BLUE', 'ORANGE', 'RED', 'RANK_COLORS', 'TIME', 'ALL', 'SPREAD', 'KINDS', 'with_stats', 'stat_columns', 'combine',
+           'recorded_steps', 'thin', 'history', 'heat', 'nan_steps', 'nan_trace', 'history_traces', 'modules_in_order',
+           'latest_by_module', 'module_label', 'overview_traces', 'latest_times', 'heatmap_traces', 'rank_traces',
+           'rank_spread', 'spread_traces', 'tensor_image', 'tensor_figure', 'tree_options', 'Explorer', 'explore']
 
 # %% ../nbs/05_explore.ipynb #e5848b4d
 from .instruments import hist_stats
 
 # %% ../nbs/05_explore.ipynb #f654825d
-_META = ('run', 'step', 'call', 'module', 'mtype', 'ttype', 'tname', 'shape', 'dtype')
+_META = ('run', 'step', 'rank', 'call', 'module', 'mtype', 'ttype', 'tname', 'shape', 'dtype')
 _SUMS = ('numel', 'nan_count', 'inf_count')
 
 def with_stats(df:pd.DataFrame)->pd.DataFrame:
@@ -72,8 +72,8 @@ def combine(df:pd.DataFrame,  # records, as `Run.df` returns them
 
 # %% ../nbs/05_explore.ipynb #30bcee91
 def recorded_steps(run:Run, after:int=None)->list:
-    "The closed steps of `run` (those after step `after` if given), in order."
-    q = select(steps_t.c.step).where(steps_t.c.run_id == run.id).order_by(steps_t.c.step)
+    "The closed steps of `run` (those after step `after` if given; closed by any rank), in order."
+    q = select(steps_t.c.step).where(steps_t.c.run_id == run.id).distinct().order_by(steps_t.c.step)
     if after is not None: q = q.where(steps_t.c.step > after)
     with engine(run.db).connect() as c: return list(c.execute(q).scalars())
 
@@ -88,12 +88,13 @@ def history(run:Run,              # the run to read
             tname:str=None,       # e.g. 'weight' or 'bias'; None: all, combined
             max_points:int=2000,  # at most this many steps, evenly spaced
             steps:list=None,      # the run's closed steps, if already known
-           )->pd.DataFrame:       # one row per step
-    "Per-step stats of one tensor of `module`, calls combined, at most `max_points` steps of the run."
+            rank:int=None,        # one rank's records; None: every rank's
+           )->pd.DataFrame:       # one row per step (and rank)
+    "Per-step stats of one tensor of `module`, calls combined, at most `max_points` steps of the run, per rank."
     steps = recorded_steps(run) if steps is None else steps
-    if not steps: return with_stats(run.df(step=[], module=module, ttype=ttype, tname=tname))
-    sel = thin(steps, max_points)   # named steps: the store seeks each (step, module) rather than scanning the run
-    return combine(with_stats(run.df(step=sel, module=module, ttype=ttype, tname=tname)), ['step'])
+    if not steps: return with_stats(run.df(step=[], module=module, ttype=ttype, tname=tname, rank=rank))
+    sel = thin(steps, max_points)   # named steps: the store seeks each (step, rank, module) rather than scanning the run
+    return combine(with_stats(run.df(step=sel, module=module, ttype=ttype, tname=tname, rank=rank)), ['step', 'rank'])
 
 # %% ../nbs/05_explore.ipynb #0d1352c1
 def heat(h:pd.DataFrame,  # per-step records with `hist`, `hist_lo`, `hist_hi` (see `hist_stats`)
@@ -164,12 +165,13 @@ def modules_in_order(tree:dict)->list:
 
 def _in_tree_order(df:pd.DataFrame, run:Run)->pd.DataFrame:
     order = {m: i for i, m in enumerate(modules_in_order(run.tree()))}
-    return df.assign(_o=df['module'].map(order)).sort_values('_o', kind='stable').drop(columns='_o').reset_index(drop=True)
+    keys = ['rank', '_o'] if 'rank' in df else ['_o']
+    return df.assign(_o=df['module'].map(order)).sort_values(keys, kind='stable').drop(columns='_o').reset_index(drop=True)
 
-def latest_by_module(run:Run, ttype:str='weight_grad', step:int=None)->pd.DataFrame:
-    "One row per module of `run` at `step` (default: the latest), its `ttype` tensors combined, in tree order."
+def latest_by_module(run:Run, ttype:str='weight_grad', step:int=None, rank:int=None)->pd.DataFrame:
+    "One row per module of `run` at `step` (default: the latest) and rank (or just `rank`), its `ttype` tensors combined, in tree order."
     step = run.last_step if step is None else step
-    return _in_tree_order(combine(with_stats(run.df(step=-1 if step is None else step, ttype=ttype)), ['module']), run)
+    return _in_tree_order(combine(with_stats(run.df(step=-1 if step is None else step, ttype=ttype, rank=rank)), ['rank', 'module']), run)
 
 def module_label(name:str)->str: return name if name else '(root)'
 
@@ -191,10 +193,10 @@ def overview_traces(o:pd.DataFrame,     # one row per module, from `latest_by_mo
     return [bar] + ([nan_trace(o.assign(label=labels), x='label', name=f'{run}: NaN/Inf' if run else 'NaN/Inf')] if bad else [])
 
 # %% ../nbs/05_explore.ipynb #6071aa57
-def latest_times(run:Run, step:int=None)->pd.DataFrame:
-    "One row per timed module of `run` at `step` (default: the latest): forward and backward ms summed over its calls, in tree order."
+def latest_times(run:Run, step:int=None, rank:int=None)->pd.DataFrame:
+    "One row per timed module of `run` at `step` (default: the latest) and rank (or just `rank`): forward and backward ms summed over its calls, in tree order."
     step = run.last_step if step is None else step
-    g = run.calls(step=-1 if step is None else step).groupby(['run', 'step', 'module', 'mtype'], sort=False)
+    g = run.calls(step=-1 if step is None else step, rank=rank).groupby(['run', 'step', 'rank', 'module', 'mtype'], sort=False)
     df = g[['fwd_ms', 'bwd_ms']].sum(min_count=1).join(g.size().rename('n_calls')).reset_index()
     return _in_tree_order(df, run)
 
@@ -206,6 +208,37 @@ def heatmap_traces(h:pd.DataFrame, bins:int=None)->list:
     tr = [go.Heatmap(x=hm['x'], y=hm['y'], z=hm['z'].tolist(), colorscale='Viridis', name='histogram', colorbar=dict(title='fraction'),
                      hovertemplate='step %{x}<br>value %{y:.4g}<br>fraction %{z:.3f}<extra></extra>')]
     if not nan_steps(h).empty: tr.append(nan_trace(h, y=pd.Series(hm['y'][-1], index=h.index)))
+    return tr
+
+# %% ../nbs/05_explore.ipynb #783730db
+RANK_COLORS = (BLUE, ORANGE, '#2ca02c', '#9467bd', '#8c564b', '#e377c2', '#7f7f7f', '#bcbd22', '#17becf')   # red is for NaN
+
+def rank_traces(h:pd.DataFrame, stats=('mean',))->list:
+    "`history_traces` of each rank of `h` (per step and rank, as `history` gives it), in a colour per rank, names prefixed `rank r`."
+    return [t for i, (r, d) in enumerate(h.groupby('rank')) for t in history_traces(d, stats, run=f'rank {r}', color=RANK_COLORS[i % len(RANK_COLORS)])]
+
+def rank_spread(h:pd.DataFrame,     # per-step records of several ranks, as `history` gives them
+                stats=('mean',),    # the stats to fold
+               )->pd.DataFrame:     # one row per step: `ranks`, each stat's mean over ranks and its `_lo`, `_hi`; NaN/Inf counts summed
+    "Each step of `h` over its ranks: how many, the mean of each stat over them, and the lowest and highest rank's value."
+    g = h.groupby('step', sort=True)
+    out = g.size().rename('ranks').to_frame()
+    for s in stats:
+        if s in h: out[s], out[f'{s}_lo'], out[f'{s}_hi'] = g[s].mean(), g[s].min(), g[s].max()
+    for c in ('nan_count', 'inf_count'):
+        if c in h: out[c] = g[c].sum(min_count=1)
+    return out.reset_index()
+
+def spread_traces(sp:pd.DataFrame, stats=('mean',), color:str=BLUE)->list:
+    "Each stat of `rank_spread`'s `sp` as its mean over ranks inside the band from the lowest to the highest rank, and NaN/Inf markers."
+    x, tr, first = sp['step'].tolist(), [], None
+    for i, s in enumerate(st for st in stats if st in sp):
+        common = dict(mode='lines', legendgroup=f'{s} ranks', hoverinfo='skip', line=dict(width=0))
+        tr += [go.Scatter(x=x, y=_list(sp[f'{s}_lo']), name=f'{s}: lowest rank', showlegend=False, **common),
+               go.Scatter(x=x, y=_list(sp[f'{s}_hi']), name=f'{s}: range over ranks', fill='tonexty', fillcolor=_rgba(color, .25), **common),
+               go.Scatter(x=x, y=_list(sp[s]), mode='lines', name=f'{s}: mean over ranks', line=dict(color=color, dash=_DASHES[i % len(_DASHES)]))]
+        if first is None: first = sp[s].where(np.isfinite(sp[s].astype(float))).ffill()
+    if first is not None and not nan_steps(sp).empty: tr.append(nan_trace(sp, y=first))
     return tr
 
 # %% ../nbs/05_explore.ipynb #7f7d0a5a
@@ -342,6 +375,7 @@ def _set_options(w, options:list, prefer=()):
     if w.value != keep: w.value = keep
 
 TIME = 'time'   # the overview's pseudo-ttype: milliseconds per module call
+ALL, SPREAD = 'all', 'spread'   # the rank picker's choices besides one rank
 KINDS = ('input', 'output', 'attached', 'weight', 'weight_grad', 'output_grad', 'input_grad')
 
 def _kinds_in_order(kinds)->list:
@@ -362,11 +396,12 @@ class Explorer(W.VBox):
         self.history_df = self.overlay_df = self.overview_df = self._ov_overlay = None
         self._first_bad, self._bad_after, self._timed = None, None, False
         self._steps, self._seen, self._updated, self._hold, self._lock = [], None, None, 0, threading.RLock()
-        self._stop, self._thread = threading.Event(), None
+        self._stop, self._thread, self._ranks = threading.Event(), None, [0]
         self._combos = pd.DataFrame(columns=['module', 'ttype', 'tname'])
         wide = W.Layout(width='auto')
         self.run_picker = W.Dropdown(description='run', layout=W.Layout(width='360px'))
         self.overlay_picker = W.Dropdown(description='overlay', layout=W.Layout(width='320px'))
+        self.rank_picker = W.Dropdown(description='rank', layout=W.Layout(width='200px', display='none'))
         self.live_toggle = W.ToggleButton(description='live', icon='play', tooltip='poll the store and follow new steps', layout=W.Layout(width='80px'))
         self.stop_button = W.Button(description='stop', icon='stop', layout=W.Layout(width='80px'))
         self.status = W.Label()
@@ -386,9 +421,9 @@ class Explorer(W.VBox):
         left = W.VBox([self.module_filter, self.module_picker], layout=W.Layout(width='260px'))
         right = W.VBox([W.HBox([self.ttype_picker, self.tname_picker, self.stat_picker, self.log_toggle]),
                         self.history_fig, self.heatmap_box], layout=W.Layout(flex='1 1 auto', width='100%'))
-        self.children = [W.HBox([self.run_picker, self.overlay_picker, self.live_toggle, self.stop_button, self.status]),
+        self.children = [W.HBox([self.run_picker, self.overlay_picker, self.rank_picker, self.live_toggle, self.stop_button, self.status]),
                          W.HBox([left, right]), W.HBox([self.ov_ttype, self.ov_stat]), self.overview_fig]
-        for w, fn in ((self.run_picker, 'show_run'), (self.overlay_picker, '_on_overlay'), (self.module_filter, '_on_filter'),
+        for w, fn in ((self.run_picker, 'show_run'), (self.overlay_picker, '_on_overlay'), (self.rank_picker, '_on_rank'), (self.module_filter, '_on_filter'),
                       (self.module_picker, '_on_module'), (self.ttype_picker, '_on_ttype'), (self.tname_picker, '_on_history'),
                       (self.stat_picker, '_on_history'), (self.log_toggle, '_on_log'), (self.ov_ttype, '_on_ov'),
                       (self.ov_stat, '_on_ov'), (self.live_toggle, '_on_live')):
@@ -443,10 +478,15 @@ def show_run(self:Explorer, name:str):
         self._combos = recs[['module', 'ttype', 'tname']].drop_duplicates().reset_index(drop=True)
         self._timed = bool(self._steps) and not self.run.calls(step=self._steps[-1]).empty
         self._first_bad = self._bad_after = None
+        self._ranks = self.run.ranks
         ov = [(k, k) for k in _kinds_in_order(self._combos['ttype']) or _kinds_in_order(TTYPES)]
         if self._timed: ov.append(('time (ms)', TIME))
         with self._quiet():
             self.run_picker.value = name
+            many = len(self._ranks) > 1
+            _set_options(self.rank_picker, [(f'rank {r}', r) for r in self._ranks] + ([('all ranks', ALL), ('spread', SPREAD)] if many else []),
+                         prefer=[self._ranks[0]])
+            self.rank_picker.layout.display = None if many else 'none'
             _set_options(self.ov_ttype, ov, prefer=['weight_grad', 'output'])
             _set_options(self.stat_picker, stat_columns(recs))
             if not self.stat_picker.value and 'mean' in self.stat_picker.options: self.stat_picker.value = ('mean',)
@@ -484,10 +524,12 @@ def refresh(self:Explorer, seen:tuple=None):
 @patch
 def _stamp(self:Explorer):
     "Write the status line: when the figures were last read from the store, how many steps, whether live."
-    n, f = len(self._steps), self._first_bad
-    bad = f" · first NaN/Inf: {module_label(f['module'])} ({f['mtype']}) {f['ttype']} at step {f['step']}" if f else ''
+    n, f, many = len(self._steps), self._first_bad, len(self._ranks) > 1
+    ranks = f" · {len(self._ranks)} ranks" if many else ''
+    where = f" on rank {f['rank']}" if f and many else ''
+    bad = f" · first NaN/Inf: {module_label(f['module'])} ({f['mtype']}) {f['ttype']} at step {f['step']}{where}" if f else ''
     live = ' · live' if self.live_toggle.value else ''
-    self.status.value = f"last updated {self._updated} · {n} step{'s' if n != 1 else ''}{bad}{live}"
+    self.status.value = f"last updated {self._updated} · {n} step{'s' if n != 1 else ''}{ranks}{bad}{live}"
 
 @patch
 def _find_first_bad(self:Explorer):
@@ -506,20 +548,34 @@ def _tensor(self:Explorer)->tuple:
     return self.module_picker.value, self.ttype_picker.value, self.tname_picker.value
 
 @patch
+def _rank(self:Explorer)->int|None:
+    "The rank shown, or None when every rank is (`all` or `spread`)."
+    v = self.rank_picker.value
+    return None if v in (ALL, SPREAD) else v
+
+@patch
+def _overlay_rank(self:Explorer)->int:
+    "The overlaid run's rank to draw: the one shown, if it has it, else its first."
+    ranks, r = self.overlay.ranks, self._rank()
+    return r if r in ranks else ranks[0]
+
+@patch
 def refresh_history(self:Explorer):
-    "Redraw the history and the heatmap of the chosen tensor."
+    "Redraw the history and the heatmap of the chosen tensor, of the rank(s) chosen."
     with self._lock:
         module, ttype, tname = self._tensor()
-        stats, log = list(self.stat_picker.value), self.log_toggle.value
-        h = history(self.run, module, ttype, tname, self.max_points, steps=self._steps) if ttype else pd.DataFrame(columns=['step'])
-        traces = history_traces(h, stats)
+        stats, log, view, rank = list(self.stat_picker.value), self.log_toggle.value, self.rank_picker.value, self._rank()
+        h = history(self.run, module, ttype, tname, self.max_points, steps=self._steps, rank=rank) if ttype else pd.DataFrame(columns=['step', 'rank'])
+        traces = (rank_traces(h, stats) if view == ALL else spread_traces(rank_spread(h, stats), stats) if view == SPREAD
+                  else history_traces(h, stats))
         self.history_df, self.overlay_df = h, None
         if self.overlay is not None and ttype:
-            self.overlay_df = history(self.overlay, module, ttype, tname, self.max_points)
+            self.overlay_df = history(self.overlay, module, ttype, tname, self.max_points, rank=self._overlay_rank())
             traces += history_traces(self.overlay_df, stats, run=self.overlay.name, color=ORANGE)
         what = f"{module_label(module)} · {ttype or '—'}{f' {tname}' if tname and tname != ttype else ''}"
+        if len(self._ranks) > 1: what += {ALL: ' · every rank', SPREAD: ' · all ranks (spread)'}.get(view, f' · rank {view}')
         _redraw(self.history_fig, traces, title=f"{what} over steps", yaxis_type='log' if log else 'linear')
-        hm = heatmap_traces(h) if ttype else []
+        hm = heatmap_traces(h) if ttype and rank is not None else []
         self.heatmap_box.layout.display = None if hm else 'none'
         _redraw(self.heatmap_fig, hm, title=f"{what}: histogram over steps")
     return self
@@ -529,9 +585,9 @@ def refresh_overview(self:Explorer):
     "Read the latest step of every module for the chosen ttype and redraw its bars."
     with self._lock:
         tt = self.ov_ttype.value
-        read = latest_times if tt == TIME else lambda r: latest_by_module(r, tt)
-        self.overview_df = read(self.run) if self.run is not None else pd.DataFrame()
-        self._ov_overlay = read(self.overlay) if self.overlay is not None else None
+        read = (lambda r, k: latest_times(r, rank=k)) if tt == TIME else (lambda r, k: latest_by_module(r, tt, rank=k))
+        self.overview_df = read(self.run, self._rank()) if self.run is not None else pd.DataFrame()
+        self._ov_overlay = read(self.overlay, self._overlay_rank()) if self.overlay is not None else None
         with self._quiet(): _set_options(self.ov_stat, stat_columns(self.overview_df), prefer=['norm', 'std'])
         return self._draw_overview()
 
@@ -539,7 +595,11 @@ def refresh_overview(self:Explorer):
 def _draw_overview(self:Explorer):
     "Redraw the bars of the latest step already read, the selected module outlined."
     o, stat = self.overview_df, self.ov_stat.value
-    traces = overview_traces(o, stat, self.module_picker.value, flagged=self._first_bad and self._first_bad['module'])
+    flagged, ranks = self._first_bad and self._first_bad['module'], sorted(o['rank'].unique()) if 'rank' in o else []
+    if len(ranks) > 1:   # every rank: its bars side by side, a colour per rank
+        traces = [t for i, r in enumerate(ranks) for t in overview_traces(o[o['rank'] == r], stat, self.module_picker.value, run=f'rank {r}',
+                                                                          color=RANK_COLORS[i % len(RANK_COLORS)], flagged=flagged)]
+    else: traces = overview_traces(o, stat, self.module_picker.value, flagged=flagged)
     if self._ov_overlay is not None: traces += overview_traces(self._ov_overlay, stat, run=self.overlay.name, color=ORANGE)
     step, tt = o['step'].iloc[0] if len(o) else '—', self.ov_ttype.value
     _redraw(self.overview_fig, traces, title=f"step {step}: {stat or '—'}{'' if tt == TIME else f' of {tt}'} per module",
@@ -581,6 +641,10 @@ def _on_log(self:Explorer, _):
 
 @patch
 def _on_ov(self:Explorer, _): self.refresh_overview()
+
+@patch
+def _on_rank(self:Explorer, _):
+    with self._lock: self.refresh_history().refresh_overview()
 
 @patch
 def _on_filter(self:Explorer, _):

@@ -15,31 +15,42 @@ from sqlalchemy import select, func
 from .store import engine, runs_t, modules_t, steps_t, events_t, stats_t, calls_t, scalars_t, snapshots_t, STAT_COLS
 
 # %% auto #0
-__all__ = ['FORWARD', 'BACKWARD', 'NONFINITE_KINDS', 'runs', 'records', 'Run', 'load', 'summary', 'flow_order', 'decode_snapshot']
+__all__ = ['FORWARD', 'BACKWARD', 'NONFINITE_KINDS', 'runs', 'run_ranks', 'records', 'Run', 'load', 'summary', 'flow_order',
+           'decode_snapshot']
 
 # %% ../nbs/03_query.ipynb #1536ffaf
 def runs(db=None)->pd.DataFrame:
-    "The runs in store `db`, newest first: name, model, started, steps recorded, last step, user, host, torch version."
+    "The runs in store `db`, newest first: name, model, started, steps recorded, last step (closed by every rank), user, host, torch version, world size."
     eng = engine(db, create=False)
-    n = select(steps_t.c.run_id, func.count().label('steps')).group_by(steps_t.c.run_id).subquery()
+    s = steps_t.c
+    per_rank = select(s.run_id, func.max(s.step).label('last')).group_by(s.run_id, s.rank).subquery()
+    last = select(per_rank.c.run_id, func.min(per_rank.c.last).label('last_step')).group_by(per_rank.c.run_id).subquery()
+    n = select(s.run_id, func.count(s.step.distinct()).label('steps')).group_by(s.run_id).subquery()
     q = (select(runs_t.c.name, runs_t.c.model, runs_t.c.started, func.coalesce(n.c.steps, 0).label('steps'),
-                runs_t.c.last_step, runs_t.c.user, runs_t.c.host, runs_t.c.torch)
-         .outerjoin(n, n.c.run_id == runs_t.c.id).order_by(runs_t.c.started.desc(), runs_t.c.id.desc()))
-    with eng.connect() as c: df = pd.DataFrame(c.execute(q).mappings().all(),
-                                                columns=['name', 'model', 'started', 'steps', 'last_step', 'user', 'host', 'torch'])
+                last.c.last_step, runs_t.c.user, runs_t.c.host, runs_t.c.torch, func.coalesce(runs_t.c.world_size, 1).label('world_size'))
+         .outerjoin(n, n.c.run_id == runs_t.c.id).outerjoin(last, last.c.run_id == runs_t.c.id)
+         .order_by(runs_t.c.started.desc(), runs_t.c.id.desc()))
+    cols = ['name', 'model', 'started', 'steps', 'last_step', 'user', 'host', 'torch', 'world_size']
+    with eng.connect() as c: df = pd.DataFrame(c.execute(q).mappings().all(), columns=cols)
     df['started'] = pd.to_datetime(df['started'], unit='s')
     return df
 
 # %% ../nbs/03_query.ipynb #881f79f0
-_META = ['run', 'step', 'call', 'module', 'mtype', 'ttype', 'tname', 'shape', 'dtype']
+_META = ['run', 'step', 'rank', 'call', 'module', 'mtype', 'ttype', 'tname', 'shape', 'dtype']
 
 def _as_list(x): return None if x is None else [x] if isinstance(x, (str, int)) else list(x)
 
-def records(db, run_id:int, run:str, step=None, module=None, ttype=None, tname=None, steps:tuple=None)->pd.DataFrame:
-    "Records of run `run_id`, filtered by step(s), module name(s), ttype(s) and tname(s)."
+def run_ranks(db, run_id:int)->list:
+    "The ranks that closed steps of run `run_id`, in order ([0] for a run that closed none)."
+    with engine(db).connect() as c:
+        ranks = c.execute(select(steps_t.c.rank).where(steps_t.c.run_id == run_id).distinct().order_by(steps_t.c.rank)).scalars().all()
+    return list(ranks) or [0]
+
+def records(db, run_id:int, run:str, step=None, module=None, ttype=None, tname=None, steps:tuple=None, rank=None)->pd.DataFrame:
+    "Records of run `run_id`, filtered by step(s), module name(s), ttype(s), tname(s) and rank(s)."
     eng = engine(db)
     s, m = stats_t.c, modules_t
-    q = (select(s.step, s.call, m.c.name.label('module'), m.c.mtype, s.ttype, s.tname, s.shape, s.dtype,
+    q = (select(s.step, s.rank, s.call, m.c.name.label('module'), m.c.mtype, s.ttype, s.tname, s.shape, s.dtype,
                 *[s[c] for c in STAT_COLS], s.nbytes, s.extra)
          .join(m, sa.and_(m.c.run_id == s.run_id, m.c.id == s.module_id)).where(s.run_id == run_id))
     if step is not None: q = q.where(s.step.in_(_as_list(step)))
@@ -47,10 +58,12 @@ def records(db, run_id:int, run:str, step=None, module=None, ttype=None, tname=N
     if module is not None:
         with eng.connect() as c:
             ids = c.execute(select(m.c.id).where(m.c.run_id == run_id, m.c.name.in_(_as_list(module)))).scalars().all()
-        q = q.where(s.module_id.in_(ids))   # by id: with steps named, SQLite seeks each (run, step, module) key
+        if rank is None: rank = run_ranks(db, run_id)
+        q = q.where(s.module_id.in_(ids))   # by id, ranks named: with steps named, SQLite seeks each (run, step, rank, module) key
+    if rank is not None: q = q.where(s.rank.in_(_as_list(rank)))
     if ttype is not None: q = q.where(s.ttype.in_(_as_list(ttype)))
     if tname is not None: q = q.where(s.tname.in_(_as_list(tname)))
-    q = q.order_by(s.step, s.module_id, s.call, s.ttype, s.tname)
+    q = q.order_by(s.step, s.rank, s.module_id, s.call, s.ttype, s.tname)
     with eng.connect() as c: rows = c.execute(q).all()
     df = pd.DataFrame.from_records([tuple(r) for r in rows], columns=_META[1:] + list(STAT_COLS) + ['nbytes', 'extra'])
     df.insert(0, 'run', run)
@@ -79,22 +92,35 @@ class Run:
             hint = f"; runs there: {', '.join(map(repr, names[:10]))}{' …' if len(names) > 10 else ''}" if names else "; it holds no runs"
             raise KeyError(f"no run named {name!r} in store {engine(db).url.render_as_string(hide_password=True)}{hint}")
         self.id, self.model, self.config = row['id'], row['model'], json.loads(row['config'] or '{}')
-        self.started, self._tree = row['started'], row['tree']
+        self.started, self._tree, self.world_size = row['started'], row['tree'], row['world_size'] or 1
 
     def __repr__(self):
-        return f"Run({self.name!r}, model={self.model}, steps={self.n_steps}, last_step={self.last_step}, store={engine(self.db).url.database or engine(self.db).url})"
+        ranks = self.ranks
+        more = f", ranks={ranks}" if len(ranks) > 1 else ''
+        return f"Run({self.name!r}, model={self.model}, steps={self.n_steps}, last_step={self.last_step}{more}, store={engine(self.db).url.database or engine(self.db).url})"
+
+    @property
+    def ranks(self)->list:
+        "The ranks that recorded steps of this run ([0] in a single-process run)."
+        return run_ranks(self.db, self.id)
+
+    @property
+    def last_steps(self)->dict:
+        "The newest step each rank has closed: rank -> step."
+        s = steps_t.c
+        with engine(self.db).connect() as c:
+            return dict(c.execute(select(s.rank, func.max(s.step)).where(s.run_id == self.id).group_by(s.rank).order_by(s.rank)).all())
 
     @property
     def last_step(self)->int|None:
-        "The newest closed step, or None."
-        with engine(self.db).connect() as c:
-            return c.execute(select(func.max(steps_t.c.step)).where(steps_t.c.run_id == self.id)).scalar()
+        "The newest step that every rank has closed (the smallest of `last_steps`), or None."
+        return min(self.last_steps.values(), default=None)
 
     @property
     def n_steps(self)->int:
-        "How many steps were recorded."
+        "How many steps were recorded (by any rank)."
         with engine(self.db).connect() as c:
-            return c.execute(select(func.count()).select_from(steps_t).where(steps_t.c.run_id == self.id)).scalar()
+            return c.execute(select(func.count(steps_t.c.step.distinct())).where(steps_t.c.run_id == self.id)).scalar()
 
 def load(name:str, db=None)->Run:
     "Open run `name` of store `db` for reading."
@@ -104,15 +130,19 @@ def load(name:str, db=None)->Run:
 from fastcore.basics import patch
 
 @patch
-def df(self:Run, step=None, module=None, ttype=None, tname=None, steps:tuple=None)->pd.DataFrame:
-    "Records of this run, optionally filtered by step(s), a `(first, last)` step range, module(s), ttype(s), tname(s)."
-    return records(self.db, self.id, self.name, step=step, module=module, ttype=ttype, tname=tname, steps=steps)
+def df(self:Run, step=None, module=None, ttype=None, tname=None, steps:tuple=None, rank=None)->pd.DataFrame:
+    "Records of this run, optionally filtered by step(s), a `(first, last)` step range, module(s), ttype(s), tname(s), rank(s)."
+    return records(self.db, self.id, self.name, step=step, module=module, ttype=ttype, tname=tname, steps=steps, rank=rank)
 
 @patch
-def latest(self:Run)->pd.DataFrame:
-    "Records of the newest closed step."
-    last = self.last_step
-    return self.df(step=last) if last is not None else self.df(step=-1)
+def latest(self:Run, rank:int=None)->pd.DataFrame:
+    "Records of the newest step every rank has closed, of all ranks; with `rank`, of the newest step that rank closed."
+    last = self.last_step if rank is None else self.last_steps.get(rank)
+    return self.df(step=-1 if last is None else last, rank=rank)
+
+def _one_rank(run:Run, rank:int=None)->int:
+    "`rank`, or the run's first rank: what a question about one rank's view of a step (its events, a snapshot) is asked of."
+    return run.ranks[0] if rank is None else rank
 
 @patch
 def tree(self:Run)->dict:
@@ -120,19 +150,19 @@ def tree(self:Run)->dict:
     return json.loads(self._tree)
 
 @patch
-def events(self:Run, step:int=None)->pd.DataFrame:
-    "The enter and exit events of `step` (default: the newest closed step) in the order they happened: kind, module, call."
-    step = self.last_step if step is None else step
-    e, m = events_t.c, modules_t
-    src = select(steps_t.c.events_step).where(steps_t.c.run_id == self.id, steps_t.c.step == step).scalar_subquery()
+def events(self:Run, step:int=None, rank:int=None)->pd.DataFrame:
+    "The enter and exit events of `step` (default: the newest closed step) on `rank` (default: the first) in the order they happened: kind, module, call."
+    step, rank = self.last_step if step is None else step, _one_rank(self, rank)
+    e, m, st = events_t.c, modules_t, steps_t.c
+    src = select(st.events_step).where(st.run_id == self.id, st.step == step, st.rank == rank).scalar_subquery()
     q = (select(e.kind, m.c.name, e.call).join(m, sa.and_(m.c.run_id == e.run_id, m.c.id == e.module_id))
-         .where(e.run_id == self.id, e.step == src).order_by(e.seq))
+         .where(e.run_id == self.id, e.rank == rank, e.step == src).order_by(e.seq))
     with engine(self.db).connect() as c: return pd.DataFrame([tuple(r) for r in c.execute(q)], columns=['kind', 'module', 'call'])
 
 @patch
-def sequence(self:Run, step:int=None)->list:
-    "Enter/exit order of `step` (default: the newest closed step), as `'enter features.0'` strings."
-    ev = self.events(step)
+def sequence(self:Run, step:int=None, rank:int=None)->list:
+    "Enter/exit order of `step` (default: the newest closed step) on `rank` (default: the first), as `'enter features.0'` strings."
+    ev = self.events(step, rank)
     return [f"{k} {n}" for k, n in zip(ev['kind'], ev['module'])]
 
 # %% ../nbs/03_query.ipynb #0c6b57fe
@@ -152,9 +182,10 @@ def summary(df:pd.DataFrame)->pd.DataFrame:
     return res
 
 @patch
-def summary(self:Run, step:int=None)->pd.DataFrame:
-    "One line per module call of `step` (default: the newest closed step)."
-    return summary(self.df(step=step) if step is not None else self.latest())
+def summary(self:Run, step:int=None, rank:int=None)->pd.DataFrame:
+    "One line per module call of `step` (default: the newest closed step) on `rank` (default: the first)."
+    step = self.last_step if step is None else step
+    return summary(self.df(step=-1 if step is None else step, rank=_one_rank(self, rank)))
 
 # %% ../nbs/03_query.ipynb #8cb53409
 @patch
@@ -169,50 +200,55 @@ def modules(self:Run)->pd.DataFrame:
     return df.astype({c: 'Int64' for c in sizes})
 
 # %% ../nbs/03_query.ipynb #e1bef288
-_CALLS = ['run', 'step', 'module', 'mtype', 'call', 'training', 'fwd_ms', 'bwd_ms']
+_CALLS = ['run', 'step', 'rank', 'module', 'mtype', 'call', 'training', 'fwd_ms', 'bwd_ms']
 
 @patch
-def calls(self:Run, step=None, module=None)->pd.DataFrame:
-    "Every timed module call, optionally of step(s) and module(s): its mode, forward and backward milliseconds."
+def calls(self:Run, step=None, module=None, rank=None)->pd.DataFrame:
+    "Every timed module call, optionally of step(s), module(s) and rank(s): its mode, forward and backward milliseconds."
     k, m = calls_t.c, modules_t
-    q = (select(k.step, m.c.name, m.c.mtype, k.call, k.training, k.fwd_ms, k.bwd_ms)
+    q = (select(k.step, k.rank, m.c.name, m.c.mtype, k.call, k.training, k.fwd_ms, k.bwd_ms)
          .join(m, sa.and_(m.c.run_id == k.run_id, m.c.id == k.module_id)).where(k.run_id == self.id))
     if step is not None: q = q.where(k.step.in_(_as_list(step)))
     if module is not None: q = q.where(m.c.name.in_(_as_list(module)))
-    with engine(self.db).connect() as c: rows = c.execute(q.order_by(k.step, k.module_id, k.call)).all()
+    if rank is not None: q = q.where(k.rank.in_(_as_list(rank)))
+    with engine(self.db).connect() as c: rows = c.execute(q.order_by(k.step, k.rank, k.module_id, k.call)).all()
     df = pd.DataFrame([tuple(r) for r in rows], columns=_CALLS[1:], dtype=object)
-    df = df.astype({'step': int, 'call': int, 'fwd_ms': float, 'bwd_ms': float})
+    df = df.astype({'step': int, 'rank': int, 'call': int, 'fwd_ms': float, 'bwd_ms': float})
     df.insert(0, 'run', self.name)
     return df.assign(training=df['training'].astype('boolean'))
 
 # %% ../nbs/03_query.ipynb #1ab19dc7
 @patch
-def scalars(self:Run)->pd.DataFrame:
-    "Every value logged with `te.log`: one row per step and name."
+def scalars(self:Run, rank=None)->pd.DataFrame:
+    "Every value logged with `te.log` (on `rank`(s) if given): one row per step, rank and name."
     s = scalars_t.c
-    q = select(s.step, s.name, s.value).where(s.run_id == self.id).order_by(s.step, s.name)
+    q = select(s.step, s.rank, s.name, s.value).where(s.run_id == self.id).order_by(s.step, s.rank, s.name)
+    if rank is not None: q = q.where(s.rank.in_(_as_list(rank)))
     with engine(self.db).connect() as c: rows = c.execute(q).all()
-    return pd.DataFrame([tuple(r) for r in rows], columns=['step', 'name', 'value']).astype({'value': float})
+    return pd.DataFrame([tuple(r) for r in rows], columns=['step', 'rank', 'name', 'value']).astype({'value': float})
 
-_STEPS = ['step', 'closed', 'training', 'n_records', 'grad_norm', 'weight_norm']
+_STEPS = ['step', 'rank', 'closed', 'training', 'n_records', 'grad_norm', 'weight_norm']
 
 @patch
-def steps(self:Run)->pd.DataFrame:
-    "One row per closed step: when it closed, its mode, records, global grad and weight L2 norms, and each logged scalar."
+def steps(self:Run, rank=None)->pd.DataFrame:
+    "One row per step closed by each rank (or `rank`(s)): when, its mode, records, global grad and weight L2 norms, and each logged scalar."
     st, s = steps_t.c, stats_t.c
-    norms = (select(s.step, s.ttype, func.sum(s.norm * s.norm), func.count(), func.count(s.norm))
-             .where(s.run_id == self.id, s.ttype.in_(['weight', 'weight_grad'])).group_by(s.step, s.ttype))
+    norms = (select(s.step, s.rank, s.ttype, func.sum(s.norm * s.norm), func.count(), func.count(s.norm))
+             .where(s.run_id == self.id, s.ttype.in_(['weight', 'weight_grad'])).group_by(s.step, s.rank, s.ttype))
+    q = select(st.step, st.rank, st.closed, st.training, st.n_records).where(st.run_id == self.id).order_by(st.step, st.rank)
+    if rank is not None: q, norms = q.where(st.rank.in_(_as_list(rank))), norms.where(s.rank.in_(_as_list(rank)))
     with engine(self.db).connect() as c:
-        steps = c.execute(select(st.step, st.closed, st.training, st.n_records).where(st.run_id == self.id).order_by(st.step)).all()
-        sq = pd.DataFrame([tuple(r) for r in c.execute(norms)], columns=['step', 'ttype', 'sq', 'n', 'known'])
-    df = pd.DataFrame([tuple(r) for r in steps], columns=_STEPS[:4], dtype=object)
-    df = df.astype({'step': int, 'closed': float, 'n_records': 'Int64'})
+        steps = c.execute(q).all()
+        sq = pd.DataFrame([tuple(r) for r in c.execute(norms)], columns=['step', 'rank', 'ttype', 'sq', 'n', 'known'])
+    df = pd.DataFrame([tuple(r) for r in steps], columns=_STEPS[:5], dtype=object)
+    df = df.astype({'step': int, 'rank': int, 'closed': float, 'n_records': 'Int64'})
     df['closed'], df['training'] = pd.to_datetime(df['closed'], unit='s'), df['training'].astype('boolean')
     sq['norm'] = (sq['sq'].astype(float) ** .5).where(sq['n'] == sq['known'])   # a NaN (stored as NULL) norm: unknown
+    key = pd.MultiIndex.from_frame(df[['step', 'rank']])
     for tt, col in (('weight_grad', 'grad_norm'), ('weight', 'weight_norm')):
-        df[col] = df['step'].map(sq[sq['ttype'] == tt].set_index('step')['norm']).astype(float)
-    sc = self.scalars().pivot(index='step', columns='name', values='value')
-    for name in sc.columns: df[f'scalar_{name}' if name in df.columns else name] = df['step'].map(sc[name])
+        df[col] = sq[sq['ttype'] == tt].set_index(['step', 'rank'])['norm'].reindex(key).astype(float).to_numpy()
+    sc = self.scalars(rank).pivot(index=['step', 'rank'], columns='name', values='value')
+    for name in sc.columns: df[f'scalar_{name}' if name in df.columns else name] = sc[name].reindex(key).to_numpy()
     return df
 
 # %% ../nbs/03_query.ipynb #2df5f71c
@@ -244,22 +280,26 @@ NONFINITE_KINDS = ('output', 'attached', *BACKWARD)
 def first_nonfinite(self:Run,
                     step:int=None,   # the step to look in; default the first step that had NaN or Inf
                     after:int=None,  # with no `step`: search only the steps after this one
-                   )->dict|None:     # step, module, mtype, ttype, tname, call, nan_count, inf_count; None if clean
+                    rank:int=None,   # look in this rank's records only; default every rank's
+                   )->dict|None:     # step, rank, module, mtype, ttype, tname, call, nan_count, inf_count; None if clean
     "The first module call whose output, attached tensor or grad held NaN or Inf, in the order its step computed them."
     s, m = stats_t.c, modules_t
     where = [s.run_id == self.id, s.ttype.in_(NONFINITE_KINDS), sa.or_(s.nan_count > 0, s.inf_count > 0)]
+    if rank is not None: where.append(s.rank == rank)
     with engine(self.db).connect() as c:
         if step is None:
             step = c.execute(select(func.min(s.step)).where(*where, *([s.step > after] if after is not None else []))).scalar()
             if step is None: return None
-        q = (select(s.step, m.c.name, m.c.mtype, s.ttype, s.tname, s.call, s.nan_count, s.inf_count)
+        q = (select(s.step, s.rank, m.c.name, m.c.mtype, s.ttype, s.tname, s.call, s.nan_count, s.inf_count)
              .join(m, sa.and_(m.c.run_id == s.run_id, m.c.id == s.module_id)).where(*where, s.step == step)
-             .order_by(s.module_id, s.call, s.ttype, s.tname))   # the order kept where the events don't decide
+             .order_by(s.rank, s.module_id, s.call, s.ttype, s.tname))   # the order kept where the events don't decide
         rows = c.execute(q).all()
     if not rows: return None
-    cols = ['step', 'module', 'mtype', 'ttype', 'tname', 'call', 'nan_count', 'inf_count']
-    first = flow_order(pd.DataFrame([tuple(r) for r in rows], columns=cols), self.events(step)).iloc[0]
-    return {k: int(first[k] or 0) if k in ('step', 'call', 'nan_count', 'inf_count') else first[k] for k in cols}
+    cols = ['step', 'rank', 'module', 'mtype', 'ttype', 'tname', 'call', 'nan_count', 'inf_count']
+    df = pd.DataFrame([tuple(r) for r in rows], columns=cols)
+    df = df[df['rank'] == df['rank'].iloc[0]]                       # the lowest rank that had one
+    first = flow_order(df, self.events(step, int(df['rank'].iloc[0]))).iloc[0]
+    return {k: int(first[k] or 0) if k in ('step', 'rank', 'call', 'nan_count', 'inf_count') else first[k] for k in cols}
 
 # %% ../nbs/03_query.ipynb #09eb35ec
 def _json_value(v):
@@ -273,16 +313,17 @@ def _json_value(v):
 def to_json(self:Run,
             path=None,      # a file to write the JSON to; None: only return it
             step:int=None,  # the step; default the newest closed one
+            rank:int=None,  # the rank whose records to read; default the run's first
            )->dict:         # {model class: {'info': {...}, 'children': {short name: {...}}}}
-    "The modules of a step as nested `info` and `children` dicts, written to `path` as JSON if given."
-    step = self.last_step if step is None else step
+    "The modules of a step of one rank as nested `info` and `children` dicts, written to `path` as JSON if given."
+    step, rank = self.last_step if step is None else step, _one_rank(self, rank)
     cols = ['module', 'call', 'ttype', 'mean', 'std', 'nan_count', 'inf_count', 'nbytes']
-    d = self.df(step=-1 if step is None else step).reindex(columns=cols)
+    d = self.df(step=-1 if step is None else step, rank=rank).reindex(columns=cols)
     d['bad'] = (d['nan_count'].fillna(0) + d['inf_count'].fillna(0)) > 0
     nbytes = d.groupby(['module', 'ttype'])['nbytes'].sum(min_count=1)
     bad = d.groupby(['module', 'ttype'])['bad'].any()
     out = d[d['ttype'] == 'output'].drop_duplicates('module').set_index('module')
-    ms = self.calls(step=-1 if step is None else step).groupby('module')[['fwd_ms', 'bwd_ms']].sum(min_count=1)
+    ms = self.calls(step=-1 if step is None else step, rank=rank).groupby('module')[['fwd_ms', 'bwd_ms']].sum(min_count=1)
     sizes = self.modules().set_index('module')
     def info(name, mtype):
         i = dict(name=name, type=mtype, **{c: sizes[c].get(name) for c in ('n_params', 'n_learnable', 'param_bytes')})
@@ -318,16 +359,17 @@ def decode_snapshot(dtype:str,   # a torch dtype's name, e.g. 'float32'
     if n == 0: return torch.empty(shape, dtype=dt)
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dt).reshape(shape)
 
-_SNAPS = ['module', 'ttype', 'tname', 'call', 'step', 'dtype', 'shape']
+_SNAPS = ['module', 'ttype', 'tname', 'call', 'rank', 'step', 'dtype', 'shape']
 
 @patch
-def snapshots(self:Run, module=None)->pd.DataFrame:
-    "The run's tensor snapshots, of module(s) `module` if given, without their data: module, ttype, tname, call, step, dtype, shape."
+def snapshots(self:Run, module=None, rank=None)->pd.DataFrame:
+    "The run's tensor snapshots, of module(s) `module` and rank(s) `rank` if given, without their data: module, ttype, tname, call, rank, step, dtype, shape."
     p, m = snapshots_t.c, modules_t
-    q = (select(m.c.name, p.ttype, p.tname, p.call, p.step, p.dtype, p.shape)
+    q = (select(m.c.name, p.ttype, p.tname, p.call, p.rank, p.step, p.dtype, p.shape)
          .join(m, sa.and_(m.c.run_id == p.run_id, m.c.id == p.module_id)).where(p.run_id == self.id))
     if module is not None: q = q.where(m.c.name.in_(_as_list(module)))
-    with engine(self.db).connect() as c: rows = c.execute(q.order_by(p.module_id, p.ttype, p.tname, p.call, p.step)).all()
+    if rank is not None: q = q.where(p.rank.in_(_as_list(rank)))
+    with engine(self.db).connect() as c: rows = c.execute(q.order_by(p.module_id, p.ttype, p.tname, p.call, p.rank, p.step)).all()
     df = pd.DataFrame([tuple(r) for r in rows], columns=_SNAPS)
     df['shape'] = [tuple(json.loads(s)) for s in df['shape']]
     return df
@@ -345,10 +387,11 @@ def snapshot(self:Run,
              step:int=None,     # the step; default the newest closed one
              ttype:str=None,    # which kind of tensor; needed only when the module has several kinds named `tname`
              call:int=0,        # which call of the module, for inputs and outputs
+             rank:int=None,     # the rank that saved it; default the run's first
             )->torch.Tensor:
-    "The stored tensor `tname` of `module` as it was at `step`: the newest snapshot taken at or before it."
-    step = self.last_step if step is None else step
-    snaps = self.snapshots(module)
+    "The stored tensor `tname` of `module` as it was at `step` on `rank`: the newest snapshot taken at or before it."
+    step, rank = self.last_step if step is None else step, _one_rank(self, rank)
+    snaps = self.snapshots(module, rank)
     kinds = sorted(set(snaps.loc[snaps['tname'] == tname, 'ttype']))
     if ttype is None and len(kinds) > 1:
         raise ValueError(f"module {module!r} has snapshots of {tname!r} as {' and '.join(kinds)}: pass ttype= to choose")
@@ -365,6 +408,6 @@ def snapshot(self:Run,
     p = snapshots_t.c
     q = select(p.data).where(p.run_id == self.id, p.module_id == select(modules_t.c.id).where(
         modules_t.c.run_id == self.id, modules_t.c.name == module).scalar_subquery(),
-        p.ttype == ttype, p.tname == tname, p.call == call, p.step == int(row['step']))
+        p.ttype == ttype, p.tname == tname, p.call == call, p.rank == rank, p.step == int(row['step']))
     with engine(self.db).connect() as c: data = c.execute(q).scalar()
     return decode_snapshot(row['dtype'], json.dumps(list(row['shape'])), data)

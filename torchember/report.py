@@ -36,20 +36,21 @@ def nonfinite(run:Run)->pd.DataFrame:
 # %% ../nbs/06_report.ipynb #8d559344
 _LAYOUT = dict(template='plotly_white', margin=dict(l=50, r=20, t=50, b=40))
 
-def _bars(run:Run, ttype:str, stat:str)->go.Figure|None:
-    o = latest_by_module(run, ttype)
+def _bars(run:Run, ttype:str, stat:str, rank:int)->go.Figure|None:
+    o = latest_by_module(run, ttype, rank=rank)
     tr = overview_traces(o, stat)
     if not tr: return None
     return go.Figure(tr, layout=dict(height=340, title=f"step {o['step'].iloc[0]}", **_LAYOUT))
 
-def report_figures(run:Run, max_points:int=500)->list:
-    "The figures of `run`'s report, as `(heading, figure)` pairs; each line has at most `max_points` steps."
-    figs = [(f'Latest step: {tt} {st}', f) for tt, st in (('weight_grad', 'norm'), ('output', 'std')) if (f := _bars(run, tt, st))]
+def report_figures(run:Run, max_points:int=500, rank:int=None)->list:
+    "The figures of `run`'s report (of `rank`, default its first), as `(heading, figure)` pairs; each line has at most `max_points` steps."
+    rank = run.ranks[0] if rank is None else rank
+    figs = [(f'Latest step: {tt} {st}', f) for tt, st in (('weight_grad', 'norm'), ('output', 'std')) if (f := _bars(run, tt, st, rank))]
     steps = recorded_steps(run)
     if not steps: return figs
     sel = thin(steps, max_points)
     where = dict(step=sel) if len(sel) < len(steps) else dict(steps=(steps[0], steps[-1]))
-    out, par = (with_stats(run.df(ttype=tt, **where)) for tt in ('output', ['weight', 'weight_grad']))
+    out, par = (with_stats(run.df(ttype=tt, rank=rank, **where)) for tt in ('output', ['weight', 'weight_grad']))
     types = dict(zip(out['module'], out['mtype'])) | dict(zip(par['module'], par['mtype']))
     for m in modules_in_order(run.tree()):
         o, p = out[out['module'] == m], par[par['module'] == m]
@@ -73,22 +74,25 @@ _CSS = """body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;ma
 h1{font-size:1.6em}h2{font-size:1.2em;margin-top:2em;border-bottom:1px solid #ddd}table{border-collapse:collapse;font-size:.9em}
 td,th{border:1px solid #ddd;padding:.25em .6em;text-align:left}.meta td:first-child{color:#666}.ok{color:#2a7}"""
 
-def report_html(run:Run, max_points:int=500)->str:
-    "The report of `run` as one self-contained HTML page."
-    e = html.escape
+def report_html(run:Run, max_points:int=500, rank:int=None)->str:
+    "The report of `run` (its figures of `rank`, default the first) as one self-contained HTML page."
+    e, ranks = html.escape, run.ranks
+    rank = ranks[0] if rank is None else rank
     meta = {'model': run.model, 'steps recorded': run.n_steps, 'last step': run.last_step,
+            **({'ranks': f"{', '.join(map(str, ranks))} of {run.world_size}; figures of rank {rank}"} if len(ranks) > 1 else {}),
             'started': time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(run.started)) if run.started else None,
             'store': engine(run.db).url.database or str(engine(run.db).url), 'report written': time.strftime('%Y-%m-%d %H:%M:%S')}
     parts = [f"<h1>torchember report: {e(run.name)}</h1>", '<table class="meta">',
              *[f"<tr><td>{e(k)}</td><td>{e(str(v))}</td></tr>" for k, v in meta.items()], '</table>', '<h2>NaN and Inf</h2>']
     if f := run.first_nonfinite():
+        on = f", rank {f['rank']}" if len(ranks) > 1 else ''
         parts.append(f"<p>First NaN/Inf: <b>{e(module_label(f['module']))}</b> ({e(str(f['mtype']))}) {e(f['ttype'])} "
-                     f"{e(f['tname'])} at step {f['step']}, call {f['call']}</p>")
+                     f"{e(f['tname'])} at step {f['step']}, call {f['call']}{on}</p>")
     nf = nonfinite(run)
     parts.append(nf.assign(module=nf['module'].map(module_label)).to_html(index=False, border=0) if len(nf)
                  else '<p class="ok">No NaN or Inf in any recorded tensor.</p>')
     config = dict(displaylogo=False, responsive=True)
-    for i, (head, fig) in enumerate(report_figures(run, max_points)):
+    for i, (head, fig) in enumerate(report_figures(run, max_points, rank)):
         parts += [f"<h2>{e(head)}</h2>", fig.to_html(full_html=False, include_plotlyjs=i == 0, config=config)]
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>torchember: {e(run.name)}</title>'
             f'<style>{_CSS}</style></head>\n<body>\n' + '\n'.join(parts) + '\n</body></html>\n')
@@ -120,17 +124,18 @@ def report(run,                  # a run name, or a `Run`
            db=None,              # the store, when `run` is a name
            path='report.html',   # the file to write, or a folder for `<run>.html`
            max_points:int=500,   # at most this many steps per line
+           rank:int=None,        # in a run of several ranks, the one to draw; default the first
           )->Path:               # the file written
     "Write the self-contained HTML report of `run` to `path`."
     r = run if isinstance(run, Run) else load(run, db)
     target = _target(path, r.name)
-    target.write_text(report_html(r, max_points), encoding='utf-8')
+    target.write_text(report_html(r, max_points, rank), encoding='utf-8')
     return target
 
 @patch
-def report(self:Run, path='report.html', max_points:int=500)->Path:
-    "Write this run's self-contained HTML report to `path`."
-    return report(self, path=path, max_points=max_points)
+def report(self:Run, path='report.html', max_points:int=500, rank:int=None)->Path:
+    "Write this run's self-contained HTML report to `path` (of `rank`, in a run of several)."
+    return report(self, path=path, max_points=max_points, rank=rank)
 
 # %% ../nbs/06_report.ipynb #266641d5
 from typing import Annotated

@@ -6,7 +6,7 @@ Docs: https://torchember.github.io/torchember/store.html.md"""
 
 # %% ../nbs/02_store.ipynb #2645585c
 from __future__ import annotations
-import getpass, json, os, platform, queue, socket, stat, threading, time, warnings, atexit, weakref
+import getpass, json, os, platform, queue, socket, sqlite3, stat, threading, time, warnings, atexit, weakref
 from pathlib import Path
 import sqlalchemy as sa
 from sqlalchemy import (BigInteger, Column, Float, ForeignKey, Integer, LargeBinary, MetaData, PrimaryKeyConstraint, String,
@@ -14,9 +14,9 @@ from sqlalchemy import (BigInteger, Column, Float, ForeignKey, Integer, LargeBin
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 # %% auto #0
-__all__ = ['SCHEMA_VERSION', 'metadata', 'STAT_COLS', 'Str', 'Size', 'meta_t', 'runs_t', 'modules_t', 'steps_t', 'events_t',
-           'stats_t', 'calls_t', 'scalars_t', 'snapshots_t', 'VIEWS', 'default_db', 'db_url', 'StoreError', 'engine',
-           'create_run', 'write_step', 'Writer']
+__all__ = ['SCHEMA_VERSION', 'metadata', 'STAT_COLS', 'Str', 'Size', 'meta_t', 'runs_t', 'ranks_t', 'modules_t', 'steps_t',
+           'events_t', 'stats_t', 'calls_t', 'scalars_t', 'snapshots_t', 'VIEWS', 'default_db', 'db_url', 'StoreError',
+           'engine', 'keyed_by_rank', 'create_run', 'write_step', 'Writer']
 
 # %% ../nbs/02_store.ipynb #2b4773a6
 SCHEMA_VERSION = 2
@@ -39,56 +39,65 @@ STAT_COLS = ('numel', 'mean', 'std', 'min', 'max', 'norm', 'zero_frac', 'nan_cou
 Str = String().with_variant(String(collation='C'), 'postgresql')   # sorts byte by byte, as SQLite does, whatever the locale
 Size = BigInteger().with_variant(Integer(), 'sqlite')              # counts and bytes past 2**31 (SQLite's integers are 64-bit)
 
+def _rank(): return Column('rank', Integer, nullable=False, server_default=sa.text('0'))   # 0 in a single-process run
+
 meta_t = Table('meta', metadata, Column('key', Str, primary_key=True), Column('value', Text))
 runs_t = Table('runs', metadata,
     Column('id', Integer, primary_key=True), Column('name', Str, nullable=False, unique=True),
     Column('model', Str), Column('started', Float), Column('user', Str), Column('host', Str),
-    Column('torch', Str), Column('tree', Text), Column('config', Text), Column('last_step', Integer))
+    Column('torch', Str), Column('tree', Text), Column('config', Text), Column('last_step', Integer),
+    Column('world_size', Integer))
+ranks_t = Table('ranks', metadata,
+    Column('run_id', Integer, nullable=False), Column('rank', Integer, nullable=False),
+    Column('host', Str), Column('pid', Integer), Column('joined', Float),
+    PrimaryKeyConstraint('run_id', 'rank'))
 modules_t = Table('modules', metadata,
     Column('run_id', Integer, ForeignKey('runs.id'), nullable=False), Column('id', Integer, nullable=False),
     Column('name', Str, nullable=False), Column('mtype', Str), Column('parent', Integer),
     Column('n_params', Size), Column('n_learnable', Size), Column('param_bytes', Size),
     PrimaryKeyConstraint('run_id', 'id'))
 steps_t = Table('steps', metadata,
-    Column('run_id', Integer, nullable=False), Column('step', Integer, nullable=False),
+    Column('run_id', Integer, nullable=False), Column('step', Integer, nullable=False), _rank(),
     Column('closed', Float), Column('n_records', Integer), Column('events_step', Integer), Column('training', Integer),
-    PrimaryKeyConstraint('run_id', 'step'))
+    PrimaryKeyConstraint('run_id', 'step', 'rank'))
 events_t = Table('events', metadata,
-    Column('run_id', Integer, nullable=False), Column('step', Integer, nullable=False), Column('seq', Integer, nullable=False),
+    Column('run_id', Integer, nullable=False), Column('step', Integer, nullable=False), _rank(),
+    Column('seq', Integer, nullable=False),
     Column('kind', Str, nullable=False), Column('module_id', Integer, nullable=False), Column('call', Integer),
-    PrimaryKeyConstraint('run_id', 'step', 'seq'))
+    PrimaryKeyConstraint('run_id', 'step', 'rank', 'seq'))
 stats_t = Table('stats', metadata,
-    Column('run_id', Integer, nullable=False), Column('step', Integer, nullable=False),
+    Column('run_id', Integer, nullable=False), Column('step', Integer, nullable=False), _rank(),
     Column('module_id', Integer, nullable=False), Column('call', Integer, nullable=False),
     Column('ttype', Str, nullable=False), Column('tname', Str, nullable=False),
     Column('shape', Str), Column('dtype', Str),
     *[Column(c, Float) for c in STAT_COLS], Column('extra', Text), Column('nbytes', Size),
-    PrimaryKeyConstraint('run_id', 'step', 'module_id', 'call', 'ttype', 'tname'), sqlite_with_rowid=False)
+    PrimaryKeyConstraint('run_id', 'step', 'rank', 'module_id', 'call', 'ttype', 'tname'), sqlite_with_rowid=False)
 calls_t = Table('calls', metadata,
-    Column('run_id', Integer, nullable=False), Column('step', Integer, nullable=False),
+    Column('run_id', Integer, nullable=False), Column('step', Integer, nullable=False), _rank(),
     Column('module_id', Integer, nullable=False), Column('call', Integer, nullable=False),
     Column('training', Integer), Column('fwd_ms', Float), Column('bwd_ms', Float),
-    PrimaryKeyConstraint('run_id', 'step', 'module_id', 'call'), sqlite_with_rowid=False)
+    PrimaryKeyConstraint('run_id', 'step', 'rank', 'module_id', 'call'), sqlite_with_rowid=False)
 scalars_t = Table('scalars', metadata,
-    Column('run_id', Integer, nullable=False), Column('step', Integer, nullable=False),
+    Column('run_id', Integer, nullable=False), Column('step', Integer, nullable=False), _rank(),
     Column('name', Str, nullable=False), Column('value', Float),
-    PrimaryKeyConstraint('run_id', 'step', 'name'), sqlite_with_rowid=False)
+    PrimaryKeyConstraint('run_id', 'step', 'rank', 'name'), sqlite_with_rowid=False)
 snapshots_t = Table('snapshots', metadata,
     Column('run_id', Integer, nullable=False), Column('module_id', Integer, nullable=False),
     Column('ttype', Str, nullable=False), Column('tname', Str, nullable=False), Column('call', Integer, nullable=False),
-    Column('step', Integer, nullable=False), Column('dtype', Str), Column('shape', Str), Column('data', LargeBinary),
-    PrimaryKeyConstraint('run_id', 'module_id', 'ttype', 'tname', 'call', 'step'))
+    Column('step', Integer, nullable=False), _rank(), Column('dtype', Str), Column('shape', Str), Column('data', LargeBinary),
+    PrimaryKeyConstraint('run_id', 'module_id', 'ttype', 'tname', 'call', 'rank', 'step'))
 
 VIEWS = {
- 'records': """SELECT r.name AS run, s.step, s.call, m.name AS module, m.mtype, s.ttype, s.tname, s.shape, s.dtype,
+ 'records': """SELECT r.name AS run, s.step, s.rank, s.call, m.name AS module, m.mtype, s.ttype, s.tname, s.shape, s.dtype,
           s.numel, s.mean, s.std, s.min, s.max, s.norm, s.zero_frac, s.nan_count, s.inf_count, s.nbytes, s.extra,
           s.run_id, s.module_id
    FROM stats s JOIN runs r ON r.id = s.run_id JOIN modules m ON m.run_id = s.run_id AND m.id = s.module_id""",
  'latest': """SELECT rec.* FROM records rec
-   JOIN (SELECT run_id, MAX(step) AS step FROM steps GROUP BY run_id) l ON l.run_id = rec.run_id AND l.step = rec.step""",
- 'sequences': """SELECT r.name AS run, st.step, e.seq, e.kind, m.name AS module, e.call, st.run_id
+   JOIN (SELECT run_id, MIN(step) AS step FROM (SELECT run_id, rank, MAX(step) AS step FROM steps GROUP BY run_id, rank) per_rank
+         GROUP BY run_id) l ON l.run_id = rec.run_id AND l.step = rec.step""",
+ 'sequences': """SELECT r.name AS run, st.step, st.rank, e.seq, e.kind, m.name AS module, e.call, st.run_id
    FROM steps st JOIN runs r ON r.id = st.run_id
-   JOIN events e ON e.run_id = st.run_id AND e.step = st.events_step
+   JOIN events e ON e.run_id = st.run_id AND e.rank = st.rank AND e.step = st.events_step
    JOIN modules m ON m.run_id = e.run_id AND m.id = e.module_id"""}
 
 # %% ../nbs/02_store.ipynb #323e6639
@@ -99,7 +108,13 @@ _engines, _lock = {}, threading.Lock()
 
 def _sqlite_pragmas(dbapi_conn, _):
     cur = dbapi_conn.cursor()
-    for p in ('journal_mode=WAL', 'synchronous=NORMAL', 'busy_timeout=30000'): cur.execute(f'PRAGMA {p}')
+    cur.execute('PRAGMA busy_timeout=30000')
+    for i in range(300):   # switching a new file to WAL fails at once, without waiting, while another process switches it
+        try: cur.execute('PRAGMA journal_mode=WAL'); break
+        except sqlite3.OperationalError as e:
+            if 'locked' not in str(e) or i == 299: raise
+            time.sleep(0.01)
+    cur.execute('PRAGMA synchronous=NORMAL')
     cur.close()
 
 def _prepare_file(url:sa.URL):
@@ -185,13 +200,21 @@ def _upgrade(c, eng)->bool:
         have = {col['name'] for col in insp.get_columns(t.name)}
         for col in t.columns:
             if col.name in have: continue
-            if col.primary_key or not col.nullable:
+            default = col.server_default.arg.text if col.server_default is not None else None
+            if default is None and (col.primary_key or not col.nullable):
                 raise StoreError(f"store {eng.url.render_as_string(hide_password=True)} has an unknown layout (table {t.name!r} "
                                  f"lacks {col.name!r}); record into a new store file")
-            kind = col.type.compile(dialect=c.dialect)
+            kind = col.type.compile(dialect=c.dialect) + (f' NOT NULL DEFAULT {default}' if default is not None else '')
             c.exec_driver_sql(f'ALTER TABLE {t.name} ADD COLUMN "{col.name}" {kind}')   # names are ours, not user input
             added = True
     return added
+
+def keyed_by_rank(db=None)->bool:
+    "Whether store `db` (a path, URL or engine) keeps ranks apart: `rank` in the keys, as stores made since ranks have it."
+    eng = db if isinstance(db, sa.Engine) else engine(db)
+    with eng.connect() as c:
+        insp = sa.inspect(c)
+        return all('rank' in insp.get_pk_constraint(t)['constrained_columns'] for t in ('steps', 'stats'))
 
 def _stored_version(c, eng)->int|None:
     "The store's schema version; a newer or unreadable one is refused."
@@ -205,30 +228,45 @@ def _stored_version(c, eng)->int|None:
     return int(ver)
 
 # %% ../nbs/02_store.ipynb #cd2f66e7
-def create_run(eng, name:str, model:str, modules:list, tree:dict, config:dict=None, resume:bool=False)->tuple:
-    "Create run `name` (or find it with `resume`) with `modules` as `(name, mtype, parent[, n_params, n_learnable, param_bytes])`; its id and last step."
-    try: return _create_run(eng, name, model, modules, tree, config, resume)
-    except sa.exc.OperationalError as e:
-        raise StoreError(f"cannot write run {name!r} to store {eng.url.render_as_string(hide_password=True)}: {e.orig} "
-                         "(is the file or its folder read-only, the disk full, or the store locked?)") from None
+def create_run(eng, name:str, model:str, modules:list, tree:dict, config:dict=None, resume:bool=False,
+               rank:int=0, world_size:int=1)->tuple:
+    "Create run `name`, join it as another `rank` of its world, or find it with `resume`; `modules` as `(name, mtype, parent[, n_params, n_learnable, param_bytes])`. Its id, and with `resume` the last step this rank closed."
+    for attempt in range(3):
+        try: return _create_run(eng, name, model, modules, tree, config, resume, rank, world_size)
+        except sa.exc.IntegrityError:   # another rank created the run (or claimed the rank) at the same moment
+            if attempt == 2: raise
+        except sa.exc.OperationalError as e:
+            raise StoreError(f"cannot write run {name!r} to store {eng.url.render_as_string(hide_password=True)}: {e.orig} "
+                             "(is the file or its folder read-only, the disk full, or the store locked?)") from None
 
-def _create_run(eng, name, model, modules, tree, config, resume):
+def _create_run(eng, name, model, modules, tree, config, resume, rank, world_size):
     with eng.begin() as c:
-        row = c.execute(select(runs_t.c.id, runs_t.c.last_step).where(runs_t.c.name == name)).first()
-        if row is not None:
-            if not resume: raise ValueError(f"a run named {name!r} already exists in this store; pick another name or pass resume=True")
-            stored = c.execute(select(modules_t.c.name, modules_t.c.mtype).where(modules_t.c.run_id == row.id)
-                               .order_by(modules_t.c.id)).all()
-            if [tuple(r) for r in stored] != [tuple(m[:2]) for m in modules]:
-                raise ValueError(f"run {name!r} was recorded from a model with other modules; resume it with the same model")
-            return row.id, row.last_step
-        rid = c.execute(insert(runs_t).values(
-            name=name, model=model, started=time.time(), user=_user(), host=socket.gethostname(), torch=_torch_version(),
-            tree=json.dumps(tree), config=json.dumps(config or {}), last_step=None)).inserted_primary_key[0]
-        info = ('n_params', 'n_learnable', 'param_bytes')
-        c.execute(insert(modules_t), [dict(run_id=rid, id=i, name=n, mtype=t, parent=p, **(dict.fromkeys(info) | dict(zip(info, rest))))
-                                      for i, (n, t, p, *rest) in enumerate(modules)])
-        return rid, None
+        row = c.execute(select(runs_t.c.id, runs_t.c.world_size).where(runs_t.c.name == name)).first()
+        if row is None:
+            rid = c.execute(insert(runs_t).values(
+                name=name, model=model, started=time.time(), user=_user(), host=socket.gethostname(), torch=_torch_version(),
+                tree=json.dumps(tree), config=json.dumps(config or {}), last_step=None, world_size=world_size)).inserted_primary_key[0]
+            info = ('n_params', 'n_learnable', 'param_bytes')
+            c.execute(insert(modules_t), [dict(run_id=rid, id=i, name=n, mtype=t, parent=p, **(dict.fromkeys(info) | dict(zip(info, rest))))
+                                          for i, (n, t, p, *rest) in enumerate(modules)])
+            _join(c, rid, rank)
+            return rid, None
+        joined = c.execute(select(ranks_t.c.rank).where(ranks_t.c.run_id == row.id, ranks_t.c.rank == rank)).first() is not None
+        fellow = not joined and world_size > 1 and row.world_size == world_size
+        if not (resume or fellow):
+            raise ValueError(f"a run named {name!r} already exists in this store; pick another name or pass resume=True")
+        stored = c.execute(select(modules_t.c.name, modules_t.c.mtype).where(modules_t.c.run_id == row.id)
+                           .order_by(modules_t.c.id)).all()
+        if [tuple(r) for r in stored] != [tuple(m[:2]) for m in modules]:
+            raise ValueError(f"run {name!r} was recorded from a model with other modules; {'resume' if resume else 'join'} it with the same model")
+        if not joined: _join(c, row.id, rank)
+        if not resume: return row.id, None
+        last = c.execute(select(func.max(steps_t.c.step)).where(steps_t.c.run_id == row.id, steps_t.c.rank == rank)).scalar()
+        return row.id, last
+
+def _join(c, run_id:int, rank:int):
+    "Claim `rank` of run `run_id` for this process."
+    c.execute(insert(ranks_t).values(run_id=run_id, rank=rank, host=socket.gethostname(), pid=os.getpid(), joined=time.time()))
 
 def _user():
     try: return getpass.getuser()
@@ -252,7 +290,7 @@ def _executemany(c, table:Table, rows:list, replace:bool=False):
         if replace and dialect.name == 'sqlite': ins = ins.prefix_with('OR REPLACE')
         elif replace and dialect.name == 'postgresql':
             ins = pg_insert(table)
-            ins = ins.on_conflict_do_update(index_elements=list(table.primary_key.columns),
+            ins = ins.on_conflict_do_update(constraint=f'{table.name}_pkey',   # the key the store has (without rank in old ones)
                                             set_={col.name: ins.excluded[col.name] for col in table.columns if not col.primary_key})
         comp = ins.compile(dialect=dialect)
         names = [col.name for col in table.columns]
@@ -262,20 +300,22 @@ def _executemany(c, table:Table, rows:list, replace:bool=False):
     c.exec_driver_sql(sql, rows if pos else [dict(zip(names, r)) for r in rows])
 
 def write_step(eng, run_id:int, step:int, rows:list, events:list=(), closed:bool=True, events_step:int=None,
-               training:bool=None, calls:list=(), scalars:dict=None, snapshots:list=()):
-    "Write a step's stat `rows` (tuples in `stats` column order after `run_id, step`), `events` (`(kind, module_id, call)`), `calls` (`(module_id, call, training, fwd_ms, bwd_ms)`), `scalars` and `snapshots` (`(module_id, ttype, tname, call, dtype, shape, data)`) in one transaction; `events_step`: an earlier step whose events these equal (none are written)."
+               training:bool=None, calls:list=(), scalars:dict=None, snapshots:list=(), rank:int=0):
+    "Write a step of `rank`: its stat `rows` (tuples in `stats` column order after `run_id, step, rank`), `events` (`(kind, module_id, call)`), `calls` (`(module_id, call, training, fwd_ms, bwd_ms)`), `scalars` and `snapshots` (`(module_id, ttype, tname, call, dtype, shape, data)`) in one transaction; `events_step`: an earlier step of the rank whose events these equal (none are written)."
     with eng.begin() as c:
-        if rows: _executemany(c, stats_t, [(run_id, step, *r) for r in rows], replace=True)
-        if calls: _executemany(c, calls_t, [(run_id, step, *r) for r in calls], replace=True)
-        if scalars: _executemany(c, scalars_t, [(run_id, step, k, v) for k, v in scalars.items()], replace=True)
-        if snapshots: _executemany(c, snapshots_t, [(run_id, m, tt, tn, call, step, *rest) for m, tt, tn, call, *rest in snapshots], replace=True)
+        if rows: _executemany(c, stats_t, [(run_id, step, rank, *r) for r in rows], replace=True)
+        if calls: _executemany(c, calls_t, [(run_id, step, rank, *r) for r in calls], replace=True)
+        if scalars: _executemany(c, scalars_t, [(run_id, step, rank, k, v) for k, v in scalars.items()], replace=True)
+        if snapshots:
+            _executemany(c, snapshots_t, [(run_id, m, tt, tn, call, step, rank, *rest) for m, tt, tn, call, *rest in snapshots], replace=True)
         if events and events_step is None:
-            _executemany(c, events_t, [(run_id, step, i, k, m, n) for i, (k, m, n) in enumerate(events)])
+            _executemany(c, events_t, [(run_id, step, rank, i, k, m, n) for i, (k, m, n) in enumerate(events)])
         if closed:
-            c.execute(insert(steps_t).values(run_id=run_id, step=step, closed=time.time(), n_records=len(rows),
+            c.execute(insert(steps_t).values(run_id=run_id, step=step, rank=rank, closed=time.time(), n_records=len(rows),
                                              events_step=step if events_step is None else events_step,
                                              training=None if training is None else int(training)))
-            c.execute(update(runs_t).where(runs_t.c.id == run_id).values(last_step=step))
+            last = runs_t.c.last_step
+            c.execute(update(runs_t).where(runs_t.c.id == run_id).values(last_step=sa.case((last >= step, last), else_=step)))
 
 # %% ../nbs/02_store.ipynb #8cb47b5c
 _writers = weakref.WeakSet()
