@@ -279,7 +279,7 @@ def elapsed_ms(a, b)->float|None:
 def _watch_grads(self:Capture, mi, c, ttype, tensors):
     "Hook the grads of `tensors` (named) of call `c` of module `mi`."
     for name, t in tensors:
-        if t.requires_grad and t.grad_fn is not None or t.is_leaf and t.requires_grad:
+        if t.requires_grad:
             try: t.register_hook(_Hook(self._on_grad, mi, c, ttype, name))
             except RuntimeError: pass          # e.g. a tensor that autograd won't hook; its grads go unseen
 
@@ -306,8 +306,8 @@ def sample_norms(g:torch.Tensor)->torch.Tensor:
 def _grad_hook(self:Capture, pi, p):
     if self.timing and self._open:
         now, mi = self.clock(), self.params[pi][0]
-        for (m, c), t in self._times.items():
-            if m == mi: t[4] = now
+        for c in range(self._calls[mi]):            # every call of the module that owns `p` ends its backward no earlier
+            if (t := self._times.get((mi, c))) is not None: t[4] = now
     if self._grads is None:
         self._grads = {}
         torch.autograd.Variable._execution_engine.queue_callback(_Hook(self._grads_done, True))
