@@ -224,12 +224,17 @@ def test_exotic_tensor_layouts_read_back(db, make):
     assert rows.tname.tolist() == ['args.0'] and rows.dtype.tolist() == [str(t.dtype).removeprefix('torch.')]
 
 
-def test_transformer_encoder_eval_fast_path_is_not_broken(db):
-    "nn.TransformerEncoder's fast path (eval, no_grad, a padding mask: the defaults) hands nested tensors to its layers."
+def _padded_encoder():
+    "A 2-layer `nn.TransformerEncoder` in eval mode, a batch, and a padding mask (one sequence padded)."
     torch.manual_seed(0)
     enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 2).eval()
     x, mask = torch.randn(3, 5, 8), torch.zeros(3, 5, dtype=torch.bool)
     mask[0, 3:] = True
+    return enc, x, mask
+
+def test_transformer_encoder_eval_fast_path_is_not_broken(db):
+    "nn.TransformerEncoder's fast path (eval, no_grad, a padding mask: the defaults) hands nested tensors to its layers."
+    enc, x, mask = _padded_encoder()
     with torch.no_grad(): expected = enc(x, src_key_padding_mask=mask)
     te = torchEmber(enc, run='tf-eval', db=db)
     with torch.no_grad(): out = enc(x, src_key_padding_mask=mask)
@@ -238,10 +243,7 @@ def test_transformer_encoder_eval_fast_path_is_not_broken(db):
 
 def test_transformer_encoder_eval_run_reads_back(db):
     "A validation pass of an armed transformer in eval mode must not make its run unreadable."
-    torch.manual_seed(0)
-    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 2).eval()
-    x, mask = torch.randn(3, 5, 8), torch.zeros(3, 5, dtype=torch.bool)
-    mask[0, 3:] = True
+    enc, x, mask = _padded_encoder()
     te = torchEmber(enc, run='tf-eval', db=db)
     with torch.no_grad(): enc(x, src_key_padding_mask=mask)
     te.disarm()

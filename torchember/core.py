@@ -123,7 +123,7 @@ class Capture:
         self.recording, self._depth, self._open, self._skip = False, 0, False, False
         self._root, self._sub = [], []
         self._grads, self._times = None, {}
-        self.clock = _host_clock
+        self.clock = time.perf_counter
 
     def current_params(self)->list:
         "`(mi, name, parameter)` for every parameter, each under the first module that owns it."
@@ -152,7 +152,7 @@ def arm(self:Capture):
                   root.register_forward_hook(_Hook(self._root_post), always_call=True)]
     for m in self.mods: _owners[m] = self
     p = next(iter(self.model.parameters()), None)
-    self.clock = _CudaClock() if self.timing and p is not None and p.is_cuda else _host_clock
+    self.clock = _CudaClock() if self.timing and p is not None and p.is_cuda else time.perf_counter
     self.armed = True
     return self
 
@@ -259,8 +259,6 @@ def _post(self:Capture, mi, mod, args, out):
     self._events.append((EXIT, mi, c))
 
 # %% ../nbs/00_core.ipynb #3c9c9b06
-def _host_clock(): return time.perf_counter()
-
 class _CudaClock:
     "A clock of CUDA events: `()` records one on the current stream."
     def __call__(self):

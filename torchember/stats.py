@@ -7,6 +7,7 @@ Docs: https://torchember.github.io/torchember/stats.html.md"""
 # %% ../nbs/01_stats.ipynb #57cf6cb2
 from __future__ import annotations
 import json, math, os, warnings, weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 import numpy as np
 import torch
@@ -338,58 +339,51 @@ def _custom(self, fn, t, mi, ttype, tname):
 
 # %% ../nbs/01_stats.ipynb #5797d0eb
 @patch_to(Recorder)
+@contextmanager
+def _late(self, step:int):
+    "Record into a `StepRecord` of its own for `step`, emitted as late rows (`closed=False`); an open step is set aside meanwhile."
+    keep = (self.rec, self._groups, self._pieces, self._nm, self._seen, self._xvals) if self.rec else None
+    self.open(step)
+    try: yield
+    finally:
+        self.close(step, [], closed=False)
+        if keep: self.rec, self._groups, self._pieces, self._nm, self._seen, self._xvals = keep
+
+@patch_to(Recorder)
 def params(self, step, ttype, items):
     "Record a batch of `(mi, tname, tensor)` weights or grads for `step`."
-    late = self.rec is None or self.rec.step != step
-    if late:
-        keep = (self.rec, self._groups, self._pieces, self._nm, self._seen, self._xvals) if self.rec else None
-        self.open(step)
-    fn = self.stat_fns[ttype]
-    if fn is default_stats:
-        keys = self.rec.keys
-        more = self.param_extras(ttype, items) if self.param_extras is not None else None
+    if self.rec is None or self.rec.step != step:
+        with self._late(step): return self.params(step, ttype, items)
+    more = self.param_extras(ttype, items) if self.param_extras is not None else None
+    keys = self.rec.keys
+    if self.stat_fns[ttype] is default_stats:
         for i, (mi, tname, t) in enumerate(items):
             if self.on_tensor is not None: self.on_tensor(self.rec, mi, 0, ttype, tname, t)
             xi = self._extras(more[i]) if more and more[i] else -1
             keys.append((mi, 0, ttype, tname, shape_of(t), dtype_name(t), self._default(t, copy=False, where=(mi, ttype, tname)), xi))
         self._reduce_groups()
     else:
-        more = self.param_extras(ttype, items) if self.param_extras is not None else None
         for i, (mi, tname, t) in enumerate(items):
             self.tensor(mi, 0, ttype, tname, t)
-            if more and more[i]: self._merge_extras(more[i])
-    if late:
-        self.close(step, [], closed=False)
-        if keep: self.rec, self._groups, self._pieces, self._nm, self._seen, self._xvals = keep
+            if more and more[i]:
+                *head, xi = keys[-1]
+                keys[-1] = (*head, self._extras(more[i], xi))
 
 @patch_to(Recorder)
-def _extras(self, d:dict)->int:
-    "Add a dict of 0-d tensors as the extra stats of a row; its index."
+def _extras(self, d:dict, xi:int=-1)->int:
+    "Add a dict of 0-d tensors to the extra stats at index `xi` of the step (a new entry if -1); the index."
     d = {k: (True, v.detach().reshape(1).to(torch.float64)) for k, v in d.items()}
     self._xvals += [x for _, x in d.values()]
+    if xi >= 0: self.rec.extras[xi].update(d); return xi
     self.rec.extras.append(d)
     return len(self.rec.extras) - 1
 
 @patch_to(Recorder)
-def _merge_extras(self, d:dict):
-    "Add a dict of 0-d tensors to the extra stats of the last row."
-    keys = self.rec.keys
-    *head, xi = keys[-1]
-    if xi < 0: keys[-1] = (*head, self._extras(d)); return
-    more = {k: (True, v.detach().reshape(1).to(torch.float64)) for k, v in d.items()}
-    self._xvals += [x for _, x in more.values()]
-    self.rec.extras[xi].update(more)
-
-@patch_to(Recorder)
 def scalar(self, step:int, name:str, value):
     "Record a scalar of `step` (a number or a 0-d tensor, read on the writer thread)."
-    if isinstance(value, torch.Tensor): value = value.detach()
-    if self.rec is not None and self.rec.step == step: self.rec.scalars[name] = value; return
-    keep = (self.rec, self._groups, self._pieces, self._nm, self._seen, self._xvals) if self.rec else None
-    self.open(step)
-    self.rec.scalars[name] = value
-    self.close(step, [], closed=False)
-    if keep: self.rec, self._groups, self._pieces, self._nm, self._seen, self._xvals = keep
+    if self.rec is None or self.rec.step != step:
+        with self._late(step): return self.scalar(step, name, value)
+    self.rec.scalars[name] = value.detach() if isinstance(value, torch.Tensor) else value
 
 @patch_to(Recorder)
 def _reduce_groups(self):
