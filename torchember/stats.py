@@ -217,16 +217,26 @@ def rows(self:StepRecord)->list:
     self.ready()
     S = _stats_np(self.moments.numpy()).tolist() if self.moments is not None and len(self.moments) else []
     vals = self.values.tolist() if self.values is not None else []
-    out, none, perm = [], (None,)*len(STATS), self.perm
+    out, none, perm, meta = [], (None,)*len(STATS), self.perm, _META
     for mi, call, ttype, tname, shape, dtype, mrow, xi in self.keys:
-        st, extra = (S[perm[mrow]] if mrow >= 0 else none), None
-        if xi >= 0:
-            x, st = {k: _val(v, vals) for k, v in self.extras[xi].items()}, list(st)
-            for i, k in enumerate(STATS):
-                if k in x and not isinstance(x[k], list): st[i] = x.pop(k)
-            if x: extra = json.dumps(x, allow_nan=True)
-        out.append((mi, call, ttype, tname, 'null' if shape is None else str(shape), dtype, *st, extra, _nbytes(shape, dtype)))
+        st = S[perm[mrow]] if mrow >= 0 else none
+        text, nbytes = meta.get((shape, dtype)) or _meta(shape, dtype)
+        if xi < 0:
+            out.append((mi, call, ttype, tname, text, dtype, *st, None, nbytes))
+            continue
+        x, st, extra = {k: _val(v, vals) for k, v in self.extras[xi].items()}, list(st), None
+        for i, k in enumerate(STATS):
+            if k in x and not isinstance(x[k], list): st[i] = x.pop(k)
+        if x: extra = json.dumps(x, allow_nan=True)
+        out.append((mi, call, ttype, tname, text, dtype, *st, extra, nbytes))
     return out
+
+_META = {}
+def _meta(shape:tuple|None, dtype:str)->tuple:
+    "`(shape as JSON text, nbytes)` of a key's shape and dtype name, cached."
+    if len(_META) > 4096: _META.clear()   # shapes that change every step (e.g. sequence lengths) don't pile up
+    m = _META[shape, dtype] = ('null' if shape is None else str(list(shape)), _nbytes(shape, dtype))
+    return m
 
 # %% ../nbs/01_stats.ipynb #2fad112f
 TTYPES = ('input', 'output', 'weight', 'weight_grad', 'input_grad', 'output_grad', 'attached')
@@ -248,7 +258,7 @@ class Recorder:
 
     def open(self, step:int, training:bool=None):
         self.rec = StepRecord(step, training=training)
-        self._groups, self._pieces, self._nm, self._seen, self._xvals = {}, [], 0, {}, []
+        self._groups, self._pieces, self._nm, self._seen, self._xvals, self._weights = {}, [], 0, {}, [], None
 
 # %% ../nbs/01_stats.ipynb #a3561aa6
 _DTYPES = {}
@@ -258,9 +268,9 @@ def dtype_name(t:torch.Tensor)->str:
     if d not in _DTYPES: _DTYPES[d] = str(d).removeprefix('torch.')
     return _DTYPES[d]
 
-def shape_of(t:torch.Tensor)->list|None:
-    "`t`'s shape as a list, or None where it has none (a nested tensor's ragged dimension)."
-    try: return [int(d) for d in t.shape]
+def shape_of(t:torch.Tensor)->tuple|None:
+    "`t`'s shape as a tuple of ints, or None where it has none (a nested tensor's ragged dimension)."
+    try: return tuple(map(int, t.shape))
     except Exception: return None         # e.g. the ragged size of a jagged nested tensor
 
 @patch_to(Recorder)
@@ -280,10 +290,11 @@ def tensor(self, mi, call, ttype, tname, t):
     keys.append((mi, call, ttype, tname, shape_of(t), dtype_name(t), mrow, xi))
 
 @patch_to(Recorder)
-def _default(self, t, copy:bool, where=None):
-    "Start the default stats of `t` (a copy of it, if small and `copy`); its row in the step's moments matrix."
-    row = self._nm
-    self._nm += 1
+def _default(self, t, copy:bool, where=None, row:int=None):
+    "Start the default stats of `t` (a copy of it, if small and `copy`) in `row` of the step's moments matrix (default: a new one); the row."
+    if row is None:
+        row = self._nm
+        self._nm += 1
     t = t.detach()
     try:
         if t.dtype in FLOATS and t.layout == torch.strided and not t.is_nested and t.device.type != 'meta':
@@ -342,12 +353,12 @@ def _custom(self, fn, t, mi, ttype, tname):
 @contextmanager
 def _late(self, step:int):
     "Record into a `StepRecord` of its own for `step`, emitted as late rows (`closed=False`); an open step is set aside meanwhile."
-    keep = (self.rec, self._groups, self._pieces, self._nm, self._seen, self._xvals) if self.rec else None
+    keep = (self.rec, self._groups, self._pieces, self._nm, self._seen, self._xvals, self._weights) if self.rec else None
     self.open(step)
     try: yield
     finally:
         self.close(step, [], closed=False)
-        if keep: self.rec, self._groups, self._pieces, self._nm, self._seen, self._xvals = keep
+        if keep: self.rec, self._groups, self._pieces, self._nm, self._seen, self._xvals, self._weights = keep
 
 @patch_to(Recorder)
 def params(self, step, ttype, items):
@@ -356,7 +367,10 @@ def params(self, step, ttype, items):
         with self._late(step): return self.params(step, ttype, items)
     more = self.param_extras(ttype, items) if self.param_extras is not None else None
     keys = self.rec.keys
-    if self.stat_fns[ttype] is default_stats:
+    if self.stat_fns[ttype] is default_stats and more is None and self.on_tensor is None:
+        if ttype == 'weight': self._weights = items   # read with this step's grads (or at its close): one pass over both
+        else: self._planned([*self._pending_weights(), (ttype, items)])
+    elif self.stat_fns[ttype] is default_stats:
         for i, (mi, tname, t) in enumerate(items):
             if self.on_tensor is not None: self.on_tensor(self.rec, mi, 0, ttype, tname, t)
             xi = self._extras(more[i]) if more and more[i] else -1
@@ -393,6 +407,49 @@ def _reduce_groups(self):
         self._pieces.append((rows, moments(torch.stack([s for _, s in rows_snaps]).reshape(len(rows), -1))))
     self._groups = {}
 
+# %% ../nbs/01_stats.ipynb #671a09fb
+def _plan(batches)->tuple:
+    "`(metas, groups, large, other)` of `(ttype, [(mi, tname, tensor)])` batches: key metadata, index lists of small same-size float tensors, large float tensors, and the rest."
+    metas, groups, large, other = [], {}, [], []
+    for ttype, items in batches:
+        for mi, tname, t in items:
+            j = len(metas)
+            metas.append((mi, ttype, tname, shape_of(t), dtype_name(t)))
+            if t.dtype not in FLOATS or t.layout != torch.strided or t.is_nested or t.device.type == 'meta': other.append(j)
+            elif t.numel() > SMALL: large.append(j)
+            else: groups.setdefault((t.device, t.dtype, t.shape), []).append(j)
+    return metas, list(groups.values()), large, other
+
+_PLANS = {}
+
+@patch_to(Recorder)
+def _planned(self, batches):
+    "Record `(ttype, [(mi, tname, tensor)])` batches with default stats, by a cached `_plan` of them together."
+    sig = tuple((ttype, *[(mi, tname, t.dtype, t.shape, t.device) for mi, tname, t in items]) for ttype, items in batches)
+    plan = _PLANS.get(sig)
+    if plan is None:
+        if len(_PLANS) > 64: _PLANS.clear()
+        plan = _PLANS[sig] = _plan(batches)
+    metas, groups, large, other = plan
+    base = self._nm
+    self._nm += len(metas)
+    self.rec.keys += [(mi, 0, ttype, tname, shape, dtype, base + j, -1) for j, (mi, ttype, tname, shape, dtype) in enumerate(metas)]
+    ts = [t for _, items in batches for _, _, t in items]
+    with torch.no_grad():
+        for idx in groups:
+            try: x = torch.stack([ts[j] for j in idx]).reshape(len(idx), -1)
+            except Exception:            # measure them one by one, each with its own error handling
+                for j in idx: self._default(ts[j], copy=False, where=metas[j][:3], row=base + j)
+            else: self._pieces.append(([base + j for j in idx], moments(x)))
+        for j in large + other: self._default(ts[j], copy=False, where=metas[j][:3], row=base + j)
+    if self._groups: self._reduce_groups()
+
+@patch_to(Recorder)
+def _pending_weights(self)->list:
+    "The weights batch waiting to be read with the grads, as a list of `(ttype, items)` (emptied)."
+    w, self._weights = self._weights, None
+    return [] if w is None else [('weight', w)]
+
 # %% ../nbs/01_stats.ipynb #fd0ce0b7
 def _to_host(ts:list):
     "Concatenate float64 tensors and copy them to the host without blocking; the result and an event (or None)."
@@ -410,6 +467,7 @@ def close(self, step, events, closed:bool=True, calls=()):
     "Finish the open step and `emit` its `StepRecord` (`closed=False`: late rows of a step already written)."
     rec = self.rec
     if rec is None: return
+    if self._weights is not None: self._planned(self._pending_weights())
     self._reduce_groups()
     order, mats = [], []
     for rows, m in self._pieces: order += rows; mats.append(m)

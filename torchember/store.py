@@ -11,6 +11,7 @@ from pathlib import Path
 import sqlalchemy as sa
 from sqlalchemy import (BigInteger, Column, Float, ForeignKey, Integer, LargeBinary, MetaData, PrimaryKeyConstraint, String,
                         Table, Text, event, insert, select, update, func)
+from sqlalchemy import bindparam
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 # %% auto #0
@@ -311,11 +312,24 @@ def write_step(eng, run_id:int, step:int, rows:list, events:list=(), closed:bool
         if events and events_step is None:
             _executemany(c, events_t, [(run_id, step, rank, i, k, m, n) for i, (k, m, n) in enumerate(events)])
         if closed:
-            c.execute(insert(steps_t).values(run_id=run_id, step=step, rank=rank, closed=time.time(), n_records=len(rows),
-                                             events_step=step if events_step is None else events_step,
-                                             training=None if training is None else int(training)))
-            last = runs_t.c.last_step
-            c.execute(update(runs_t).where(runs_t.c.id == run_id).values(last_step=sa.case((last >= step, last), else_=step)))
+            _executemany(c, steps_t, [(run_id, step, rank, time.time(), len(rows), step if events_step is None else events_step,
+                                       None if training is None else int(training))])
+            sql, names = _compiled(c, 'last_step', _last_step_update)
+            params = dict(rid=run_id, st=step)
+            c.exec_driver_sql(sql, tuple(params[n] for n in names) if names else params)
+
+def _last_step_update():
+    last = runs_t.c.last_step
+    return update(runs_t).where(runs_t.c.id == bindparam('rid')).values(last_step=sa.case((last >= bindparam('st'), last), else_=bindparam('st')))
+
+def _compiled(c, key, build)->tuple:
+    "`(sql, names)` of the statement `build()` compiled once per dialect; `names`: the order of positional parameters, or None."
+    d = c.engine.dialect
+    k = (d.name, d.driver, key)
+    if k not in _sql:
+        comp = build().compile(dialect=d)
+        _sql[k] = (str(comp), list(comp.positiontup) if comp.positional else None)
+    return _sql[k]
 
 # %% ../nbs/02_store.ipynb #8cb47b5c
 _writers = weakref.WeakSet()
