@@ -749,3 +749,29 @@ def test_recorded_weights_are_the_current_parameters(db):
     assert w['mean'].item() == pytest.approx(0.25)
     assert len(df.query("ttype == 'weight_grad'")) == 4
     te.disarm()
+
+@pytest.mark.parametrize('backward', [True, False], ids=['trained', 'no-grad-forward'])
+def test_recorded_weights_are_those_the_forward_used(db, backward):
+    "Weights are read with the grads (or when the step closes), yet must be the values before the optimizer changed them."
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(300, 300), nn.ReLU(), nn.Linear(300, 4))   # one large weight (fused), the rest stacked
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    te = torchEmber(model, run='weights-used', db=db)
+    used = []
+    for _ in range(3):
+        used.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        if backward: model(torch.randn(8, 300)).pow(2).mean().backward()
+        else:
+            with torch.no_grad(): model(torch.randn(8, 300))   # no backward can follow: the weights are read as the forward ends
+        with torch.no_grad():
+            for p in model.parameters(): p.add_(p.grad if p.grad is not None else torch.ones_like(p), alpha=-0.5)
+        opt.zero_grad()
+    te.flush()
+    df = te.df(ttype='weight')
+    for step, params in enumerate(used[:2]):          # steps closed by the next forward, after the weights changed
+        for name, p in params.items():
+            module, _, tname = name.rpartition('.')
+            r = df.query("step == @step and module == @module and tname == @tname")
+            assert r['mean'].item() == pytest.approx(p.double().mean().item(), abs=1e-9), (step, name)
+            assert r['max'].item() == pytest.approx(p.max().item()), (step, name)
+    te.disarm()

@@ -232,6 +232,8 @@ def _root_post(self:Capture, mod, args, out):
     if self._depth == 0:
         if self._skip: self._skip = False
         elif sys.exc_info()[1] is not None: self.close()
+        elif self._open and not any(t.requires_grad for _, t in named_tensors(out)):
+            if (read := getattr(self.recorder, 'read_weights', None)): read()   # no backward can follow: weights now
 
 # %% ../nbs/00_core.ipynb #4fa25472
 @patch

@@ -445,6 +445,11 @@ def _planned(self, batches):
     if self._groups: self._reduce_groups()
 
 @patch_to(Recorder)
+def read_weights(self):
+    "Read the open step's weights now: no backward will bring grads to read them with (the forward's output needs none)."
+    if self._weights is not None and self.rec is not None: self._planned(self._pending_weights())
+
+@patch_to(Recorder)
 def _pending_weights(self)->list:
     "The weights batch waiting to be read with the grads, as a list of `(ttype, items)` (emptied)."
     w, self._weights = self._weights, None
