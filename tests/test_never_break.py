@@ -750,17 +750,18 @@ def test_recorded_weights_are_the_current_parameters(db):
     assert len(df.query("ttype == 'weight_grad'")) == 4
     te.disarm()
 
-@pytest.mark.parametrize('backward', [True, False], ids=['trained', 'no-grad-forward'])
-def test_recorded_weights_are_those_the_forward_used(db, backward):
+@pytest.mark.parametrize('mode', ['trained', 'no-grad-forward', 'custom-grad-stats'])
+def test_recorded_weights_are_those_the_forward_used(db, mode):
     "Weights are read with the grads (or when the step closes), yet must be the values before the optimizer changed them."
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(300, 300), nn.ReLU(), nn.Linear(300, 4))   # one large weight (fused), the rest stacked
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     te = torchEmber(model, run='weights-used', db=db)
+    if mode == 'custom-grad-stats': te.how_record_grad(lambda g: {'gmax': g.abs().max()})   # grads off the planned path
     used = []
     for _ in range(3):
         used.append({n: p.detach().clone() for n, p in model.named_parameters()})
-        if backward: model(torch.randn(8, 300)).pow(2).mean().backward()
+        if mode != 'no-grad-forward': model(torch.randn(8, 300)).pow(2).mean().backward()
         else:
             with torch.no_grad(): model(torch.randn(8, 300))   # no backward can follow: the weights are read as the forward ends
         with torch.no_grad():

@@ -367,10 +367,14 @@ def params(self, step, ttype, items):
         with self._late(step): return self.params(step, ttype, items)
     more = self.param_extras(ttype, items) if self.param_extras is not None else None
     keys = self.rec.keys
-    if self.stat_fns[ttype] is default_stats and more is None and self.on_tensor is None:
-        if ttype == 'weight': self._weights = items   # read with this step's grads (or at its close): one pass over both
-        else: self._planned([*self._pending_weights(), (ttype, items)])
-    elif self.stat_fns[ttype] is default_stats:
+    planned = self.stat_fns[ttype] is default_stats and more is None and self.on_tensor is None
+    if planned and ttype == 'weight':
+        self._weights = items             # read with this step's grads (or at its close): one pass over both
+        return
+    batches = self._pending_weights()     # the weights are read now, whatever stats the grads get
+    if planned: return self._planned([*batches, (ttype, items)])
+    if batches: self._planned(batches)
+    if self.stat_fns[ttype] is default_stats:
         for i, (mi, tname, t) in enumerate(items):
             if self.on_tensor is not None: self.on_tensor(self.rec, mi, 0, ttype, tname, t)
             xi = self._extras(more[i]) if more and more[i] else -1

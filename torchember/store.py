@@ -7,6 +7,7 @@ Docs: https://torchember.github.io/torchember/store.html.md"""
 # %% ../nbs/02_store.ipynb #2645585c
 from __future__ import annotations
 import getpass, json, os, platform, queue, socket, sqlite3, stat, threading, time, warnings, atexit, weakref
+from functools import partial
 from pathlib import Path
 import sqlalchemy as sa
 from sqlalchemy import (BigInteger, Column, Float, ForeignKey, Integer, LargeBinary, MetaData, PrimaryKeyConstraint, String,
@@ -282,23 +283,29 @@ def _torch_version():
 # %% ../nbs/02_store.ipynb #a8b558f6
 _sql = {}
 
+def _compiled(c, key, build)->tuple:
+    "`(sql, names)` of the statement `build(dialect)` compiled once per dialect; `names`: the order of positional parameters, or None."
+    d = c.engine.dialect
+    k = (d.name, d.driver, key)
+    if k not in _sql:
+        comp = build(d).compile(dialect=d)
+        _sql[k] = (str(comp), list(comp.positiontup) if comp.positional else None)
+    return _sql[k]
+
+def _insert(table:Table, replace:bool, dialect):
+    "An `insert` into `table`; `replace`: a row with the same key replaces the old one."
+    if replace and dialect.name == 'sqlite': return insert(table).prefix_with('OR REPLACE')
+    if replace and dialect.name == 'postgresql':
+        ins = pg_insert(table)
+        return ins.on_conflict_do_update(constraint=f'{table.name}_pkey',   # the key the store has (without rank in old ones)
+                                         set_={col.name: ins.excluded[col.name] for col in table.columns if not col.primary_key})
+    return insert(table)
+
 def _executemany(c, table:Table, rows:list, replace:bool=False):
-    "Insert `rows` (tuples in `table`'s column order) with one executemany of SQLAlchemy's compiled `insert`; `replace`: a row with the same key replaces the old one."
-    dialect = c.engine.dialect
-    key = (dialect.name, dialect.driver, table.name, replace)
-    if key not in _sql:
-        ins = insert(table)
-        if replace and dialect.name == 'sqlite': ins = ins.prefix_with('OR REPLACE')
-        elif replace and dialect.name == 'postgresql':
-            ins = pg_insert(table)
-            ins = ins.on_conflict_do_update(constraint=f'{table.name}_pkey',   # the key the store has (without rank in old ones)
-                                            set_={col.name: ins.excluded[col.name] for col in table.columns if not col.primary_key})
-        comp = ins.compile(dialect=dialect)
-        names = [col.name for col in table.columns]
-        pos = comp.positional and list(comp.positiontup) == names
-        _sql[key] = (str(comp), pos, names)
-    sql, pos, names = _sql[key]
-    c.exec_driver_sql(sql, rows if pos else [dict(zip(names, r)) for r in rows])
+    "Insert `rows` (tuples in `table`'s column order) with one executemany of SQLAlchemy's compiled `insert` (see `_insert`)."
+    sql, order = _compiled(c, (table.name, replace), partial(_insert, table, replace))
+    names = [col.name for col in table.columns]
+    c.exec_driver_sql(sql, rows if order == names else [dict(zip(names, r)) for r in rows])
 
 def write_step(eng, run_id:int, step:int, rows:list, events:list=(), closed:bool=True, events_step:int=None,
                training:bool=None, calls:list=(), scalars:dict=None, snapshots:list=(), rank:int=0):
@@ -314,22 +321,13 @@ def write_step(eng, run_id:int, step:int, rows:list, events:list=(), closed:bool
         if closed:
             _executemany(c, steps_t, [(run_id, step, rank, time.time(), len(rows), step if events_step is None else events_step,
                                        None if training is None else int(training))])
-            sql, names = _compiled(c, 'last_step', _last_step_update)
+            sql, order = _compiled(c, 'last_step', _last_step_update)
             params = dict(rid=run_id, st=step)
-            c.exec_driver_sql(sql, tuple(params[n] for n in names) if names else params)
+            c.exec_driver_sql(sql, tuple(params[n] for n in order) if order else params)
 
-def _last_step_update():
+def _last_step_update(dialect):
     last = runs_t.c.last_step
     return update(runs_t).where(runs_t.c.id == bindparam('rid')).values(last_step=sa.case((last >= bindparam('st'), last), else_=bindparam('st')))
-
-def _compiled(c, key, build)->tuple:
-    "`(sql, names)` of the statement `build()` compiled once per dialect; `names`: the order of positional parameters, or None."
-    d = c.engine.dialect
-    k = (d.name, d.driver, key)
-    if k not in _sql:
-        comp = build().compile(dialect=d)
-        _sql[k] = (str(comp), list(comp.positiontup) if comp.positional else None)
-    return _sql[k]
 
 # %% ../nbs/02_store.ipynb #8cb47b5c
 _writers = weakref.WeakSet()
