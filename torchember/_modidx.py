@@ -349,5 +349,6 @@ d = { 'settings': { 'branch': 'main',
                                   'torchember.store.db_url': ('store.html#db_url', 'torchember/store.py'),
                                   'torchember.store.default_db': ('store.html#default_db', 'torchember/store.py'),
                                   'torchember.store.engine': ('store.html#engine', 'torchember/store.py'),
+                                  'torchember.store.idle_priority': ('store.html#idle_priority', 'torchember/store.py'),
                                   'torchember.store.keyed_by_rank': ('store.html#keyed_by_rank', 'torchember/store.py'),
                                   'torchember.store.write_step': ('store.html#write_step', 'torchember/store.py')}}}

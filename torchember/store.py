@@ -18,7 +18,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 # %% auto #0
 __all__ = ['SCHEMA_VERSION', 'metadata', 'STAT_COLS', 'Str', 'Size', 'meta_t', 'runs_t', 'ranks_t', 'modules_t', 'steps_t',
            'events_t', 'stats_t', 'calls_t', 'scalars_t', 'snapshots_t', 'VIEWS', 'default_db', 'db_url', 'StoreError',
-           'engine', 'keyed_by_rank', 'create_run', 'write_step', 'Writer']
+           'engine', 'keyed_by_rank', 'create_run', 'write_step', 'idle_priority', 'Writer']
 
 # %% ../nbs/02_store.ipynb #2b4773a6
 SCHEMA_VERSION = 2
@@ -332,6 +332,11 @@ def _last_step_update(dialect):
 # %% ../nbs/02_store.ipynb #8cb47b5c
 _writers = weakref.WeakSet()
 
+def idle_priority():
+    "Run the calling thread only on CPU time no other thread wants (Linux `SCHED_IDLE`); a no-op where unsupported."
+    try: os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError): pass
+
 class Writer:
     "A background thread that runs submitted jobs in order."
     def __init__(self, maxsize:int=64, strict:bool=False):
@@ -341,6 +346,7 @@ class Writer:
         _writers.add(self)
 
     def _run(self):
+        idle_priority()
         while True:
             job = self.q.get()
             try:
