@@ -7,6 +7,7 @@ Docs: https://torchember.github.io/torchember/stats.html.md"""
 # %% ../nbs/01_stats.ipynb #57cf6cb2
 from __future__ import annotations
 import json, math, os, warnings, weakref
+from functools import partial
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 import numpy as np
@@ -15,7 +16,7 @@ from fastcore.basics import patch_to
 from .core import elapsed_ms
 
 # %% auto #0
-__all__ = ['MOMENTS', 'STATS', 'FLOATS', 'SMALL', 'ROW_FIELDS', 'TTYPES', 'as_real', 'moments', 'stats_of_moments',
+__all__ = ['MOMENTS', 'STATS', 'F64', 'FLOATS', 'SMALL', 'ROW_FIELDS', 'TTYPES', 'as_real', 'moments', 'stats_of_moments',
            'fused_moments', 'default_stats', 'check_stats', 'StepRecord', 'Recorder', 'dtype_name', 'shape_of']
 
 # %% ../nbs/01_stats.ipynb #676c44cd
@@ -31,9 +32,11 @@ def as_real(t:torch.Tensor)->torch.Tensor:
     return t.reshape(-1).to(torch.float64, copy=True)
 
 def _eager_rows(x:torch.Tensor, counts:bool)->torch.Tensor:
-    "Row moments of `x` with eager kernels: sum, sum of squares, min, max, non-zeros (and NaN, Inf counts)."
-    cols = [x.sum(1, dtype=torch.float64), (x*x).sum(1, dtype=torch.float64), x.amin(1), x.amax(1)]
-    cols += [(x != 0).sum(1), x.isnan().sum(1), x.isinf().sum(1)] if counts else [x.sign().abs().sum(1, dtype=torch.float64)]
+    "The `MOMENTS` of each row of `x` with eager kernels; NaN and Inf counts are zeros unless `counts`."
+    k, n = x.shape
+    cols = [x.new_full((k,), n, dtype=torch.float64), x.sum(1, dtype=torch.float64), (x*x).sum(1, dtype=torch.float64), x.amin(1), x.amax(1)]
+    if counts: cols += [(x != 0).sum(1), x.isnan().sum(1), x.isinf().sum(1)]
+    else: cols += [x.sign().abs().sum(1, dtype=torch.float64), x.new_zeros(k, dtype=torch.float64), x.new_zeros(k, dtype=torch.float64)]
     return torch.stack(cols, 1).to(torch.float64)
 
 def moments(x:torch.Tensor)->torch.Tensor:
@@ -46,10 +49,8 @@ def moments(x:torch.Tensor)->torch.Tensor:
     if k == 1 and n > 1: m = _kernel('flat', cpu)(x[0])[None]
     elif n == 1 or x.dtype not in FLOATS: m = _eager_rows(x, not cpu)
     else: m = _kernel('rows', cpu)(x)   # k, n >= 2: one compiled graph serves every size
-    if not cpu: return torch.cat([m.new_full((k, 1), n), m], 1)
-    if math.isfinite(m[:, 0].sum()): counts = m.new_zeros(k, 2)   # no NaN or Inf to count
-    else: m, counts = _eager_rows(x, True)[:, :5], torch.stack([x.isnan().sum(1), x.isinf().sum(1)], 1).to(torch.float64)
-    return torch.cat([m.new_full((k, 1), n), m, counts], 1)
+    if cpu and not math.isfinite(m[:, 1].sum()): m = _eager_rows(x, True)   # NaN or Inf to count
+    return m
 
 # %% ../nbs/01_stats.ipynb #8f313c8b
 STATS = ('numel', 'mean', 'std', 'min', 'max', 'norm', 'zero_frac', 'nan_count', 'inf_count')
@@ -62,29 +63,35 @@ def stats_of_moments(m:torch.Tensor)->torch.Tensor:
     return torch.stack([n, mean, var.sqrt(), mn, mx, ss.sqrt(), 1 - nz/n, nan, inf], 1)
 
 # %% ../nbs/01_stats.ipynb #1fbe18f7
-def _moments5(x):
-    d = x.to(torch.float64)    # sums in float64; min and max in x's own dtype (exact, and 2-3x faster)
-    return torch.stack([d.sum(), (d*d).sum(), x.amin().to(torch.float64), x.amax().to(torch.float64),
-                        (x != 0).sum().to(torch.float64)])
+F64 = torch.float64
 
-def _moments7(x):
-    return torch.cat([_moments5(x), torch.stack([x.isnan().sum(), x.isinf().sum()]).to(torch.float64)])
+def _flat8(x, counts:bool=False):
+    "The 8 `MOMENTS` of 1-d `x`, all in one graph; NaN and Inf counts are zeros unless `counts`."
+    d = x.to(F64)    # sums in float64; min and max in x's own dtype (exact, and 2-3x faster)
+    z = d.new_zeros(())
+    nan, inf = (x.isnan().sum().to(F64), x.isinf().sum().to(F64)) if counts else (z, z)
+    return torch.stack([z + x.shape[0], d.sum(), (d*d).sum(), x.amin().to(F64), x.amax().to(F64), (x != 0).sum().to(F64), nan, inf])
 
-def _eager5(x):
-    mn, mx = torch.aminmax(x.reshape(-1))
-    return torch.stack([x.sum(dtype=torch.float64), torch.linalg.vector_norm(x, dtype=torch.float64).square(),
-                        mn.double(), mx.double(), torch.count_nonzero(x).double()])
+def _eager8(x):
+    mn, mx = torch.aminmax(x)
+    z = x.new_zeros((), dtype=F64)
+    return torch.stack([z + x.numel(), x.sum(dtype=F64), torch.linalg.vector_norm(x, dtype=F64).square(),
+                        mn.double(), mx.double(), torch.count_nonzero(x).double(), z, z])
 
-def _rows5(x):
-    d = x.to(torch.float64)
-    return torch.stack([d.sum(1), (d*d).sum(1), x.amin(1).to(torch.float64), x.amax(1).to(torch.float64),
-                        (x != 0).sum(1).to(torch.float64)], 1)
+def _rows8(x, counts:bool=False):
+    "The `MOMENTS` of each row of 2-d `x`, all in one graph; NaN and Inf counts are zeros unless `counts`."
+    d = x.to(F64)
+    z = d.new_zeros(x.shape[0])
+    nan, inf = (x.isnan().sum(1).to(F64), x.isinf().sum(1).to(F64)) if counts else (z, z)
+    return torch.stack([z + x.shape[1], d.sum(1), (d*d).sum(1), x.amin(1).to(F64), x.amax(1).to(F64),
+                        (x != 0).sum(1).to(F64), nan, inf], 1)
 
-def _rows7(x):
-    return torch.cat([_rows5(x), torch.stack([x.isnan().sum(1), x.isinf().sum(1)], 1).to(torch.float64)], 1)
+def _flat8c(x): return _flat8(x, counts=True)
+def _rows8c(x): return _rows8(x, counts=True)
 
-_KERNELS = {('flat', True): (_moments5, _eager5), ('flat', False): (_moments7, _moments7),
-            ('rows', True): (_rows5, lambda x: _eager_rows(x, False)), ('rows', False): (_rows7, lambda x: _eager_rows(x, True))}
+# On a CPU, NaN and Inf are counted only when the sum shows there are some: two fewer reductions in the common case
+_KERNELS = {('flat', True): (_flat8, _eager8), ('flat', False): (_flat8c, _flat8c),
+            ('rows', True): (_rows8, partial(_eager_rows, counts=False)), ('rows', False): (_rows8c, partial(_eager_rows, counts=True))}
 _compiled = {}
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -115,12 +122,10 @@ def fused_moments(t:torch.Tensor)->torch.Tensor:
     "The 8 `MOMENTS` of `t` as a float64 tensor on its device, reading a large float tensor once."
     t = t.detach()
     if t.dtype not in FLOATS or t.is_sparse: return moments(as_real(t)[None])[0]
-    cpu, n = t.device.type == 'cpu', t.numel()
+    cpu = t.device.type == 'cpu'
     m = _kernel('flat', cpu)(_flat(t))
-    if cpu:
-        counts = [0., 0.] if math.isfinite(m[:4].sum()) else [t.isnan().sum().item(), t.isinf().sum().item()]
-        return torch.cat([m.new_tensor([n]), m, m.new_tensor(counts)])
-    return torch.cat([m.new_full((1,), n), m])
+    if cpu and not math.isfinite(m[1]): m = torch.cat([m[:6], torch.stack([t.isnan().sum(), t.isinf().sum()]).to(F64)])
+    return m
 
 # %% ../nbs/01_stats.ipynb #0de888e0
 SMALL = 2**16
