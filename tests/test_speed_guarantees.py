@@ -1,5 +1,5 @@
 "What the speed design promises and a test can check without timing anything."
-import gc, weakref
+import gc, os, sys, threading, weakref
 import pytest, torch
 from torch import nn
 from torchember import torchEmber
@@ -59,4 +59,19 @@ def test_at_most_one_sync_per_recorded_step_on_gpu(db):
     finally: torch.cuda.set_sync_debug_mode(0)
     te.flush()
     assert 4 in set(te.df().step)
+    te.disarm()
+
+def _policy(tid): return open(f'/proc/self/task/{tid}/sched').read().split('policy')[1].split(':')[1].split()[0]
+
+@pytest.mark.skipif(sys.platform != 'linux', reason="SCHED_IDLE is Linux's")
+def test_writer_runs_on_idle_cpu_time_only(db):
+    "The writer thread is SCHED_IDLE (5), so it cannot hold up PyTorch's intra-op threads; the training thread keeps its policy."
+    model = mlp()
+    te = torchEmber(model, run='idle', db=db)
+    before = _policy(threading.get_native_id())
+    model(torch.randn(2, 8)).sum().backward()
+    te.flush()
+    assert _policy(te.writer._t.native_id) == str(os.SCHED_IDLE)
+    assert _policy(threading.get_native_id()) == before
+    assert len(te.latest()) > 0
     te.disarm()
