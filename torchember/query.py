@@ -12,7 +12,7 @@ import pandas as pd
 import sqlalchemy as sa
 import torch
 from sqlalchemy import select, func
-from .store import engine, runs_t, modules_t, steps_t, events_t, stats_t, calls_t, scalars_t, snapshots_t, STAT_COLS
+from .store import engine, runs_t, ranks_t, modules_t, steps_t, events_t, stats_t, calls_t, scalars_t, snapshots_t, STAT_COLS
 
 # %% auto #0
 __all__ = ['FORWARD', 'BACKWARD', 'NONFINITE_KINDS', 'runs', 'run_ranks', 'records', 'Run', 'load', 'summary', 'flow_order',
@@ -42,8 +42,12 @@ def _as_list(x): return None if x is None else [x] if isinstance(x, (str, int)) 
 
 def run_ranks(db, run_id:int)->list:
     "The ranks that closed steps of run `run_id`, in order ([0] for a run that closed none)."
+    s = steps_t.c
     with engine(db).connect() as c:
-        ranks = c.execute(select(steps_t.c.rank).where(steps_t.c.run_id == run_id).distinct().order_by(steps_t.c.rank)).scalars().all()
+        joined = c.execute(select(ranks_t.c.rank).where(ranks_t.c.run_id == run_id).order_by(ranks_t.c.rank)).scalars().all()
+        if joined:   # a seek per rank that joined, not a scan of every step for their distinct ranks
+            ranks = [r for r in joined if c.execute(select(s.step).where(s.run_id == run_id, s.rank == r).limit(1)).first() is not None]
+        else: ranks = c.execute(select(s.rank).where(s.run_id == run_id).distinct().order_by(s.rank)).scalars().all()
     return list(ranks) or [0]
 
 def records(db, run_id:int, run:str, step=None, module=None, ttype=None, tname=None, steps:tuple=None, rank=None)->pd.DataFrame:
@@ -109,7 +113,11 @@ class Run:
         "The newest step each rank has closed: rank -> step."
         s = steps_t.c
         with engine(self.db).connect() as c:
-            return dict(c.execute(select(s.rank, func.max(s.step)).where(s.run_id == self.id).group_by(s.rank).order_by(s.rank)).all())
+            ranks = c.execute(select(ranks_t.c.rank).where(ranks_t.c.run_id == self.id).order_by(ranks_t.c.rank)).scalars().all()
+            if not ranks: return dict(c.execute(select(s.rank, func.max(s.step)).where(s.run_id == self.id).group_by(s.rank).order_by(s.rank)).all())
+            # per rank, the key's index read backwards from the run's newest step: as quick on 10,000 steps as on 100
+            last = {r: c.execute(select(s.step).where(s.run_id == self.id, s.rank == r).order_by(s.step.desc()).limit(1)).scalar() for r in ranks}
+        return {r: st for r, st in last.items() if st is not None}
 
     @property
     def last_step(self)->int|None:
