@@ -14,10 +14,12 @@ import numpy as np
 import torch
 from fastcore.basics import patch_to
 from .core import elapsed_ms
+from . import native
 
 # %% auto #0
 __all__ = ['MOMENTS', 'STATS', 'F64', 'FLOATS', 'SMALL', 'ROW_FIELDS', 'TTYPES', 'as_real', 'moments', 'stats_of_moments',
-           'fused_moments', 'default_stats', 'check_stats', 'StepRecord', 'Recorder', 'dtype_name', 'shape_of']
+           'native_moments', 'fused_moments', 'default_stats', 'check_stats', 'StepRecord', 'Recorder', 'dtype_name',
+           'shape_of']
 
 # %% ../nbs/01_stats.ipynb #676c44cd
 MOMENTS = ('n', 'sum', 'sumsq', 'min', 'max', 'nonzero', 'nan', 'inf')
@@ -118,9 +120,20 @@ def _flat(t:torch.Tensor)->torch.Tensor:
     if not t.is_contiguous(): return t.reshape(-1)   # a copy, with no base
     return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), (t.numel(),), (1,))
 
+def _native(t:torch.Tensor)->bool:
+    "Whether `t` is measured by the native CPU kernel (see `torchember.native`)."
+    return native.supports(t) and native.library() is not None
+
+def native_moments(ts:list)->torch.Tensor:
+    "The `MOMENTS` of CPU tensors `ts` (see `native.supports`) as `(len(ts), 8)` float64, NaN and Inf counted where a sum isn't finite."
+    m = native.moments(ts)
+    for i in np.flatnonzero(~np.isfinite(m.numpy()[:, 1])): m[i] = _kernel('flat', False)(_flat(ts[i].detach()))
+    return m
+
 def fused_moments(t:torch.Tensor)->torch.Tensor:
     "The 8 `MOMENTS` of `t` as a float64 tensor on its device, reading a large float tensor once."
     t = t.detach()
+    if _native(t): return native_moments([t])[0]
     if t.dtype not in FLOATS or t.is_sparse: return moments(as_real(t)[None])[0]
     cpu = t.device.type == 'cpu'
     m = _kernel('flat', cpu)(_flat(t))
@@ -134,7 +147,7 @@ def default_stats(t:torch.Tensor)->dict:
     "The default `STATS` of `t` as 0-d tensors on its device: numel, mean, std, min, max, norm, zero_frac, nan and inf counts."
     if t.device.type == 'meta': return {'numel': t.numel()}
     with torch.no_grad():
-        m = fused_moments(t) if t.numel() > SMALL else moments(as_real(t)[None])[0]
+        m = fused_moments(t) if t.numel() > SMALL or _native(t) else moments(as_real(t)[None])[0]
         return dict(zip(STATS, stats_of_moments(m[None])[0].unbind()))
 
 # %% ../nbs/01_stats.ipynb #61084eac
@@ -410,41 +423,50 @@ def scalar(self, step:int, name:str, value):
 
 @patch_to(Recorder)
 def _reduce_groups(self):
-    "Reduce the pending small tensors, stacked by size."
+    "Reduce the pending small tensors: those the native kernel reads in one call, the others stacked by size."
+    rows, snaps = [], []
     for rows_snaps in self._groups.values():
-        rows = [r for r, _ in rows_snaps]
-        self._pieces.append((rows, moments(torch.stack([s for _, s in rows_snaps]).reshape(len(rows), -1))))
+        if _native(rows_snaps[0][1]):
+            rows += [r for r, _ in rows_snaps]; snaps += [s for _, s in rows_snaps]
+            continue
+        self._pieces.append(([r for r, _ in rows_snaps], moments(torch.stack([s for _, s in rows_snaps]).reshape(len(rows_snaps), -1))))
+    if snaps: self._pieces.append((rows, native_moments(snaps)))
     self._groups = {}
 
 # %% ../nbs/01_stats.ipynb #671a09fb
-def _plan(batches)->tuple:
-    "`(metas, groups, large, other)` of `(ttype, [(mi, tname, tensor)])` batches: key metadata, index lists of small same-size float tensors, large float tensors, and the rest."
-    metas, groups, large, other = [], {}, [], []
+def _plan(batches, nat:bool=False)->tuple:
+    "`(metas, natives, groups, large, other)` of `(ttype, [(mi, tname, tensor)])` batches: key metadata, indices of tensors for the native kernel (if `nat`), index lists of small same-size float tensors, large float tensors, and the rest."
+    metas, natives, groups, large, other = [], [], {}, [], []
     for ttype, items in batches:
         for mi, tname, t in items:
             j = len(metas)
             metas.append((mi, ttype, tname, shape_of(t), dtype_name(t)))
-            if t.dtype not in FLOATS or t.layout != torch.strided or t.is_nested or t.device.type == 'meta': other.append(j)
+            if nat and native.supports(t): natives.append(j)
+            elif t.dtype not in FLOATS or t.layout != torch.strided or t.is_nested or t.device.type == 'meta': other.append(j)
             elif t.numel() > SMALL: large.append(j)
             else: groups.setdefault((t.device, t.dtype, t.shape), []).append(j)
-    return metas, list(groups.values()), large, other
+    return metas, natives, list(groups.values()), large, other
 
 _PLANS = {}
 
 @patch_to(Recorder)
 def _planned(self, batches):
     "Record `(ttype, [(mi, tname, tensor)])` batches with default stats, by a cached `_plan` of them together."
-    sig = tuple((ttype, *[(mi, tname, t.dtype, t.shape, t.device) for mi, tname, t in items]) for ttype, items in batches)
+    nat = native.library() is not None
+    sig = (nat, *[(ttype, *[(mi, tname, t.dtype, t.shape, t.device) for mi, tname, t in items]) for ttype, items in batches])
     plan = _PLANS.get(sig)
     if plan is None:
         if len(_PLANS) > 64: _PLANS.clear()
-        plan = _PLANS[sig] = _plan(batches)
-    metas, groups, large, other = plan
+        plan = _PLANS[sig] = _plan(batches, nat)
+    metas, natives, groups, large, other = plan
     base = self._nm
     self._nm += len(metas)
     self.rec.keys += [(mi, 0, ttype, tname, shape, dtype, base + j, -1) for j, (mi, ttype, tname, shape, dtype) in enumerate(metas)]
     ts = [t for _, items in batches for _, _, t in items]
     with torch.no_grad():
+        if natives:     # all of them in one call, shared out over torch's threads
+            try: self._pieces.append(([base + j for j in natives], native_moments([ts[j].detach() for j in natives])))
+            except Exception: large = large + natives
         for idx in groups:
             try: x = torch.stack([ts[j] for j in idx]).reshape(len(idx), -1)
             except Exception:            # measure them one by one, each with its own error handling

@@ -1,0 +1,105 @@
+"The native CPU moments kernel: same stats as torch's kernels on real models, a build shared by processes, a fallback without a compiler."
+import copy, os, subprocess, sys, textwrap
+import numpy as np
+import pytest, torch
+from torch import nn
+import corpus
+from torchember import torchEmber, native
+
+needs_compiler = pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler to build the native kernel")
+STATS = ['numel', 'mean', 'std', 'min', 'max', 'norm', 'zero_frac', 'nan_count', 'inf_count']
+KEY = ['module', 'call', 'ttype', 'tname']
+
+def record_one_step(model, args, kwargs, db, run):
+    "The rows of one recorded training step of `model`, sorted by key."
+    te = torchEmber(model, run=run, db=db)
+    torch.manual_seed(0)      # the same dropout masks for both
+    corpus.loss_of(model(*args, **kwargs)).backward()
+    te.flush()
+    df = te.latest().sort_values(KEY).reset_index(drop=True)
+    te.disarm()
+    return df
+
+def both_kernels(model, args, kwargs, db, monkeypatch):
+    "Rows of the same step recorded with the native kernel on and off (a copy of the model each)."
+    other = copy.deepcopy(model)
+    monkeypatch.setenv('TORCHEMBER_NATIVE', '1')
+    a = record_one_step(model, args, kwargs, db, 'native')
+    monkeypatch.setenv('TORCHEMBER_NATIVE', '0')
+    b = record_one_step(other, args, kwargs, db, 'torch')
+    return a, b
+
+def assert_same_stats(a, b):
+    assert len(a) == len(b) > 0
+    assert a[KEY].equals(b[KEY])
+    for c in STATS:
+        x, y = a[c].to_numpy(dtype=float), b[c].to_numpy(dtype=float)
+        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-9, equal_nan=True, err_msg=c)
+
+@needs_compiler
+@pytest.mark.parametrize('name', sorted(corpus.CORPUS))
+def test_native_kernel_records_what_torch_kernels_record(name, db, monkeypatch):
+    model, make_batch = corpus.CORPUS[name]()
+    args, kwargs = make_batch(0)
+    a, b = both_kernels(model, args, kwargs, db, monkeypatch)
+    assert_same_stats(a, b)
+
+@needs_compiler
+@pytest.mark.parametrize('variant', ['channels_last', 'float64'])
+def test_native_kernel_on_channels_last_and_float64_models(variant, db, monkeypatch):
+    model, make_batch = corpus.CORPUS['resnet']()
+    (x,), kwargs = make_batch(0)
+    if variant == 'channels_last': model, x = model.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
+    else: model, x = model.double(), x.double()
+    a, b = both_kernels(model, (x,), kwargs, db, monkeypatch)
+    assert_same_stats(a, b)
+    assert set(a.dtype) >= ({'float64'} if variant == 'float64' else {'float32'})
+
+class Blowup(nn.Module):
+    "Outputs with NaN and Inf in them, small and large."
+    def forward(self, x):
+        y = x.clone()
+        y[0, 0], y[0, 1] = float('nan'), float('inf')
+        return y
+
+@needs_compiler
+@pytest.mark.parametrize('width', [8, 70_000])
+def test_nan_and_inf_are_counted_whichever_kernel_reads_them(width, db, monkeypatch):
+    model = nn.Sequential(nn.Linear(8, width), Blowup(), nn.ReLU())
+    x = torch.randn(3, 8)
+    a, b = both_kernels(model, (x,), {}, db, monkeypatch)
+    assert_same_stats(a, b)
+    out = a[(a.module == '1') & (a.ttype == 'output')].iloc[0]
+    assert (out.nan_count, out.inf_count) == (1, 1)
+    assert np.isnan(out['min']) and np.isnan(out['max'])
+
+@needs_compiler
+def test_processes_starting_together_share_one_build(tmp_path):
+    cache = tmp_path/'cache'
+    code = "from torchember import native; print(native.library()._name)"
+    env = {**os.environ, 'TORCHEMBER_CACHE': str(cache)}
+    procs = [subprocess.Popen([sys.executable, '-c', code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e for _, e in outs]
+    paths = {o.strip() for o, _ in outs}
+    assert len(paths) == 1
+    assert sorted(p.name for p in cache.iterdir()) == [os.path.basename(paths.pop())]   # no half-written leftovers
+
+def test_without_a_compiler_stats_come_from_torch(tmp_path):
+    code = textwrap.dedent('''
+        import warnings, torch
+        from torchember import native
+        from torchember.stats import default_stats
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter('always')
+            assert native.library() is None
+        assert any('no native moments kernel' in str(x.message) for x in w), [str(x.message) for x in w]
+        s = default_stats(torch.tensor([0., 1., 2., 3.]))
+        assert s['mean'].item() == 1.5 and s['zero_frac'].item() == 0.25
+        print('ok')
+    ''')
+    env = {k: v for k, v in os.environ.items() if k != 'CXX'}
+    env.update(PATH=str(tmp_path), TORCHEMBER_CACHE=str(tmp_path/'cache'), TORCHEMBER_COMPILE='0', TMPDIR=str(tmp_path))
+    r = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == 'ok', r.stderr
