@@ -8,9 +8,11 @@ Method: warm up, then time whole blocks of K steps, cycling bare and each armed 
 order reversed on every other round), N blocks each; report the median per-step time and the armed/bare ratio.
 An armed block arms a fresh handle before the clock starts, calls `handle.flush()` (if it has one) before the
 clock stops, so deferred background work is counted, and disarms after. K is a multiple of 10 by default, so
-`every=10` captures the same share of steps in every block.
+`every=10` captures the same share of steps in every block. Then, unless `--no-store`, the store: stat rows/s
+written through the store's write path, and `latest()` / one module's history on a 100-step vs a 10,000-step run.
 
-    python bench/bench.py [--models resnet18,mlp32,alexnet] [--blocks N] [--steps K] [--quick] [--configs ember,ember10]
+    python bench/bench.py [--models resnet18,mlp32,alexnet] [--blocks N] [--steps K] [--quick] [--configs ember,ember10] [--no-store]
+    python bench/bench.py --store
     python bench/bench.py --memory [--models mlp32] [--memory-steps 1000] [--configs ember]
 
 To add a configuration, append a `Config(label, arm_fn)` to what `configs()` returns (or register it in `CONFIGS`);
@@ -258,7 +260,8 @@ def main(argv=None):
     p.add_argument('--configs', default=None, help=f"comma-separated, from {','.join(CONFIGS)} (default: ember,ember10, or dummy without torchember)")
     p.add_argument('--memory', action='store_true', help="instead of timing: RSS after step 50 and after --memory-steps, armed")
     p.add_argument('--memory-steps', type=int, default=1000)
-    p.add_argument('--store', action='store_true', help="instead of timing models: store write rate and query times on 100 vs 10,000 steps")
+    p.add_argument('--store', action='store_true', help="only the store: write rate and query times on 100 vs 10,000 steps")
+    p.add_argument('--no-store', action='store_true', help="time the models only (by default the store figures follow them)")
     p.add_argument('--threads', type=int, default=2)
     p.add_argument('--keep-db', action='store_true', help="keep the scratch databases (default: removed at exit)")
     a = p.parse_args(argv)
@@ -273,6 +276,7 @@ def main(argv=None):
     cfgs = configs(a.configs.split(',') if a.configs else None)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, scratch dbs in {scratch()}"
           + (" (kept)" if KEEP_DB else " (removed at exit)"))
+    _print_kernel()
     _check_load()
 
     if a.memory: return memory(names, cfgs, a.memory_steps)
@@ -293,6 +297,18 @@ def main(argv=None):
                   f"{sb*100:5.0f}%/{sa*100:3.0f}%", flush=True)
     print(f"\ntotal {time.perf_counter() - t_all:.0f} s")
     _check_load()
+    if not a.no_store and torchEmber is not None:
+        print()
+        store_bench()
+        _check_load()
+
+def _print_kernel():
+    "Say which kernel computes the moments of CPU tensors: the figures depend on it."
+    try: from torchember import native
+    except ImportError: return
+    lib = native.library()
+    print("moments of CPU float tensors: " + ("native C++ kernel (torchember.native)" if lib else
+          "torch.compile'd or eager kernels (native kernel off or not built)"))
 
 def _check_load():
     "Warn when other processes compete for the CPUs: timings taken then are not worth much."

@@ -24,6 +24,9 @@ typedef double f64x8 __attribute__((vector_size(64)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 typedef int64_t i64x8 __attribute__((vector_size(64)));
 
+/* Ask for the memory 8 KiB past p (integer arithmetic: no pointer is formed past the tensor's end). */
+static inline void ahead(const void* p) { __builtin_prefetch((const void*)((uintptr_t)p + 8192)); }
+
 /* out = n, sum, sumsq, min, max, nonzero, 0, 0; sums in float64; NaN is skipped by min/max (the caller sees it in the sum) */
 template <typename T, typename V, typename C>
 static void moments(const T* x, int64_t n, double* out) {
@@ -35,7 +38,7 @@ static void moments(const T* x, int64_t n, double* out) {
   while (i + 16 <= n) {
     int64_t stop = n - 16 < i + (int64_t(1) << 34) ? n - 16 : i + (int64_t(1) << 34);
     for (; i <= stop; i += 16) {
-      __builtin_prefetch(x + i + 2048);
+      ahead(x + i);
       V a, b;
       __builtin_memcpy(&a, x + i, sizeof(V)); __builtin_memcpy(&b, x + i + 8, sizeof(V));
       f64x8 da = __builtin_convertvector(a, f64x8), db = __builtin_convertvector(b, f64x8);
@@ -73,7 +76,7 @@ static void moments_f32(const float* x, int64_t n, double* out) {
   while (i + 16 <= n) {
     int64_t stop = n - 16 < i + (int64_t(1) << 34) ? n - 16 : i + (int64_t(1) << 34);
     for (; i <= stop; i += 16) {
-      __builtin_prefetch(x + i + 2048);
+      ahead(x + i);
       f32x16 a; f32x8 h0, h1;
       __builtin_memcpy(&a, x + i, 64); __builtin_memcpy(&h0, x + i, 32); __builtin_memcpy(&h1, x + i + 8, 32);
       f64x8 d0 = __builtin_convertvector(h0, f64x8), d1 = __builtin_convertvector(h1, f64x8);
@@ -195,9 +198,8 @@ def _load()->ctypes.CDLL:
     errors = []
     for flags in (FLAGS, tuple(f for f in FLAGS if not f.startswith('-march'))):
         for folder in (None, Path(tempfile.gettempdir())/f'torchember-{os.getuid() if hasattr(os, "getuid") else "user"}'):
-            try: path = build(folder=folder, flags=flags)
+            try: lib = ctypes.CDLL(str(build(folder=folder, flags=flags)))
             except (OSError, RuntimeError) as e: errors.append(e); continue
-            lib = ctypes.CDLL(str(path))
             P, I64, I8 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int8
             lib.torchember_moments.argtypes = [P, P, P, I64, P, I64]
             lib.torchember_moments1.argtypes = [P, I64, I8, P, I64]
