@@ -12,7 +12,8 @@ import numpy as np
 import torch
 
 # %% auto #0
-__all__ = ['SOURCE', 'FLAGS', 'KINDS', 'PER_THREAD', 'compiler', 'cache_dir', 'cpu_id', 'build', 'library', 'supports', 'moments']
+__all__ = ['SOURCE', 'FLAGS', 'KINDS', 'PER_THREAD', 'compiler', 'cache_dir', 'cpu_id', 'build', 'library', 'supports', 'moments',
+           'MomentRows']
 
 # %% ../nbs/00a_native.ipynb #d6fadc1c
 SOURCE = r'''#include <stdint.h>
@@ -256,3 +257,42 @@ def moments(ts:list,             # tensors that `supports` accepts
     kinds = np.array([KINDS[t.dtype] for t in ts], dtype=np.int8)
     lib.torchember_moments(ptrs.ctypes.data, ns.ctypes.data, kinds.ctypes.data, k, out.data_ptr(), threads)
     return out
+
+# %% ../nbs/00a_native.ipynb #ff862ade
+import math
+
+class MomentRows:
+    "A float64 `(n, 8)` CPU matrix of moments, one row added per `add` (grows as needed)."
+    def __init__(self, capacity:int=256):
+        lib = library()
+        if lib is None: raise RuntimeError("the native moments kernel is not available")
+        self._kernel, self.n = lib.torchember_moments1, 0
+        self._use(torch.empty((max(capacity, 1), 8), dtype=torch.float64))
+
+    def _use(self, buf):
+        self._buf, self._view, self._cap, self._ptr = buf, buf.numpy(), len(buf), buf.data_ptr()
+
+    def add(self, t:torch.Tensor)->int:
+        "Write the moments of `t` (see `supports`) into the next row, on this thread; the row's index."
+        i = self.n
+        if i == self._cap: self._grow()
+        t = _dense(t)
+        self._kernel(t.data_ptr(), t.numel(), KINDS[t.dtype], self._ptr + 64 * i, 1)
+        self.n = i + 1
+        return i
+
+    def finite(self, i:int)->bool:
+        "Whether row `i`'s sum is finite (else NaN or Inf are in that tensor, uncounted)."
+        return math.isfinite(self._view[i, 1])
+
+    def __setitem__(self, i:int, m:torch.Tensor): self._buf[i] = m
+    def __len__(self): return self.n
+
+    def _grow(self):
+        buf = torch.empty((2 * self._cap, 8), dtype=torch.float64)
+        buf[:self.n] = self._buf[:self.n]
+        self._use(buf)
+
+    def matrix(self)->torch.Tensor:
+        "The rows written so far."
+        return self._buf[:self.n]

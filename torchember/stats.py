@@ -277,6 +277,8 @@ class Recorder:
     def open(self, step:int, training:bool=None):
         self.rec = StepRecord(step, training=training)
         self._groups, self._pieces, self._nm, self._seen, self._xvals, self._weights = {}, [], 0, {}, [], None
+        self._direct, self._direct_rows = None, []   # small CPU tensors measured at once (`_now`)
+        self._nat = native.library() is not None     # looked up once a step
 
 # %% ../nbs/01_stats.ipynb #a3561aa6
 _DTYPES = {}
@@ -318,6 +320,7 @@ def _default(self, t, copy:bool, where=None, row:int=None):
         if t.dtype in FLOATS and t.layout == torch.strided and not t.is_nested and t.device.type != 'meta':
             n = t.numel()
             if n > SMALL: self._pieces.append(([row], fused_moments(t)[None]))
+            elif self._nat and native.supports(t): self._now(row, t)
             else: self._groups.setdefault((t.device, t.dtype, t.shape), []).append((row, t.clone() if copy else t))
         elif t.device.type == 'meta': self._pieces.append(([row], _unmeasured(t.numel())))
         else:
@@ -328,6 +331,14 @@ def _default(self, t, copy:bool, where=None, row:int=None):
         self._pieces.append(([row], _unmeasured(None)))
         self._warn(('measure',) + tuple(where or ()), f"cannot measure {self._where(where)}: {type(e).__name__}: {e}; its stats are left empty")
     return row
+
+@patch_to(Recorder)
+def _now(self, row, t):
+    "Measure small CPU tensor `t` at once into the step's `native.MomentRows` (nothing to copy); NaN and Inf counted at once if any."
+    if self._direct is None: self._direct = native.MomentRows()
+    i = self._direct.add(t)
+    if not self._direct.finite(i): self._direct[i] = _kernel('flat', False)(_flat(t))
+    self._direct_rows.append(row)
 
 def _unmeasured(n)->torch.Tensor:
     "A moments row for a tensor whose values can't be read: only its element count, if known."
@@ -371,12 +382,12 @@ def _custom(self, fn, t, mi, ttype, tname):
 @contextmanager
 def _late(self, step:int):
     "Record into a `StepRecord` of its own for `step`, emitted as late rows (`closed=False`); an open step is set aside meanwhile."
-    keep = (self.rec, self._groups, self._pieces, self._nm, self._seen, self._xvals, self._weights) if self.rec else None
+    keep = (self.rec, self._groups, self._pieces, self._nm, self._seen, self._xvals, self._weights, self._direct, self._direct_rows) if self.rec else None
     self.open(step)
     try: yield
     finally:
         self.close(step, [], closed=False)
-        if keep: self.rec, self._groups, self._pieces, self._nm, self._seen, self._xvals, self._weights = keep
+        if keep: self.rec, self._groups, self._pieces, self._nm, self._seen, self._xvals, self._weights, self._direct, self._direct_rows = keep
 
 @patch_to(Recorder)
 def params(self, step, ttype, items):
@@ -423,15 +434,14 @@ def scalar(self, step:int, name:str, value):
 
 @patch_to(Recorder)
 def _reduce_groups(self):
-    "Reduce the pending small tensors: those the native kernel reads in one call, the others stacked by size."
-    rows, snaps = [], []
+    "Reduce the pending small tensors, stacked by size, and add the rows measured at once."
     for rows_snaps in self._groups.values():
-        if _native(rows_snaps[0][1]):
-            rows += [r for r, _ in rows_snaps]; snaps += [s for _, s in rows_snaps]
-            continue
-        self._pieces.append(([r for r, _ in rows_snaps], moments(torch.stack([s for _, s in rows_snaps]).reshape(len(rows_snaps), -1))))
-    if snaps: self._pieces.append((rows, native_moments(snaps)))
+        rows = [r for r, _ in rows_snaps]
+        self._pieces.append((rows, moments(torch.stack([s for _, s in rows_snaps]).reshape(len(rows), -1))))
     self._groups = {}
+    if self._direct is not None:
+        self._pieces.append((self._direct_rows, self._direct.matrix()))
+        self._direct, self._direct_rows = None, []
 
 # %% ../nbs/01_stats.ipynb #671a09fb
 def _plan(batches, nat:bool=False)->tuple:
