@@ -6,7 +6,7 @@ Docs: https://torchember.github.io/torchember/native.html.md"""
 
 # %% ../nbs/00a_native.ipynb #4ac8202a
 from __future__ import annotations
-import ctypes, hashlib, os, platform, shutil, subprocess, tempfile, threading, warnings
+import ctypes, hashlib, math, os, platform, shutil, subprocess, tempfile, threading, warnings
 from pathlib import Path
 import numpy as np
 import torch
@@ -259,8 +259,6 @@ def moments(ts:list,             # tensors that `supports` accepts
     return out
 
 # %% ../nbs/00a_native.ipynb #ff862ade
-import math
-
 class MomentRows:
     "A float64 `(n, 8)` CPU matrix of moments, one row added per `add` (grows as needed)."
     def __init__(self, capacity:int=256):
