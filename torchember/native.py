@@ -22,38 +22,29 @@ SOURCE = r'''#include <stdint.h>
 #include <vector>
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef double f64x8 __attribute__((vector_size(64)));
-typedef int32_t i32x8 __attribute__((vector_size(32)));
 typedef int64_t i64x8 __attribute__((vector_size(64)));
 
 /* Ask for the memory 8 KiB past p (integer arithmetic: no pointer is formed past the tensor's end). */
 static inline void ahead(const void* p) { __builtin_prefetch((const void*)((uintptr_t)p + 8192)); }
 
-/* out = n, sum, sumsq, min, max, nonzero, 0, 0; sums in float64; NaN is skipped by min/max (the caller sees it in the sum) */
-template <typename T, typename V, typename C>
-static void moments(const T* x, int64_t n, double* out) {
-  f64x8 s0 = {0}, s1 = {0}, q0 = {0}, q1 = {0};
-  V lo0, lo1, hi0, hi1;
-  C c0 = {0}, c1 = {0};
+/* float64: out = n, sum, sumsq, min, max, nonzero, 0, 0; NaN is skipped by min and max (the caller sees it in the sum) */
+static void moments_f64(const double* x, int64_t n, double* out) {
+  f64x8 s0 = {0}, s1 = {0}, q0 = {0}, q1 = {0}, lo0, lo1, hi0, hi1;
+  i64x8 c0 = {0}, c1 = {0};
   for (int l = 0; l < 8; l++) { lo0[l] = lo1[l] = INFINITY; hi0[l] = hi1[l] = -INFINITY; }
   int64_t i = 0, nz = 0;
-  while (i + 16 <= n) {
-    int64_t stop = n - 16 < i + (int64_t(1) << 34) ? n - 16 : i + (int64_t(1) << 34);
-    for (; i <= stop; i += 16) {
-      ahead(x + i);
-      V a, b;
-      __builtin_memcpy(&a, x + i, sizeof(V)); __builtin_memcpy(&b, x + i + 8, sizeof(V));
-      f64x8 da = __builtin_convertvector(a, f64x8), db = __builtin_convertvector(b, f64x8);
-      s0 += da; s1 += db; q0 += da * da; q1 += db * db;
-      lo0 = a < lo0 ? a : lo0; lo1 = b < lo1 ? b : lo1;
-      hi0 = a > hi0 ? a : hi0; hi1 = b > hi1 ? b : hi1;
-      c0 -= (C)(a != 0); c1 -= (C)(b != 0);
-    }
-    for (int l = 0; l < 8; l++) nz += (int64_t)c0[l] + (int64_t)c1[l];
-    c0 = c0 - c0; c1 = c1 - c1;
+  for (; i + 16 <= n; i += 16) {
+    ahead(x + i);
+    f64x8 a, b;
+    __builtin_memcpy(&a, x + i, 64); __builtin_memcpy(&b, x + i + 8, 64);
+    s0 += a; s1 += b; q0 += a * a; q1 += b * b;
+    lo0 = a < lo0 ? a : lo0; lo1 = b < lo1 ? b : lo1;
+    hi0 = a > hi0 ? a : hi0; hi1 = b > hi1 ? b : hi1;
+    c0 -= (i64x8)(a != 0); c1 -= (i64x8)(b != 0);
   }
   double S = 0, Q = 0, mn = INFINITY, mx = -INFINITY;
   for (int l = 0; l < 8; l++) {
-    S += s0[l] + s1[l]; Q += q0[l] + q1[l];
+    S += s0[l] + s1[l]; Q += q0[l] + q1[l]; nz += c0[l] + c1[l];
     double a = lo0[l] < lo1[l] ? lo0[l] : lo1[l], b = hi0[l] > hi1[l] ? hi0[l] : hi1[l];
     mn = a < mn ? a : mn; mx = b > mx ? b : mx;
   }
@@ -64,11 +55,11 @@ static void moments(const T* x, int64_t n, double* out) {
   out[0] = (double)n; out[1] = S; out[2] = Q; out[3] = mn; out[4] = mx; out[5] = (double)nz; out[6] = 0; out[7] = 0;
 }
 
-
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 
-/* float32: min, max and the non-zero count on 16 lanes at once; the sums on two halves of 8, in float64 */
+/* float32: the same, with min, max and the non-zero count on 16 lanes at once and the sums on two halves of 8, in float64;
+   the int32 counts are emptied into nz every 2^30 iterations, before they could overflow */
 static void moments_f32(const float* x, int64_t n, double* out) {
   f64x8 s0 = {0}, s1 = {0}, q0 = {0}, q1 = {0};
   f32x16 lo, hi; i32x16 c = {0};
@@ -105,7 +96,7 @@ static void combine(double* into, const double* m) {
 
 static void span(void* const* ptrs, const int8_t* kinds, int64_t j, int64_t start, int64_t len, double* out) {
   if (kinds[j] == 0) moments_f32((const float*)ptrs[j] + start, len, out);
-  else moments<double, f64x8, i64x8>((const double*)ptrs[j] + start, len, out);
+  else moments_f64((const double*)ptrs[j] + start, len, out);
 }
 
 /* The moments of k tensors (data pointers, element counts, dtypes: 0 float32, 1 float64) into out (k x 8),

@@ -40,15 +40,18 @@ _META = ['run', 'step', 'rank', 'call', 'module', 'mtype', 'ttype', 'tname', 'sh
 
 def _as_list(x): return None if x is None else [x] if isinstance(x, (str, int)) else list(x)
 
+def _newest_steps(c, run_id:int)->dict:
+    "rank -> newest step it closed, for run `run_id`, by ranks in order: one backwards seek on the steps key per rank that joined."
+    s = steps_t.c
+    joined = c.execute(select(ranks_t.c.rank).where(ranks_t.c.run_id == run_id).order_by(ranks_t.c.rank)).scalars().all()
+    if not joined:   # a store older than the ranks table: scan the run's steps
+        return dict(c.execute(select(s.rank, func.max(s.step)).where(s.run_id == run_id).group_by(s.rank).order_by(s.rank)).all())
+    last = {r: c.execute(select(s.step).where(s.run_id == run_id, s.rank == r).order_by(s.step.desc()).limit(1)).scalar() for r in joined}
+    return {r: st for r, st in last.items() if st is not None}
+
 def run_ranks(db, run_id:int)->list:
     "The ranks that closed steps of run `run_id`, in order ([0] for a run that closed none)."
-    s = steps_t.c
-    with engine(db).connect() as c:
-        joined = c.execute(select(ranks_t.c.rank).where(ranks_t.c.run_id == run_id).order_by(ranks_t.c.rank)).scalars().all()
-        if joined:   # a seek per rank that joined, not a scan of every step for their distinct ranks
-            ranks = [r for r in joined if c.execute(select(s.step).where(s.run_id == run_id, s.rank == r).limit(1)).first() is not None]
-        else: ranks = c.execute(select(s.rank).where(s.run_id == run_id).distinct().order_by(s.rank)).scalars().all()
-    return list(ranks) or [0]
+    with engine(db).connect() as c: return list(_newest_steps(c, run_id)) or [0]
 
 def records(db, run_id:int, run:str, step=None, module=None, ttype=None, tname=None, steps:tuple=None, rank=None)->pd.DataFrame:
     "Records of run `run_id`, filtered by step(s), module name(s), ttype(s), tname(s) and rank(s)."
@@ -110,12 +113,8 @@ class Run:
 
     @property
     def last_steps(self)->dict:
-        "The newest step each rank has closed: rank -> step."
-        s = steps_t.c
-        with engine(self.db).connect() as c:   # per rank, the key read backwards from the run's newest step: as quick on 10,000 steps as on 100
-            last = {r: c.execute(select(s.step).where(s.run_id == self.id, s.rank == r).order_by(s.step.desc()).limit(1)).scalar()
-                    for r in run_ranks(self.db, self.id)}
-        return {r: st for r, st in last.items() if st is not None}
+        "The newest step each rank has closed: rank -> step (as quick on 10,000 steps as on 100)."
+        with engine(self.db).connect() as c: return _newest_steps(c, self.id)
 
     @property
     def last_step(self)->int|None:

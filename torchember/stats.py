@@ -124,10 +124,14 @@ def _native(t:torch.Tensor)->bool:
     "Whether `t` is measured by the native CPU kernel (see `torchember.native`)."
     return native.supports(t) and native.library() is not None
 
+def _counted(t:torch.Tensor)->torch.Tensor:
+    "The 8 `MOMENTS` of float `t` with NaN and Inf counted (and a NaN min or max): for a tensor whose sum is not finite."
+    return _kernel('flat', False)(_flat(t.detach()))
+
 def native_moments(ts:list)->torch.Tensor:
     "The `MOMENTS` of CPU tensors `ts` (see `native.supports`) as `(len(ts), 8)` float64, NaN and Inf counted where a sum isn't finite."
     m = native.moments(ts)
-    for i in np.flatnonzero(~np.isfinite(m.numpy()[:, 1])): m[i] = _kernel('flat', False)(_flat(ts[i].detach()))
+    for i in np.flatnonzero(~np.isfinite(m.numpy()[:, 1])): m[i] = _counted(ts[i])
     return m
 
 def fused_moments(t:torch.Tensor)->torch.Tensor:
@@ -137,7 +141,7 @@ def fused_moments(t:torch.Tensor)->torch.Tensor:
     if t.dtype not in FLOATS or t.is_sparse: return moments(as_real(t)[None])[0]
     cpu = t.device.type == 'cpu'
     m = _kernel('flat', cpu)(_flat(t))
-    if cpu and not math.isfinite(m[1]): m = torch.cat([m[:6], torch.stack([t.isnan().sum(), t.isinf().sum()]).to(F64)])
+    if cpu and not math.isfinite(m[1]): m = _counted(t)
     return m
 
 # %% ../nbs/01_stats.ipynb #0de888e0
@@ -275,10 +279,13 @@ class Recorder:
         self.param_extras = None   # called as `(ttype, items)`: per item a dict of more stats of weights, or None
 
     def open(self, step:int, training:bool=None):
+        "Start recording `step`: everything of the open step is in the attributes `_STEP_STATE` names."
         self.rec = StepRecord(step, training=training)
         self._groups, self._pieces, self._nm, self._seen, self._xvals, self._weights = {}, [], 0, {}, [], None
         self._direct, self._direct_rows = None, []   # small CPU tensors measured at once (`_now`)
         self._nat = native.library() is not None     # looked up once a step
+
+_STEP_STATE = ('rec', '_groups', '_pieces', '_nm', '_seen', '_xvals', '_weights', '_direct', '_direct_rows', '_nat')
 
 # %% ../nbs/01_stats.ipynb #a3561aa6
 _DTYPES = {}
@@ -337,7 +344,7 @@ def _now(self, row, t):
     "Measure small CPU tensor `t` at once into the step's `native.MomentRows` (nothing to copy); NaN and Inf counted at once if any."
     if self._direct is None: self._direct = native.MomentRows()
     i = self._direct.add(t)
-    if not self._direct.finite(i): self._direct[i] = _kernel('flat', False)(_flat(t))
+    if not self._direct.finite(i): self._direct[i] = _counted(t)
     self._direct_rows.append(row)
 
 def _unmeasured(n)->torch.Tensor:
@@ -382,12 +389,12 @@ def _custom(self, fn, t, mi, ttype, tname):
 @contextmanager
 def _late(self, step:int):
     "Record into a `StepRecord` of its own for `step`, emitted as late rows (`closed=False`); an open step is set aside meanwhile."
-    keep = (self.rec, self._groups, self._pieces, self._nm, self._seen, self._xvals, self._weights, self._direct, self._direct_rows) if self.rec else None
+    keep = {k: getattr(self, k) for k in _STEP_STATE} if self.rec else None
     self.open(step)
     try: yield
     finally:
         self.close(step, [], closed=False)
-        if keep: self.rec, self._groups, self._pieces, self._nm, self._seen, self._xvals, self._weights, self._direct, self._direct_rows = keep
+        if keep: vars(self).update(keep)
 
 @patch_to(Recorder)
 def params(self, step, ttype, items):

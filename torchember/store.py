@@ -11,8 +11,7 @@ from functools import partial
 from pathlib import Path
 import sqlalchemy as sa
 from sqlalchemy import (BigInteger, Column, Float, ForeignKey, Integer, LargeBinary, MetaData, PrimaryKeyConstraint, String,
-                        Table, Text, event, insert, select, update, func)
-from sqlalchemy import bindparam
+                        Table, Text, bindparam, event, insert, select, update, func)
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 # %% auto #0
