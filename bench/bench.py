@@ -5,7 +5,9 @@ A training step is forward + `loss_of` + backward + SGD step + zero_grad, with `
 Models (from `tests/corpus.py`): ResNet-18 layout at 8x3x32x32, 32 x (Linear(64,64), GELU) at 32x64, AlexNet at 2x3x224x224.
 
 Method: warm up, then time whole blocks of K steps, cycling bare and each armed configuration (bare, A1, A2, ...,
-order reversed on every other round), N blocks each; report the median per-step time and the armed/bare ratio.
+order reversed on every other round), N blocks each; report the median per-step time and the armed/bare ratio of
+the medians, and beside it the median of each round's own armed/bare ratio (`paired`: blocks timed next to each other,
+so a machine that slows down or speeds up between rounds moves both).
 An armed block arms a fresh handle before the clock starts, calls `handle.flush()` (if it has one) before the
 clock stops, so deferred background work is counted, and disarms after. K is a multiple of 10 by default, so
 `every=10` captures the same share of steps in every block. Then, unless `--no-store`, the store: stat rows/s
@@ -165,6 +167,7 @@ def bench_model(name, cfgs, blocks, steps, warmup, warmup_s):
             times[c.label if c else None].append(time_block(model, step, steps, c))
     bare = statistics.median(times[None])
     return [(name, c.label, bare, statistics.median(times[c.label]), statistics.median(times[c.label]) / bare,
+             statistics.median(a / b for a, b in zip(times[c.label], times[None])),
              _spread(times[None]), _spread(times[c.label])) for c in cfgs]
 
 def _spread(xs): return (max(xs) - min(xs)) / statistics.median(xs) if len(xs) > 1 else 0.0
@@ -287,13 +290,13 @@ def main(argv=None):
     warmup_s = 1.0 if a.quick else 3.0
     print(f"{blocks} blocks per configuration, warmup >= {warmup} steps and >= {warmup_s:.0f} s; times are median ms/step "
           f"(spread = (max-min)/median over blocks)\n")
-    hdr = f"{'model':<10} {'config':<22} {'steps':>5} {'bare ms':>9} {'armed ms':>9} {'ratio':>7} {'spread b/a':>12}"
+    hdr = f"{'model':<10} {'config':<22} {'steps':>5} {'bare ms':>9} {'armed ms':>9} {'ratio':>7} {'paired':>7} {'spread b/a':>12}"
     print(hdr); print('-' * len(hdr))
     t_all = time.perf_counter()
     for n in names:
         steps = a.steps or MODELS[n][2 if a.quick else 1]
-        for (mn, label, bare, armed, ratio, sb, sa) in bench_model(n, cfgs, blocks, steps, warmup, warmup_s):
-            print(f"{mn:<10} {label:<22} {steps:5d} {bare*1e3:9.2f} {armed*1e3:9.2f} {ratio:7.2f}x "
+        for (mn, label, bare, armed, ratio, paired, sb, sa) in bench_model(n, cfgs, blocks, steps, warmup, warmup_s):
+            print(f"{mn:<10} {label:<22} {steps:5d} {bare*1e3:9.2f} {armed*1e3:9.2f} {ratio:7.2f}x {paired:6.2f}x "
                   f"{sb*100:5.0f}%/{sa*100:3.0f}%", flush=True)
     print(f"\ntotal {time.perf_counter() - t_all:.0f} s")
     _check_load()
