@@ -232,7 +232,7 @@ def store_bench(rows_per_step=258, small=100, large=10_000, reps=5):
         batch = [rows_for(s) for s in range(min(n_steps, 200))]
         t0 = time.perf_counter()
         for s in range(n_steps):
-            write_step(eng, rid, s, batch[s % len(batch)], events if s == 0 else events, events_step=None if s == 0 else 0)
+            write_step(eng, rid, s, batch[s % len(batch)], events, events_step=None if s == 0 else 0)
         dt = time.perf_counter() - t0
         r = load(name, db)
         def q(f):
