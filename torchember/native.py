@@ -12,8 +12,8 @@ import numpy as np
 import torch
 
 # %% auto #0
-__all__ = ['SOURCE', 'FLAGS', 'KINDS', 'PER_THREAD', 'compiler', 'cache_dir', 'cpu_id', 'build', 'library', 'supports', 'moments',
-           'MomentRows']
+__all__ = ['SOURCE', 'FLAGS', 'KINDS', 'PER_THREAD', 'PER_STARTED', 'compiler', 'cache_dir', 'cpu_id', 'build', 'openmp_runtime',
+           'library', 'use_openmp', 'supports', 'moments', 'MomentRows']
 
 # %% ../nbs/00a_native.ipynb #d6fadc1c
 SOURCE = r'''#include <stdint.h>
@@ -98,6 +98,16 @@ static void moments_f32(const float* x, int64_t n, double* out) {
   out[0] = (double)n; out[1] = S; out[2] = Q; out[3] = mn; out[4] = mx; out[5] = (double)nz; out[6] = 0; out[7] = 0;
 }
 
+/* torch's OpenMP runtime, handed over by the loader where it finds one: its GOMP_parallel, omp_get_thread_num and
+   omp_get_num_threads (LLVM's and Intel's runtimes have these GNU entry points too) */
+typedef void (*parallel_fn)(void (*)(void*), void*, unsigned, unsigned);
+typedef int (*count_fn)(void);
+static parallel_fn omp_parallel = 0;
+static count_fn omp_thread_num = 0, omp_num_threads = 0;
+extern "C" void torchember_use_openmp(void* parallel, void* thread_num, void* num_threads) {
+  omp_parallel = (parallel_fn)parallel; omp_thread_num = (count_fn)thread_num; omp_num_threads = (count_fn)num_threads;
+}
+
 static void combine(double* into, const double* m) {
   into[0] += m[0]; into[1] += m[1]; into[2] += m[2];
   into[3] = m[3] < into[3] ? m[3] : into[3]; into[4] = m[4] > into[4] ? m[4] : into[4]; into[5] += m[5];
@@ -109,7 +119,8 @@ static void span(void* const* ptrs, const int8_t* kinds, int64_t j, int64_t star
 }
 
 /* The moments of k tensors (data pointers, element counts, dtypes: 0 float32, 1 float64) into out (k x 8),
-   their elements shared out in contiguous ranges among up to `threads` threads, the caller's one of them. */
+   their elements shared out in contiguous ranges among up to `threads` threads: torch's OpenMP team where the loader
+   handed its runtime over, else threads started for the call, the caller's one of them. */
 extern "C" void torchember_moments(void* const* ptrs, const int64_t* ns, const int8_t* kinds, int64_t k,
                                    double* out, int64_t threads) {
   int64_t total = 0;
@@ -131,15 +142,23 @@ extern "C" void torchember_moments(void* const* ptrs, const int64_t* ns, const i
       base += ns[j];
     }
   };
-  std::vector<std::thread> pool;
-  int64_t started = 1;
-  for (int64_t w = 1; w < threads; w++) {
-    try { pool.emplace_back(work, w); started++; }
-    catch (...) { break; }
+  if (threads > 1 && omp_parallel && omp_thread_num && omp_num_threads) {
+    struct Team { decltype(work)* work; int64_t threads; } team{&work, threads};
+    omp_parallel([](void* p) {                               // a team smaller than asked for takes the ranges in turn
+      Team* t = (Team*)p;
+      for (int64_t w = omp_thread_num(), n = omp_num_threads(); w < t->threads; w += n) (*t->work)(w);
+    }, &team, (unsigned)threads, 0);
+  } else {
+    std::vector<std::thread> pool;
+    int64_t started = 1;
+    for (int64_t w = 1; w < threads; w++) {
+      try { pool.emplace_back(work, w); started++; }
+      catch (...) { break; }
+    }
+    work(0);
+    for (auto& t : pool) t.join();
+    for (int64_t w = started; w < threads; w++) work(w);  // threads that could not be started: done here
   }
-  work(0);
-  for (auto& t : pool) t.join();
-  for (int64_t w = started; w < threads; w++) work(w);    // threads that could not be started: done here
   for (int64_t w = 0; w < threads; w++)
     for (int64_t j = 0; j < k; j++) combine(out + 8 * j, part.data() + (w * k + j) * 8);
 }
@@ -193,6 +212,29 @@ def build(cxx:str|None=None,    # the compiler; default `compiler()`
 
 # %% ../nbs/00a_native.ipynb #90259bce
 _lock, _lib = threading.Lock(), None
+_OPENMP_FNS = ('GOMP_parallel', 'omp_get_thread_num', 'omp_get_num_threads')
+
+def openmp_runtime()->ctypes.CDLL|None:
+    "The OpenMP runtime torch runs its parallel ops on, if it is loaded and has GNU's entry points; else None."
+    if 'parallel backend: OpenMP' not in torch.__config__.parallel_info(): return None
+    paths = []
+    try:
+        for line in open('/proc/self/maps'):
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and any(n in parts[5] for n in ('libgomp', 'libiomp', 'libomp')): paths.append(parts[5].strip())
+    except OSError: pass
+    paths += [str(p) for p in sorted((Path(torch.__file__).parent/'lib').glob('lib*omp*'))]
+    for p in dict.fromkeys(paths):
+        try: rt = ctypes.CDLL(p, mode=os.RTLD_NOLOAD)   # only a runtime already in the process, never a second copy
+        except (OSError, AttributeError): continue
+        if all(hasattr(rt, f) for f in _OPENMP_FNS): return rt
+    return None
+
+def _hand_over(lib, rt):
+    "Give `lib` the OpenMP runtime `rt` to run its threads on (None: threads started per call)."
+    fns = [ctypes.cast(getattr(rt, f), ctypes.c_void_p) for f in _OPENMP_FNS] if rt is not None else [None] * 3
+    lib.torchember_use_openmp(*fns)
+    lib.openmp = rt is not None
 
 def _load()->ctypes.CDLL:
     "Build (trying plainer flags and a temporary folder where the defaults fail) and load the kernel library."
@@ -204,7 +246,11 @@ def _load()->ctypes.CDLL:
             P, I64, I8 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int8
             lib.torchember_moments.argtypes = [P, P, P, I64, P, I64]
             lib.torchember_moments1.argtypes = [P, I64, I8, P, I64]
-            lib.torchember_moments.restype = lib.torchember_moments1.restype = None
+            lib.torchember_moments.restype = lib.torchember_moments1.restype = lib.torchember_use_openmp.restype = None
+            lib.torchember_use_openmp.argtypes = [P, P, P]
+            try: rt = openmp_runtime()
+            except Exception: rt = None
+            _hand_over(lib, rt)
             return lib
     raise errors[-1]
 
@@ -221,9 +267,18 @@ def library()->ctypes.CDLL|None:
                     _lib = False
     return _lib or None
 
+# %% ../nbs/00a_native.ipynb #75d1431a
+def use_openmp(on:bool=True)->bool:
+    "Run the kernel's threads on torch's OpenMP workers (`on`, where `openmp_runtime` finds them) or start them per call; whether it now uses OpenMP."
+    lib = library()
+    if lib is None: return False
+    _hand_over(lib, openmp_runtime() if on else None)
+    return lib.openmp
+
 # %% ../nbs/00a_native.ipynb #8d808dbc
 KINDS = {torch.float32: 0, torch.float64: 1}
-PER_THREAD = 2**20     # elements a thread must have to be worth starting
+PER_THREAD = 2**16     # elements an OpenMP worker of torch's must have to be worth waking
+PER_STARTED = 2**20    # elements a thread started for the call must have (no OpenMP runtime)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 def supports(t:torch.Tensor)->bool:
@@ -238,7 +293,7 @@ def _dense(t:torch.Tensor)->torch.Tensor:
 
 # %% ../nbs/00a_native.ipynb #53e8cf12
 def moments(ts:list,             # tensors that `supports` accepts
-            threads:int|None=None,  # threads to use; default torch's, one per `PER_THREAD` elements at most
+            threads:int|None=None,  # threads to use; default torch's, one per `PER_THREAD` (`PER_STARTED`) elements at most
            )->torch.Tensor:         # (len(ts), 8) float64 on the CPU
     "The 8 moments of each tensor of `ts` in one call (NaN and Inf not counted, NaN skipped by min and max)."
     lib = library()
@@ -247,7 +302,8 @@ def moments(ts:list,             # tensors that `supports` accepts
     k, total = len(ts), sum(t.numel() for t in ts)
     out = torch.empty((k, 8), dtype=torch.float64)
     if k == 0: return out
-    threads = threads or max(1, min(torch.get_num_threads(), total // PER_THREAD))
+    per = PER_THREAD if lib.openmp else PER_STARTED
+    threads = threads or max(1, min(torch.get_num_threads(), total // per))
     if k == 1:
         t = ts[0]
         lib.torchember_moments1(t.data_ptr(), t.numel(), KINDS[t.dtype], out.data_ptr(), threads)
