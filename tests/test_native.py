@@ -103,3 +103,23 @@ def test_without_a_compiler_stats_come_from_torch(tmp_path):
     env.update(PATH=str(tmp_path), TORCHEMBER_CACHE=str(tmp_path/'cache'), TORCHEMBER_COMPILE='0', TMPDIR=str(tmp_path))
     r = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == 'ok', r.stderr
+
+@needs_compiler
+def test_kernel_threads_are_torchs_own_openmp_workers():
+    "Where torch runs on OpenMP the kernel uses that runtime, already loaded, and brings no second copy of one."
+    code = textwrap.dedent('''
+        import torch
+        from torchember import native
+        def runtimes(): return sorted({l.split(maxsplit=5)[5].strip() for l in open('/proc/self/maps')
+                                       if len(l.split(maxsplit=5)) == 6 and 'omp' in l.split(maxsplit=5)[5].rsplit('/', 1)[-1]})
+        before = runtimes()
+        x = torch.randn(2**21)
+        m = native.moments([x], threads=2)[0]
+        assert abs(m[1].item() - x.double().sum().item()) < 1e-6 * x.abs().sum().item()
+        print(native.library().openmp, 'parallel backend: OpenMP' in torch.__config__.parallel_info(), before == runtimes())
+    ''')
+    r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    uses, torch_openmp, same_runtimes = r.stdout.split()
+    assert uses == torch_openmp, r.stdout
+    assert same_runtimes == 'True'
