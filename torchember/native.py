@@ -163,9 +163,10 @@ extern "C" void torchember_moments(void* const* ptrs, const int64_t* ns, const i
     for (int64_t j = 0; j < k; j++) combine(out + 8 * j, part.data() + (w * k + j) * 8);
 }
 
-/* One tensor: the same, without arrays to build on the caller's side. */
-extern "C" void torchember_moments1(void* ptr, int64_t n, int8_t kind, double* out, int64_t threads) {
+/* One tensor: the same, without arrays to build on the caller's side; whether its sum is finite. */
+extern "C" int torchember_moments1(void* ptr, int64_t n, int8_t kind, double* out, int64_t threads) {
   torchember_moments(&ptr, &n, &kind, 1, out, threads);
+  return isfinite(out[1]);
 }
 '''
 
@@ -246,7 +247,8 @@ def _load()->ctypes.CDLL:
             P, I64, I8 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int8
             lib.torchember_moments.argtypes = [P, P, P, I64, P, I64]
             lib.torchember_moments1.argtypes = [P, I64, I8, P, I64]
-            lib.torchember_moments.restype = lib.torchember_moments1.restype = lib.torchember_use_openmp.restype = None
+            lib.torchember_moments.restype = lib.torchember_use_openmp.restype = None
+            lib.torchember_moments1.restype = ctypes.c_int
             lib.torchember_use_openmp.argtypes = [P, P, P]
             try: rt = openmp_runtime()
             except Exception: rt = None
@@ -281,10 +283,14 @@ PER_THREAD = 2**16     # elements an OpenMP worker of torch's must have to be wo
 PER_STARTED = 2**20    # elements a thread started for the call must have (no OpenMP runtime)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
+def _kind(t:torch.Tensor)->int:
+    "The kernel's code for `t`'s dtype if it reads `t` (a plain dense float32/float64 CPU tensor), else -1."
+    if type(t) not in _PLAIN or t.layout != torch.strided or t.is_nested or t.is_neg() or t.device.type != 'cpu': return -1
+    return KINDS.get(t.dtype, -1)
+
 def supports(t:torch.Tensor)->bool:
     "Whether `moments` reads `t`: a plain dense float32/float64 CPU tensor with at least one element."
-    return (type(t) in _PLAIN and t.device.type == 'cpu' and t.dtype in KINDS and t.layout == torch.strided
-            and not t.is_nested and not t.is_neg() and t.numel() > 0)
+    return _kind(t) >= 0 and t.numel() > 0
 
 def _dense(t:torch.Tensor)->torch.Tensor:
     "`t` if its memory holds exactly its elements, else a contiguous copy."
@@ -324,20 +330,18 @@ class MomentRows:
         self._use(torch.empty((max(capacity, 1), 8), dtype=torch.float64))
 
     def _use(self, buf):
-        self._buf, self._view, self._cap, self._ptr = buf, buf.numpy(), len(buf), buf.data_ptr()
+        self._buf, self._cap, self._ptr = buf, len(buf), buf.data_ptr()
 
-    def add(self, t:torch.Tensor)->int:
-        "Write the moments of `t` (see `supports`) into the next row, on this thread; the row's index."
+    def take(self, t:torch.Tensor, most:int=2**16)->bool|None:
+        "Write the moments of `t` into the next row, on this thread, if `supports(t)` and it has at most `most` elements: whether its sum is finite; None if not taken."
+        kind = _kind(t)
+        if kind < 0 or not 0 < (n := t.numel()) <= most: return None
         i = self.n
         if i == self._cap: self._grow()
-        t = _dense(t)
-        self._kernel(t.data_ptr(), t.numel(), KINDS[t.dtype], self._ptr + 64 * i, 1)
+        if not t.is_contiguous(): t = _dense(t.detach())
+        finite = self._kernel(t.data_ptr(), n, kind, self._ptr + 64 * i, 1)
         self.n = i + 1
-        return i
-
-    def finite(self, i:int)->bool:
-        "Whether row `i`'s sum is finite (else NaN or Inf are in that tensor, uncounted)."
-        return math.isfinite(self._view[i, 1])
+        return bool(finite)
 
     def __setitem__(self, i:int, m:torch.Tensor): self._buf[i] = m
     def __len__(self): return self.n
