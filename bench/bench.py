@@ -310,7 +310,8 @@ def _print_kernel():
     try: from torchember import native
     except ImportError: return
     lib = native.library()
-    print("moments of CPU float tensors: " + ("native C++ kernel (torchember.native)" if lib else
+    threads = "torch's OpenMP workers" if lib and lib.openmp else "threads started per call"
+    print("moments of CPU float tensors: " + (f"native C++ kernel (torchember.native), on {threads}" if lib else
           "torch.compile'd or eager kernels (native kernel off or not built)"))
 
 def _check_load():
