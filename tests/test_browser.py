@@ -27,7 +27,8 @@ NOTEBOOK = [
 """import torch
 from torch import nn
 from torchember import torchEmber
-from torchember.explore import explore, hist_stats
+from torchember import hist_stats
+from torchember.explore import explore
 
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))

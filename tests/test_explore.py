@@ -6,7 +6,9 @@ import pytest, torch
 from torch import nn
 from plotly.callbacks import Points, InputDeviceState
 from torchember import torchEmber, load
-from torchember.explore import Explorer, explore, hist_stats, history, combine, thin, heat
+from torchember import hist_stats
+from torchember.explore import Explorer, explore
+from torchember.figures import history, combine, thin, heat
 from torchember.report import report, page_figures, nonfinite
 
 STEPS, BAD_FROM = 30, 20

@@ -5,7 +5,8 @@ import pandas as pd
 import pytest, torch
 from torchember.store import engine, create_run, write_step, snapshots_t
 from torchember.query import load, Run, flow_order, decode_snapshot
-from torchember.explore import Explorer, tensor_figure, tensor_image, latest_times, RED
+from torchember.explore import Explorer
+from torchember.figures import tensor_figure, tensor_image, latest_times, RED
 from torchember.report import nonfinite, report_html
 
 # A model `Sequential(block=Sequential(Linear), act=ReLU, head=Linear)`, module ids in registration order.

@@ -15,7 +15,7 @@ from fastcore.basics import patch
 from sqlalchemy import text
 from .store import engine
 from .query import Run, load, flow_order
-from .explore import (BLUE, ORANGE, recorded_steps, thin, with_stats, combine, history_traces, heatmap_traces,
+from .figures import (BLUE, ORANGE, recorded_steps, thin, with_stats, combine, history_traces, heatmap_traces,
                                 latest_by_module, overview_traces, modules_in_order, module_label)
 
 # %% auto #0
