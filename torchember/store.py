@@ -6,7 +6,7 @@ Docs: https://torchember.github.io/torchember/store.html.md"""
 
 # %% ../nbs/02_store.ipynb #2645585c
 from __future__ import annotations
-import getpass, json, os, platform, queue, socket, sqlite3, stat, threading, time, warnings, atexit, weakref
+import getpass, itertools, json, os, platform, queue, socket, sqlite3, stat, threading, time, warnings, atexit, weakref
 from functools import partial
 from pathlib import Path
 import sqlalchemy as sa
@@ -16,8 +16,8 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 # %% auto #0
 __all__ = ['SCHEMA_VERSION', 'metadata', 'STAT_COLS', 'Str', 'Size', 'meta_t', 'runs_t', 'ranks_t', 'modules_t', 'steps_t',
-           'events_t', 'stats_t', 'calls_t', 'scalars_t', 'snapshots_t', 'VIEWS', 'default_db', 'db_url', 'StoreError',
-           'engine', 'keyed_by_rank', 'create_run', 'write_step', 'idle_priority', 'Writer']
+           'events_t', 'stats_t', 'calls_t', 'scalars_t', 'snapshots_t', 'VIEWS', 'ROWS_PER_INSERT', 'default_db',
+           'db_url', 'StoreError', 'engine', 'keyed_by_rank', 'create_run', 'write_step', 'idle_priority', 'Writer']
 
 # %% ../nbs/02_store.ipynb #2b4773a6
 SCHEMA_VERSION = 2
@@ -300,8 +300,29 @@ def _insert(table:Table, replace:bool, dialect):
                                          set_={col.name: ins.excluded[col.name] for col in table.columns if not col.primary_key})
     return insert(table)
 
+ROWS_PER_INSERT = 40   # at most; fewer where 40 rows would pass the 999 parameters older SQLite allows
+
+_multi_sql = {}
+
+def _multi(c, table:Table, replace:bool, n:int)->str|None:
+    "SQL of an `_insert` of `n` rows into `table` in one statement, compiled once per dialect; None unless its parameters come row after row, in column order."
+    d = c.engine.dialect
+    k = (d.name, d.driver, table.name, replace, n)
+    if k not in _multi_sql:
+        names = [col.name for col in table.columns]
+        comp = _insert(table, replace, d).values([dict.fromkeys(names)] * n).compile(dialect=d)
+        order = [p.rpartition('_m')[0] for p in comp.positiontup] if comp.positional else None
+        _multi_sql[k] = str(comp) if order == names * n else None
+    return _multi_sql[k]
+
 def _executemany(c, table:Table, rows:list, replace:bool=False):
-    "Insert `rows` (tuples in `table`'s column order) with one executemany of SQLAlchemy's compiled `insert` (see `_insert`)."
+    "Insert `rows` (tuples in `table`'s column order) with SQLAlchemy's compiled `insert` (see `_insert`): on SQLite in statements of up to `ROWS_PER_INSERT` rows each, elsewhere in one executemany."
+    if c.dialect.name == 'sqlite':
+        per = min(ROWS_PER_INSERT, 999 // len(table.columns))
+        while len(rows) > 1 and (sql := _multi(c, table, replace, min(len(rows), per))):
+            chunk, rows = rows[:per], rows[per:]
+            c.exec_driver_sql(sql, tuple(itertools.chain.from_iterable(chunk)))
+        if not rows: return
     sql, order = _compiled(c, (table.name, replace), partial(_insert, table, replace))
     names = [col.name for col in table.columns]
     c.exec_driver_sql(sql, rows if order == names else [dict(zip(names, r)) for r in rows])
