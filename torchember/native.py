@@ -6,7 +6,7 @@ Docs: https://torchember.github.io/torchember/native.html.md"""
 
 # %% ../nbs/00a_native.ipynb #4ac8202a
 from __future__ import annotations
-import ctypes, hashlib, math, os, platform, shutil, subprocess, tempfile, threading, warnings
+import ctypes, hashlib, os, platform, shutil, subprocess, tempfile, threading, warnings
 from pathlib import Path
 import numpy as np
 import torch

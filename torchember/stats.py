@@ -312,10 +312,8 @@ def tensor(self, mi, call, ttype, tname, t):
         keys.append((mi, call, ttype, tname, prev[4], prev[5], prev[6], prev[7]))
         return
     self._seen[key] = (weakref.ref(t), t._version, fn, len(keys))
-    if fn is not default_stats: mrow, xi = -1, self._custom(fn, t, mi, ttype, tname)
-    else:
-        mrow, xi = self._now(t) if self._nat else -1, -1
-        if mrow < 0: mrow = self._default(t, copy=True, where=(mi, ttype, tname))
+    if fn is default_stats: mrow, xi = self._default(t, copy=True, where=(mi, ttype, tname)), -1
+    else: mrow, xi = -1, self._custom(fn, t, mi, ttype, tname)
     keys.append((mi, call, ttype, tname, shape_of(t), dtype_name(t), mrow, xi))
 
 @patch_to(Recorder)
@@ -324,12 +322,12 @@ def _default(self, t, copy:bool, where=None, row:int=None):
     if row is None:
         row = self._nm
         self._nm += 1
-    t = t.detach()
     try:
+        if self._nat and self._now(t, row): return row
+        t = t.detach()
         if t.dtype in FLOATS and t.layout == torch.strided and not t.is_nested and t.device.type != 'meta':
-            n = t.numel()
-            if n > SMALL: self._pieces.append(([row], fused_moments(t)[None]))
-            elif not (self._nat and self._now(t, row) >= 0): self._groups.setdefault((t.device, t.dtype, t.shape), []).append((row, t.clone() if copy else t))
+            if t.numel() > SMALL: self._pieces.append(([row], fused_moments(t)[None]))
+            else: self._groups.setdefault((t.device, t.dtype, t.shape), []).append((row, t.clone() if copy else t))
         elif t.device.type == 'meta': self._pieces.append(([row], _unmeasured(t.numel())))
         else:
             x = as_real(t)
@@ -341,18 +339,15 @@ def _default(self, t, copy:bool, where=None, row:int=None):
     return row
 
 @patch_to(Recorder)
-def _now(self, t, row:int=None)->int:
-    "Measure `t`, if a small CPU tensor the native kernel reads, at once into the step's `native.MomentRows` (nothing to copy; NaN and Inf counted at once if any); its row (default: a new one), or -1."
+def _now(self, t, row:int)->bool:
+    "Measure `t` into `row` at once, if it is a small CPU tensor the native kernel reads, in the step's `native.MomentRows` (nothing to copy; NaN and Inf counted at once if any); whether it did."
     d = self._direct
     if d is None: d = self._direct = native.MomentRows()
     finite = d.take(t, SMALL)
-    if finite is None: return -1
-    if row is None:
-        row = self._nm
-        self._nm += 1
+    if finite is None: return False
     if not finite: d[len(d) - 1] = _counted(t)
     self._direct_rows.append(row)
-    return row
+    return True
 
 def _unmeasured(n)->torch.Tensor:
     "A moments row for a tensor whose values can't be read: only its element count, if known."

@@ -6,7 +6,7 @@ Docs: https://torchember.github.io/torchember/store.html.md"""
 
 # %% ../nbs/02_store.ipynb #2645585c
 from __future__ import annotations
-import getpass, itertools, json, os, platform, queue, socket, sqlite3, stat, threading, time, warnings, atexit, weakref
+import getpass, itertools, json, os, queue, socket, sqlite3, threading, time, warnings, atexit, weakref
 from functools import partial
 from pathlib import Path
 import sqlalchemy as sa
@@ -302,18 +302,16 @@ def _insert(table:Table, replace:bool, dialect):
 
 ROWS_PER_INSERT = 40   # at most; fewer where 40 rows would pass the 999 parameters older SQLite allows
 
-_multi_sql = {}
+_row_after_row = set()   # multi-row statements found to take their parameters row after row, in column order
 
 def _multi(c, table:Table, replace:bool, n:int)->str|None:
-    "SQL of an `_insert` of `n` rows into `table` in one statement, compiled once per dialect; None unless its parameters come row after row, in column order."
-    d = c.engine.dialect
-    k = (d.name, d.driver, table.name, replace, n)
-    if k not in _multi_sql:
-        names = [col.name for col in table.columns]
-        comp = _insert(table, replace, d).values([dict.fromkeys(names)] * n).compile(dialect=d)
-        order = [p.rpartition('_m')[0] for p in comp.positiontup] if comp.positional else None
-        _multi_sql[k] = str(comp) if order == names * n else None
-    return _multi_sql[k]
+    "SQL of an `_insert` of `n` rows into `table` in one statement (compiled by `_compiled`); None unless its parameters come row after row, in column order."
+    names = [col.name for col in table.columns]
+    sql, order = _compiled(c, (table.name, replace, n), lambda d: _insert(table, replace, d).values([dict.fromkeys(names)] * n))
+    if sql not in _row_after_row:
+        if not order or [p.rpartition('_m')[0] for p in order] != names * n: return None
+        _row_after_row.add(sql)
+    return sql
 
 def _executemany(c, table:Table, rows:list, replace:bool=False):
     "Insert `rows` (tuples in `table`'s column order) with SQLAlchemy's compiled `insert` (see `_insert`): on SQLite in statements of up to `ROWS_PER_INSERT` rows each, elsewhere in one executemany."
