@@ -7,10 +7,12 @@ Docs: https://torchember.github.io/torchember/core.html.md"""
 # %% ../nbs/00_core.ipynb #fc509c35
 from __future__ import annotations
 import dataclasses, inspect, sys, time, weakref
+from collections import OrderedDict
 from fnmatch import fnmatchcase
 from functools import partial
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 # %% auto #0
 __all__ = ['ENTER', 'EXIT', 'module_tree', 'module_info', 'named_tensors', 'arg_names', 'named_inputs', 'selector', 'Capture',
@@ -121,7 +123,7 @@ class Capture:
         self.params = self.current_params()
         self.step, self.enabled, self.armed = -1, True, False
         self.recording, self._depth, self._open, self._skip = False, 0, False, False
-        self._root, self._sub = [], []
+        self._root, self._made, self._hooked = [], None, None
         self._grads, self._times = None, {}
         self.clock = time.perf_counter
 
@@ -158,22 +160,31 @@ def arm(self:Capture):
 
 @patch
 def _install(self:Capture):
-    "Put the per-module and per-parameter hooks in place for a recorded step."
-    for mi, m in enumerate(self.mods[1:], 1):
-        if not self.selected[mi]: continue
-        self._sub.append(m.register_forward_pre_hook(_Hook(self._pre, mi), with_kwargs=True))
-        self._sub.append(m.register_forward_hook(_Hook(self._post, mi), always_call=True))
+    "Put the per-module and per-parameter hooks in place for a recorded step, under one fresh key of torch's hook dicts."
+    if self._made is None:
+        self._made = [(m, _Hook(self._pre, mi), _Hook(self._post, mi)) for mi, m in enumerate(self.mods) if mi and self.selected[mi]]
+    key = self._hooked = RemovableHandle.next_id     # taken as a handle takes it, so no handle gets it again
+    RemovableHandle.next_id += 1
+    for m, pre, post in self._made:
+        m._forward_pre_hooks[key], m._forward_pre_hooks_with_kwargs[key] = pre, True
+        m._forward_hooks[key], m._forward_hooks_always_called[key] = post, True
     for pi, (_, _, p) in enumerate(self.params):
-        if p.requires_grad: self._sub.append(p.register_post_accumulate_grad_hook(_Hook(self._grad_hook, pi)))
+        if not p.requires_grad: continue
+        if p._post_accumulate_grad_hooks is None: p._post_accumulate_grad_hooks = OrderedDict()
+        p._post_accumulate_grad_hooks[key] = _Hook(self._grad_hook, pi)
 
 @patch
 def _uninstall(self:Capture):
-    "Remove the per-module and per-parameter hooks."
-    for h in self._sub: h.remove()
-    self._sub = []
+    "Remove the per-module and per-parameter hooks, and each parameter's hook dict where that leaves it empty."
+    key, self._hooked = self._hooked, None
+    if key is None: return
+    for m, _, _ in self._made:
+        for d in (m._forward_pre_hooks, m._forward_pre_hooks_with_kwargs, m._forward_hooks, m._forward_hooks_always_called):
+            d.pop(key, None)
     for _, _, p in self.params:
-        if p._post_accumulate_grad_hooks is not None and not p._post_accumulate_grad_hooks:
-            p._post_accumulate_grad_hooks = None
+        if (d := p._post_accumulate_grad_hooks) is not None:
+            d.pop(key, None)
+            if not d: p._post_accumulate_grad_hooks = None
 
 @patch
 def disarm(self:Capture):
@@ -204,10 +215,10 @@ def _root_pre(self:Capture, mod, args, kwargs):
             params = self.current_params()
             if len(params) != len(self.params) or any(a[2] is not b[2] for a, b in zip(params, self.params)):
                 # a parameter was replaced, e.g. by load_state_dict(assign=True)
-                if self._sub: self._uninstall()
+                self._uninstall()
                 self.params = params
-        if rec and not self._sub: self._install()
-        elif not rec and self._sub: self._uninstall()
+        if rec and self._hooked is None: self._install()
+        elif not rec: self._uninstall()
         self.recording = rec
         if rec:
             self._open, self._events, self._calls, self._stack = True, [], [0]*len(self.mods), []

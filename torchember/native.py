@@ -13,7 +13,7 @@ import torch
 
 # %% auto #0
 __all__ = ['SOURCE', 'FLAGS', 'KINDS', 'PER_THREAD', 'PER_STARTED', 'compiler', 'cache_dir', 'cpu_id', 'build', 'openmp_runtime',
-           'library', 'use_openmp', 'supports', 'moments', 'MomentRows']
+           'library', 'use_openmp', 'supports', 'Batch', 'moments', 'MomentRows']
 
 # %% ../nbs/00a_native.ipynb #d6fadc1c
 SOURCE = r'''#include <stdint.h>
@@ -285,7 +285,7 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 def _kind(t:torch.Tensor)->int:
     "The kernel's code for `t`'s dtype if it reads `t` (a plain dense float32/float64 CPU tensor), else -1."
-    if type(t) not in _PLAIN or t.layout != torch.strided or t.is_nested or t.is_neg() or t.device.type != 'cpu': return -1
+    if type(t) not in _PLAIN or not t.is_cpu or t.layout != torch.strided or t.is_nested or t.is_neg(): return -1
     return KINDS.get(t.dtype, -1)
 
 def supports(t:torch.Tensor)->bool:
@@ -296,6 +296,29 @@ def _dense(t:torch.Tensor)->torch.Tensor:
     "`t` if its memory holds exactly its elements, else a contiguous copy."
     if t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)): return t
     return t.contiguous()
+
+# %% ../nbs/00a_native.ipynb #12f535f1
+class Batch:
+    "The moments of lists of tensors of fixed sizes and dtypes (weights and grads, step after step), worked out once."
+    def __init__(self, ts:list, threads:int|None=None):
+        lib = library()
+        if lib is None: raise RuntimeError("the native moments kernel is not available")
+        self._kernel, self.k, self.sizes = lib.torchember_moments, len(ts), [t.numel() for t in ts]
+        self.ns = np.array(self.sizes, dtype=np.int64)
+        self.kinds = np.array([KINDS[t.dtype] for t in ts], dtype=np.int8)
+        per = PER_THREAD if lib.openmp else PER_STARTED
+        self.threads = threads or max(1, min(torch.get_num_threads(), sum(self.sizes) // per))
+
+    def __call__(self, ts:list)->torch.Tensor:
+        "The `(k, 8)` float64 moments of `ts`: tensors that `supports` accepts, of the sizes and dtypes the batch was made for."
+        ts = [_dense(t) for t in ts]          # kept referenced until the kernel returns
+        if [t.numel() for t in ts] != self.sizes or bytes(self.kinds) != bytes(KINDS[t.dtype] for t in ts):
+            raise ValueError("tensors of other sizes or dtypes than this Batch was made for")
+        out = torch.empty((self.k, 8), dtype=torch.float64)
+        if self.k:
+            ptrs = np.array([t.data_ptr() for t in ts], dtype=np.uint64)
+            self._kernel(ptrs.ctypes.data, self.ns.ctypes.data, self.kinds.ctypes.data, self.k, out.data_ptr(), self.threads)
+        return out
 
 # %% ../nbs/00a_native.ipynb #53e8cf12
 def moments(ts:list,             # tensors that `supports` accepts
@@ -314,32 +337,30 @@ def moments(ts:list,             # tensors that `supports` accepts
         t = ts[0]
         lib.torchember_moments1(t.data_ptr(), t.numel(), KINDS[t.dtype], out.data_ptr(), threads)
         return out
-    ptrs = np.array([t.data_ptr() for t in ts], dtype=np.uint64)
-    ns = np.array([t.numel() for t in ts], dtype=np.int64)
-    kinds = np.array([KINDS[t.dtype] for t in ts], dtype=np.int8)
-    lib.torchember_moments(ptrs.ctypes.data, ns.ctypes.data, kinds.ctypes.data, k, out.data_ptr(), threads)
-    return out
+    return Batch(ts, threads)(ts)
 
 # %% ../nbs/00a_native.ipynb #ff862ade
 class MomentRows:
-    "A float64 `(n, 8)` CPU matrix of moments, one row added per `add` (grows as needed)."
+    "A float64 `(n, 8)` CPU matrix of moments, one row added per `take` (grows as needed)."
     def __init__(self, capacity:int=256):
         lib = library()
         if lib is None: raise RuntimeError("the native moments kernel is not available")
         self._kernel, self.n = lib.torchember_moments1, 0
+        self._per, self._threads = PER_THREAD if lib.openmp else PER_STARTED, torch.get_num_threads()
         self._use(torch.empty((max(capacity, 1), 8), dtype=torch.float64))
 
     def _use(self, buf):
         self._buf, self._cap, self._ptr = buf, len(buf), buf.data_ptr()
 
-    def take(self, t:torch.Tensor, most:int=2**16)->bool|None:
-        "Write the moments of `t` into the next row, on this thread, if `supports(t)` and it has at most `most` elements: whether its sum is finite; None if not taken."
+    def take(self, t:torch.Tensor, most:int|None=None)->bool|None:
+        "Write the moments of `t` into the next row if `supports(t)` (and it has at most `most` elements): whether its sum is finite; None if not taken."
         kind = _kind(t)
-        if kind < 0 or not 0 < (n := t.numel()) <= most: return None
+        if kind < 0 or (n := t.numel()) == 0 or most is not None and n > most: return None
         i = self.n
         if i == self._cap: self._grow()
         if not t.is_contiguous(): t = _dense(t.detach())
-        finite = self._kernel(t.data_ptr(), n, kind, self._ptr + 64 * i, 1)
+        threads = 1 if n < 2 * self._per else min(self._threads, n // self._per)
+        finite = self._kernel(t.data_ptr(), n, kind, self._ptr + 64 * i, threads)
         self.n = i + 1
         return bool(finite)
 

@@ -128,9 +128,9 @@ def _counted(t:torch.Tensor)->torch.Tensor:
     "The 8 `MOMENTS` of float `t` with NaN and Inf counted (and a NaN min or max): for a tensor whose sum is not finite."
     return _kernel('flat', False)(_flat(t.detach()))
 
-def native_moments(ts:list)->torch.Tensor:
+def native_moments(ts:list, batch=None)->torch.Tensor:
     "The `MOMENTS` of CPU tensors `ts` (see `native.supports`) as `(len(ts), 8)` float64, NaN and Inf counted where a sum isn't finite."
-    m = native.moments(ts)
+    m = native.moments(ts) if batch is None else batch(ts)
     for i in np.flatnonzero(~np.isfinite(m.numpy()[:, 1])): m[i] = _counted(ts[i])
     return m
 
@@ -282,7 +282,7 @@ class Recorder:
         "Start recording `step`: everything of the open step is in the attributes `_STEP_STATE` names."
         self.rec = StepRecord(step, training=training)
         self._groups, self._pieces, self._nm, self._seen, self._xvals, self._weights = {}, [], 0, {}, [], None
-        self._direct, self._direct_rows = None, []   # small CPU tensors measured at once (`_now`)
+        self._direct, self._direct_rows = None, []   # CPU tensors measured at once (`_now`)
         self._nat = native.library() is not None     # looked up once a step
 
 _STEP_STATE = ('rec', '_groups', '_pieces', '_nm', '_seen', '_xvals', '_weights', '_direct', '_direct_rows', '_nat')
@@ -340,10 +340,10 @@ def _default(self, t, copy:bool, where=None, row:int=None):
 
 @patch_to(Recorder)
 def _now(self, t, row:int)->bool:
-    "Measure `t` into `row` at once, if it is a small CPU tensor the native kernel reads, in the step's `native.MomentRows` (nothing to copy; NaN and Inf counted at once if any); whether it did."
+    "Measure `t` into `row` at once, if it is a CPU tensor the native kernel reads, in the step's `native.MomentRows` (nothing to copy; NaN and Inf counted at once if any); whether it did."
     d = self._direct
     if d is None: d = self._direct = native.MomentRows()
-    finite = d.take(t, SMALL)
+    finite = d.take(t)
     if finite is None: return False
     if not finite: d[len(d) - 1] = _counted(t)
     self._direct_rows.append(row)
@@ -454,7 +454,7 @@ def _reduce_groups(self):
 
 # %% ../nbs/01_stats.ipynb #671a09fb
 def _plan(batches, nat:bool=False)->tuple:
-    "`(metas, natives, groups, large, other)` of `(ttype, [(mi, tname, tensor)])` batches: key metadata, indices of tensors for the native kernel (if `nat`), index lists of small same-size float tensors, large float tensors, and the rest."
+    "`(metas, natives, batch, groups, large, other)` of `(ttype, [(mi, tname, tensor)])` batches: key metadata, indices of tensors for the native kernel (if `nat`) and its `native.Batch` of them, index lists of small same-size float tensors, large float tensors, and the rest."
     metas, natives, groups, large, other = [], [], {}, [], []
     for ttype, items in batches:
         for mi, tname, t in items:
@@ -464,7 +464,9 @@ def _plan(batches, nat:bool=False)->tuple:
             elif t.dtype not in FLOATS or t.layout != torch.strided or t.is_nested or t.device.type == 'meta': other.append(j)
             elif t.numel() > SMALL: large.append(j)
             else: groups.setdefault((t.device, t.dtype, t.shape), []).append(j)
-    return metas, natives, list(groups.values()), large, other
+    flat = [t for _, items in batches for _, _, t in items]
+    batch = native.Batch([flat[j] for j in natives]) if natives else None
+    return metas, natives, batch, list(groups.values()), large, other
 
 _PLANS = {}
 
@@ -472,19 +474,19 @@ _PLANS = {}
 def _planned(self, batches):
     "Record `(ttype, [(mi, tname, tensor)])` batches with default stats, by a cached `_plan` of them together."
     nat = native.library() is not None
-    sig = (nat, *[(ttype, *[(mi, tname, t.dtype, t.shape, t.device) for mi, tname, t in items]) for ttype, items in batches])
+    sig = (nat, torch.get_num_threads(), *[(ttype, *[(mi, tname, t.dtype, t.shape, t.device) for mi, tname, t in items]) for ttype, items in batches])
     plan = _PLANS.get(sig)
     if plan is None:
         if len(_PLANS) > 64: _PLANS.clear()
         plan = _PLANS[sig] = _plan(batches, nat)
-    metas, natives, groups, large, other = plan
+    metas, natives, batch, groups, large, other = plan
     base = self._nm
     self._nm += len(metas)
     self.rec.keys += [(mi, 0, ttype, tname, shape, dtype, base + j, -1) for j, (mi, ttype, tname, shape, dtype) in enumerate(metas)]
     ts = [t for _, items in batches for _, _, t in items]
     with torch.no_grad():
         if natives:     # all of them in one call, shared out over torch's threads
-            try: self._pieces.append(([base + j for j in natives], native_moments([ts[j].detach() for j in natives])))
+            try: self._pieces.append(([base + j for j in natives], native_moments([ts[j] for j in natives], batch)))
             except Exception: large = large + natives
         for idx in groups:
             try: x = torch.stack([ts[j] for j in idx]).reshape(len(idx), -1)
