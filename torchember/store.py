@@ -300,7 +300,12 @@ def _insert(table:Table, replace:bool, dialect):
                                          set_={col.name: ins.excluded[col.name] for col in table.columns if not col.primary_key})
     return insert(table)
 
-ROWS_PER_INSERT = 40   # at most; fewer where 40 rows would pass the 999 parameters older SQLite allows
+ROWS_PER_INSERT = (256, 64, 16)   # rows a multi-row statement takes, largest first: few statements a step, few to compile
+
+def _max_variables(c)->int:
+    "How many parameters one statement may take on SQLite connection `c` (999 before SQLite 3.32)."
+    try: return c.connection.driver_connection.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
+    except AttributeError: return 32766 if sqlite3.sqlite_version_info >= (3, 32, 0) else 999   # Python < 3.11
 
 _row_after_row = set()   # multi-row statements found to take their parameters row after row, in column order
 
@@ -314,12 +319,16 @@ def _multi(c, table:Table, replace:bool, n:int)->str|None:
     return sql
 
 def _executemany(c, table:Table, rows:list, replace:bool=False):
-    "Insert `rows` (tuples in `table`'s column order) with SQLAlchemy's compiled `insert` (see `_insert`): on SQLite in statements of up to `ROWS_PER_INSERT` rows each, elsewhere in one executemany."
+    "Insert `rows` (tuples in `table`'s column order) with SQLAlchemy's compiled `insert` (see `_insert`): on SQLite in statements of `ROWS_PER_INSERT` rows and one of the rest, elsewhere in one executemany."
     if c.dialect.name == 'sqlite':
-        per = min(ROWS_PER_INSERT, 999 // len(table.columns))
-        while len(rows) > 1 and (sql := _multi(c, table, replace, min(len(rows), per))):
-            chunk, rows = rows[:per], rows[per:]
-            c.exec_driver_sql(sql, tuple(itertools.chain.from_iterable(chunk)))
+        most, i = _max_variables(c) // len(table.columns), 0
+        sizes = [n for n in ROWS_PER_INSERT if n <= most]
+        while len(rows) - i > 1:
+            n = next((n for n in sizes if len(rows) - i >= n), len(rows) - i)   # the largest that fits, else the rest
+            if n > most or not (sql := _multi(c, table, replace, n)): break
+            c.exec_driver_sql(sql, tuple(itertools.chain.from_iterable(rows[i:i+n])))
+            i += n
+        rows = rows[i:]
         if not rows: return
     sql, order = _compiled(c, (table.name, replace), partial(_insert, table, replace))
     names = [col.name for col in table.columns]
