@@ -163,8 +163,9 @@ def _install(self:Capture):
     "Put the per-module and per-parameter hooks in place for a recorded step, under one fresh key of torch's hook dicts."
     if self._made is None:
         self._made = [(m, _Hook(self._pre, mi), _Hook(self._post, mi)) for mi, m in enumerate(self.mods) if mi and self.selected[mi]]
-    key = self._hooked = RemovableHandle.next_id     # taken as a handle takes it, so no handle gets it again
-    RemovableHandle.next_id += 1
+    key = RemovableHandle.next_id     # taken as a handle takes it, so no later handle gets it
+    while self._key_taken(key): key += 1
+    RemovableHandle.next_id, self._hooked = key + 1, key
     for m, pre, post in self._made:
         m._forward_pre_hooks[key], m._forward_pre_hooks_with_kwargs[key] = pre, True
         m._forward_hooks[key], m._forward_hooks_always_called[key] = post, True
@@ -172,6 +173,13 @@ def _install(self:Capture):
         if not p.requires_grad: continue
         if p._post_accumulate_grad_hooks is None: p._post_accumulate_grad_hooks = OrderedDict()
         p._post_accumulate_grad_hooks[key] = _Hook(self._grad_hook, pi)
+
+@patch
+def _key_taken(self:Capture, key:int)->bool:
+    "Whether a hook of the model already sits under `key` (hooks unpickled with a model keep the keys of the process that saved it)."
+    return (any(key in m._forward_pre_hooks or key in m._forward_hooks or key in m._forward_pre_hooks_with_kwargs
+                or key in m._forward_hooks_always_called for m, _, _ in self._made)
+            or any(p._post_accumulate_grad_hooks is not None and key in p._post_accumulate_grad_hooks for _, _, p in self.params))
 
 @patch
 def _uninstall(self:Capture):

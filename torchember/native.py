@@ -312,8 +312,9 @@ class Batch:
     def __call__(self, ts:list)->torch.Tensor:
         "The `(k, 8)` float64 moments of `ts`: tensors that `supports` accepts, of the sizes and dtypes the batch was made for."
         ts = [_dense(t) for t in ts]          # kept referenced until the kernel returns
-        if [t.numel() for t in ts] != self.sizes or bytes(self.kinds) != bytes(KINDS[t.dtype] for t in ts):
-            raise ValueError("tensors of other sizes or dtypes than this Batch was made for")
+        kinds = bytes(KINDS.get(t.dtype, 255) if type(t) in _PLAIN and t.is_cpu else 255 for t in ts)   # memory of their own, here
+        if [t.numel() for t in ts] != self.sizes or kinds != bytes(self.kinds):
+            raise ValueError("tensors of other sizes or dtypes than this Batch was made for, or ones the kernel does not read")
         out = torch.empty((self.k, 8), dtype=torch.float64)
         if self.k:
             ptrs = np.array([t.data_ptr() for t in ts], dtype=np.uint64)

@@ -117,7 +117,8 @@ def _guarded(compiled, eager):
 
 def _flat(t:torch.Tensor)->torch.Tensor:
     "`t` as a 1-d tensor that is not a view: the compiled kernel then guards on its length alone, one graph for every shape."
-    if not t.is_contiguous(): return t.reshape(-1)   # a copy, with no base
+    if type(t) not in native._PLAIN or not t.is_contiguous(): return t.reshape(-1)   # a copy, with no base; a subclass's own
+
     return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), (t.numel(),), (1,))
 
 def _native(t:torch.Tensor)->bool:
@@ -473,8 +474,10 @@ _PLANS = {}
 @patch_to(Recorder)
 def _planned(self, batches):
     "Record `(ttype, [(mi, tname, tensor)])` batches with default stats, by a cached `_plan` of them together."
-    nat = native.library() is not None
-    sig = (nat, torch.get_num_threads(), *[(ttype, *[(mi, tname, t.dtype, t.shape, t.device) for mi, tname, t in items]) for ttype, items in batches])
+    lib = native.library()
+    nat = lib is not None
+    sig = (nat and lib.openmp, nat, torch.get_num_threads(),
+           *[(ttype, *[(mi, tname, type(t), t.dtype, t.shape, t.device) for mi, tname, t in items]) for ttype, items in batches])
     plan = _PLANS.get(sig)
     if plan is None:
         if len(_PLANS) > 64: _PLANS.clear()

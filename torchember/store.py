@@ -304,8 +304,10 @@ ROWS_PER_INSERT = (256, 64, 16)   # rows a multi-row statement takes, largest fi
 
 def _max_variables(c)->int:
     "How many parameters one statement may take on SQLite connection `c` (999 before SQLite 3.32)."
-    try: return c.connection.driver_connection.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
-    except AttributeError: return 32766 if sqlite3.sqlite_version_info >= (3, 32, 0) else 999   # Python < 3.11
+    con = c.connection.driver_connection
+    if hasattr(con, 'getlimit'): return con.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
+    if isinstance(con, sqlite3.Connection) and sqlite3.sqlite_version_info >= (3, 32, 0): return 32766   # Python < 3.11
+    return 999
 
 _row_after_row = set()   # multi-row statements found to take their parameters row after row, in column order
 
