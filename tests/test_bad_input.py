@@ -361,3 +361,41 @@ def test_new_store_is_private(tmp_path, umask):
         te.disarm()
     finally:
         os.umask(old)
+
+
+WRAPPER_WEIGHTS = '''
+import sys, torch
+from torch import nn
+from torch.utils._pytree import tree_map
+from torchember import torchEmber
+
+class Wrapped(torch.Tensor):
+    "A wrapper subclass (as DTensor or a quantized weight): no storage of its own, data_ptr() is 0."
+    @staticmethod
+    def __new__(cls, elem): return torch.Tensor._make_wrapper_subclass(cls, elem.shape, dtype=elem.dtype, device=elem.device)
+    def __init__(self, elem): self.elem = elem
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        un = lambda x: x.elem if isinstance(x, Wrapped) else x
+        return tree_map(lambda x: Wrapped(x) if isinstance(x, torch.Tensor) else x, func(*tree_map(un, args), **tree_map(un, kwargs or {})))
+
+model = nn.Sequential(nn.Linear(300, 300), nn.Linear(300, 1))
+te = torchEmber(model, run='wrapped', db=sys.argv[1])
+with torch.no_grad():
+    model(torch.randn(2, 300))                         # the weights of a plain model: the kernel's plan is made
+    model[0].weight = nn.Parameter(Wrapped(model[0].weight.detach().clone()), requires_grad=False)
+    model(torch.randn(2, 300).requires_grad_(False))   # the same names and shapes, now a tensor subclass
+te.disarm()
+df = te.run.df(ttype='weight', module='0')
+w = df.set_index(['step', 'tname'])[['numel', 'mean', 'std', 'min', 'max', 'norm']]
+print(sorted(df.step.unique().tolist()), len(df), bool(((w.loc[1] - w.loc[0]).abs() < 1e-6).all().all()))
+'''
+
+def test_weights_that_become_a_tensor_subclass_are_not_read_as_plain_memory(tmp_path):
+    "A weight swapped for a storage-less tensor subclass (same name, shape and dtype) is measured through torch, never read at address 0."
+    import subprocess, sys
+    script = tmp_path/'wrapped.py'
+    script.write_text(WRAPPER_WEIGHTS)
+    p = subprocess.run([sys.executable, str(script), str(tmp_path/'w.db')], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.strip().splitlines()[-1] == '[0, 1] 4 True', p.stdout   # both steps, the same values (nothing trained)

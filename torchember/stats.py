@@ -326,6 +326,7 @@ def _default(self, t, copy:bool, where=None, row:int=None):
     try:
         if self._nat and self._now(t, row): return row
         t = t.detach()
+        if type(t) not in native._PLAIN and callable(getattr(t, 'to_local', None)): t = t.to_local()   # a DTensor: this rank's shard
         if t.dtype in FLOATS and t.layout == torch.strided and not t.is_nested and t.device.type != 'meta':
             if t.numel() > SMALL: self._pieces.append(([row], fused_moments(t)[None]))
             else: self._groups.setdefault((t.device, t.dtype, t.shape), []).append((row, t.clone() if copy else t))
@@ -462,7 +463,7 @@ def _plan(batches, nat:bool=False)->tuple:
             j = len(metas)
             metas.append((mi, ttype, tname, shape_of(t), dtype_name(t)))
             if nat and native.supports(t): natives.append(j)
-            elif t.dtype not in FLOATS or t.layout != torch.strided or t.is_nested or t.device.type == 'meta': other.append(j)
+            elif type(t) not in native._PLAIN or t.dtype not in FLOATS or t.layout != torch.strided or t.is_nested or t.device.type == 'meta': other.append(j)
             elif t.numel() > SMALL: large.append(j)
             else: groups.setdefault((t.device, t.dtype, t.shape), []).append(j)
     flat = [t for _, items in batches for _, _, t in items]
@@ -511,6 +512,11 @@ def _pending_weights(self)->list:
     return [] if w is None else [('weight', w)]
 
 # %% ../nbs/01_stats.ipynb #fd0ce0b7
+def _plain(m:torch.Tensor)->torch.Tensor:
+    "Moments that a tensor subclass's own ops returned as that subclass, as a plain tensor (NaN where it can't give its values)."
+    try: return torch.tensor([x.item() for x in m.reshape(-1).unbind()], dtype=torch.float64, device=m.device).reshape(m.shape)
+    except Exception: return torch.full(tuple(m.shape), float('nan'), dtype=torch.float64)
+
 def _to_host(ts:list):
     "Concatenate float64 tensors and copy them to the host without blocking; the result and an event (or None)."
     if not ts: return None, None
@@ -530,7 +536,7 @@ def close(self, step, events, closed:bool=True, calls=()):
     if self._weights is not None: self._planned(self._pending_weights())
     self._reduce_groups()
     order, mats = [], []
-    for rows, m in self._pieces: order += rows; mats.append(m)
+    for rows, m in self._pieces: order += rows; mats.append(m if type(m) is torch.Tensor else _plain(m))
     if mats:
         dev = {m.device for m in mats}
         if len(dev) > 1: mats = [m.cpu() for m in mats]
