@@ -174,11 +174,14 @@ def _install(self:Capture):
         if p._post_accumulate_grad_hooks is None: p._post_accumulate_grad_hooks = OrderedDict()
         p._post_accumulate_grad_hooks[key] = _Hook(self._grad_hook, pi)
 
+def _hook_dicts(m:nn.Module)->tuple:
+    "The dicts of `m`'s forward pre-hooks and forward hooks, keyed alike, that a recorded step's hooks go into."
+    return m._forward_pre_hooks, m._forward_pre_hooks_with_kwargs, m._forward_hooks, m._forward_hooks_always_called
+
 @patch
 def _key_taken(self:Capture, key:int)->bool:
     "Whether a hook of the model already sits under `key` (hooks unpickled with a model keep the keys of the process that saved it)."
-    return (any(key in m._forward_pre_hooks or key in m._forward_hooks or key in m._forward_pre_hooks_with_kwargs
-                or key in m._forward_hooks_always_called for m, _, _ in self._made)
+    return (any(key in d for m, _, _ in self._made for d in _hook_dicts(m))
             or any(p._post_accumulate_grad_hooks is not None and key in p._post_accumulate_grad_hooks for _, _, p in self.params))
 
 @patch
@@ -187,8 +190,7 @@ def _uninstall(self:Capture):
     key, self._hooked = self._hooked, None
     if key is None: return
     for m, _, _ in self._made:
-        for d in (m._forward_pre_hooks, m._forward_pre_hooks_with_kwargs, m._forward_hooks, m._forward_hooks_always_called):
-            d.pop(key, None)
+        for d in _hook_dicts(m): d.pop(key, None)
     for _, _, p in self.params:
         if (d := p._post_accumulate_grad_hooks) is not None:
             d.pop(key, None)

@@ -288,6 +288,10 @@ def _kind(t:torch.Tensor)->int:
     if type(t) not in _PLAIN or not t.is_cpu or t.layout != torch.strided or t.is_nested or t.is_neg(): return -1
     return KINDS.get(t.dtype, -1)
 
+def _threads(n:int, lib)->int:
+    "Threads for a call over `n` elements: at most torch's, one per `PER_THREAD` elements (`PER_STARTED` without OpenMP)."
+    return max(1, min(torch.get_num_threads(), n // (PER_THREAD if lib.openmp else PER_STARTED)))
+
 def supports(t:torch.Tensor)->bool:
     "Whether `moments` reads `t`: a plain dense float32/float64 CPU tensor with at least one element."
     return _kind(t) >= 0 and t.numel() > 0
@@ -306,8 +310,7 @@ class Batch:
         self._kernel, self.k, self.sizes = lib.torchember_moments, len(ts), [t.numel() for t in ts]
         self.ns = np.array(self.sizes, dtype=np.int64)
         self.kinds = np.array([KINDS[t.dtype] for t in ts], dtype=np.int8)
-        per = PER_THREAD if lib.openmp else PER_STARTED
-        self.threads = threads or max(1, min(torch.get_num_threads(), sum(self.sizes) // per))
+        self.threads = threads or _threads(sum(self.sizes), lib)
 
     def __call__(self, ts:list)->torch.Tensor:
         "The `(k, 8)` float64 moments of `ts`: tensors that `supports` accepts, of the sizes and dtypes the batch was made for."
@@ -328,17 +331,11 @@ def moments(ts:list,             # tensors that `supports` accepts
     "The 8 moments of each tensor of `ts` in one call (NaN and Inf not counted, NaN skipped by min and max)."
     lib = library()
     if lib is None: raise RuntimeError("the native moments kernel is not available")
-    ts = [_dense(t) for t in ts]          # kept referenced until the kernel returns
-    k, total = len(ts), sum(t.numel() for t in ts)
-    out = torch.empty((k, 8), dtype=torch.float64)
-    if k == 0: return out
-    per = PER_THREAD if lib.openmp else PER_STARTED
-    threads = threads or max(1, min(torch.get_num_threads(), total // per))
-    if k == 1:
-        t = ts[0]
-        lib.torchember_moments1(t.data_ptr(), t.numel(), KINDS[t.dtype], out.data_ptr(), threads)
-        return out
-    return Batch(ts, threads)(ts)
+    if len(ts) != 1: return Batch(ts, threads)(ts)
+    t = _dense(ts[0])                     # kept referenced until the kernel returns
+    out = torch.empty((1, 8), dtype=torch.float64)
+    lib.torchember_moments1(t.data_ptr(), t.numel(), KINDS[t.dtype], out.data_ptr(), threads or _threads(t.numel(), lib))
+    return out
 
 # %% ../nbs/00a_native.ipynb #ff862ade
 class MomentRows:
@@ -360,7 +357,7 @@ class MomentRows:
         i = self.n
         if i == self._cap: self._grow()
         if not t.is_contiguous(): t = _dense(t.detach())
-        threads = 1 if n < 2 * self._per else min(self._threads, n // self._per)
+        threads = 1 if n < 2 * self._per else min(self._threads, n // self._per)   # `_threads`, its inputs read once
         finite = self._kernel(t.data_ptr(), n, kind, self._ptr + 64 * i, threads)
         self.n = i + 1
         return bool(finite)

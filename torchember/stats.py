@@ -117,8 +117,7 @@ def _guarded(compiled, eager):
 
 def _flat(t:torch.Tensor)->torch.Tensor:
     "`t` as a 1-d tensor that is not a view: the compiled kernel then guards on its length alone, one graph for every shape."
-    if type(t) not in native._PLAIN or not t.is_contiguous(): return t.reshape(-1)   # a copy, with no base; a subclass's own
-
+    if type(t) not in native._PLAIN or not t.is_contiguous(): return t.reshape(-1)   # a copy with no base, or a subclass's own
     return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), (t.numel(),), (1,))
 
 def _native(t:torch.Tensor)->bool:
@@ -457,18 +456,16 @@ def _reduce_groups(self):
 # %% ../nbs/01_stats.ipynb #671a09fb
 def _plan(batches, nat:bool=False)->tuple:
     "`(metas, natives, batch, groups, large, other)` of `(ttype, [(mi, tname, tensor)])` batches: key metadata, indices of tensors for the native kernel (if `nat`) and its `native.Batch` of them, index lists of small same-size float tensors, large float tensors, and the rest."
-    metas, natives, groups, large, other = [], [], {}, [], []
+    metas, natives, nts, groups, large, other = [], [], [], {}, [], []
     for ttype, items in batches:
         for mi, tname, t in items:
             j = len(metas)
             metas.append((mi, ttype, tname, shape_of(t), dtype_name(t)))
-            if nat and native.supports(t): natives.append(j)
+            if nat and native.supports(t): natives.append(j); nts.append(t)
             elif type(t) not in native._PLAIN or t.dtype not in FLOATS or t.layout != torch.strided or t.is_nested or t.device.type == 'meta': other.append(j)
             elif t.numel() > SMALL: large.append(j)
             else: groups.setdefault((t.device, t.dtype, t.shape), []).append(j)
-    flat = [t for _, items in batches for _, _, t in items]
-    batch = native.Batch([flat[j] for j in natives]) if natives else None
-    return metas, natives, batch, list(groups.values()), large, other
+    return metas, natives, native.Batch(nts) if nts else None, list(groups.values()), large, other
 
 _PLANS = {}
 
