@@ -16,6 +16,7 @@ written through the store's write path, and `latest()` / one module's history on
     python bench/bench.py [--models resnet18,mlp32,alexnet] [--blocks N] [--steps K] [--quick] [--configs ember,ember10] [--no-store]
     python bench/bench.py --store
     python bench/bench.py --memory [--models mlp32] [--memory-steps 1000] [--configs ember]
+    python bench/bench.py --breakdown [--models mlp32] [--every 10] [--cycles 40] [--blocks 6]
 
 To add a configuration, append a `Config(label, arm_fn)` to what `configs()` returns (or register it in `CONFIGS`);
 `arm_fn(model) -> handle`, and the handle needs a `disarm()` (or pass your own `disarm_fn`).
@@ -173,6 +174,77 @@ def bench_model(name, cfgs, blocks, steps, warmup, warmup_s):
 def _spread(xs): return (max(xs) - min(xs)) / statistics.median(xs) if len(xs) > 1 else 0.0
 
 
+# ---------------------------------------------------------------- breakdown
+
+def _off(obj, *names):
+    "Replace methods `names` of `obj` by ones that do nothing (refusing names it lacks: a renamed one would stay on)."
+    for n in names:
+        if not callable(getattr(obj, n, None)): raise AttributeError(f"{type(obj).__name__} has no method {n!r} to switch off")
+        setattr(obj, n, lambda *a, **k: None)
+
+def _no_writer(h): _off(h.recorder, 'emit')               # records dropped before they reach the writer thread
+def _no_activations(h): _off(h.recorder, 'tensor')        # inputs and outputs not measured
+def _no_params(h): _off(h.recorder, 'params')             # weights and grads not measured
+def _empty_hooks(h): _off(h.capture, '_pre', '_post')     # module hooks called, doing nothing
+
+PARTS = [  # (variant, what it switches off on top of the variant before, the part the difference between them measures)
+    ('armed', None, None),
+    ('no writer', _no_writer, 'the writer thread (rows to SQLite)'),
+    ('no activation stats', _no_activations, 'stats of inputs and outputs'),
+    ('no weight/grad stats', _no_params, 'stats of weights and grads'),
+    ('empty hooks', _empty_hooks, "the module hooks' own work (events, names)"),
+]
+
+def breakdown(name, every, rounds, cycles, warmup_s):
+    "Where an armed step's time goes: steps timed one by one, each part switched off in turn (cumulatively), bare blocks between."
+    model, step = setup(name)
+    warm_up(step, 5, warmup_s)
+    variants = [(label, [f for _, f, _ in PARTS[:i + 1] if f]) for i, (label, _, _) in enumerate(PARTS)]
+    k = every * (cycles + 1)                   # the first cycle of a block is not counted: first-use costs
+    times = {v: [[] for _ in range(every)] for v in [None] + [label for label, _ in variants]}
+    flushes = {label: [] for label, _ in variants}
+    def block(v):
+        label, offs = v if v else (None, [])
+        gc.collect()
+        h = None
+        if v:
+            h = torchEmber(model, run=_run_name('parts'), db=_db('parts'), every=every)
+            for f in offs: f(h)
+        for i in range(k):
+            t0 = time.perf_counter(); step(); dt = time.perf_counter() - t0
+            if i >= every: times[label][i % every].append(dt)
+        if h is not None:
+            t0 = time.perf_counter(); h.flush(); flushes[label].append(time.perf_counter() - t0)
+            h.disarm()
+    order = [None] + variants
+    block(order[1])                            # untimed: imports, the store's creation
+    for r in range(rounds):
+        for v in (order if r % 2 == 0 else order[::-1]): block(v)
+    bare = [statistics.median(ts) for ts in times[None]]
+    cols = ['recorded', 'next', 'others'][:min(every, 3)]
+    def split(xs): return [xs[0], *xs[1:2], *([statistics.mean(xs[2:])] if every > 2 else [])]
+    print(f"breakdown: {name}, every={every}: {rounds} blocks of {cycles} counted cycles each. Per variant, the ms a step takes "
+          f"beyond a bare step at the same place in the cycle (median over the blocks' cycles): the recorded step"
+          + (", the one after it" if every > 1 else "") + (", the mean of the others" if every > 2 else "")
+          + "; then a whole cycle's extra time, the final flush spread over the cycles, and its ratio to a bare cycle\n")
+    head = f"{'variant':<22}" + ''.join(f"{c:>10}" for c in cols) + f"{'cycle':>10} {'ratio':>7}"
+    print(head); print('-' * len(head))
+    print(f"{'bare (ms a step)':<22}" + ''.join(f"{x*1e3:10.2f}" for x in split(bare)) + f"{sum(bare)*1e3:10.2f}")
+    near, cost = {}, {}
+    for label, _ in variants:
+        extra = [statistics.median(ts) - b for ts, b in zip(times[label], bare)]
+        flush = statistics.median(flushes[label]) / cycles
+        near[label], cost[label] = sum(extra[:2]) + flush, sum(extra) + flush
+        print(f"{label:<22}" + ''.join(f"{x*1e3:+10.2f}" for x in split(extra)) +
+              f"{cost[label]*1e3:+10.2f} {(sum(bare) + cost[label]) / sum(bare):6.3f}x", flush=True)
+    labels = [label for label, _ in variants]
+    print(f"\nthe extra time of the recorded step{' and the next' if every > 1 else ''} with the flush's share, part by part "
+          "(the difference between a variant and the next one down" + ("; the other steps' is left out" if every > 2 else "") + "):")
+    for (_, _, part), before, nxt in zip(PARTS[1:], labels, labels[1:]):
+        print(f"  {part:<76} {(near[before] - near[nxt])*1e3:+6.2f} ms")
+    print(f"  {'what is left: hooks on and off and called empty, the step opened and closed':<76} {near[labels[-1]]*1e3:+6.2f} ms")
+
+
 # ---------------------------------------------------------------- memory
 
 def rss_mb():
@@ -261,6 +333,9 @@ def main(argv=None):
     p.add_argument('--warmup', type=int, default=None, help="untimed bare steps first, and at least 3 s of them (1 s with --quick) (default 5, --quick 2)")
     p.add_argument('--quick', action='store_true', help="fewer blocks and steps: a smoke test")
     p.add_argument('--configs', default=None, help=f"comma-separated, from {','.join(CONFIGS)} (default: ember,ember10, or dummy without torchember)")
+    p.add_argument('--breakdown', action='store_true', help="instead of the ratios: where an armed step's time goes, each part switched off in turn (default model mlp32)")
+    p.add_argument('--every', type=int, default=10, help="--breakdown: record one step in this many (default 10)")
+    p.add_argument('--cycles', type=int, default=None, help="--breakdown: counted cycles of --every steps per block (default 40, --quick 5)")
     p.add_argument('--memory', action='store_true', help="instead of timing: RSS after step 50 and after --memory-steps, armed")
     p.add_argument('--memory-steps', type=int, default=1000)
     p.add_argument('--store', action='store_true', help="only the store: write rate and query times on 100 vs 10,000 steps")
@@ -273,7 +348,7 @@ def main(argv=None):
     KEEP_DB = a.keep_db
     torch.set_num_threads(a.threads)
     torch.set_flush_denormal(True)  # so tiny gradients late in a run can't slow a block down
-    names = a.models.split(',') if a.models else (['mlp32'] if a.memory else list(MODELS))
+    names = a.models.split(',') if a.models else (['mlp32'] if a.memory or a.breakdown else list(MODELS))
     for n in names:
         if n not in MODELS: sys.exit(f"unknown model {n!r}; known: {', '.join(MODELS)}")
     cfgs = configs(a.configs.split(',') if a.configs else None)
@@ -284,6 +359,11 @@ def main(argv=None):
 
     if a.memory: return memory(names, cfgs, a.memory_steps)
     if a.store: return store_bench()
+    if a.breakdown:
+        if torchEmber is None: sys.exit(f"--breakdown needs torchember: {_EMBER_ERR}")
+        for n in names:
+            breakdown(n, a.every, a.blocks or (2 if a.quick else 6), a.cycles or (5 if a.quick else 40), 1.0 if a.quick else 3.0)
+        return _check_load()
 
     blocks = a.blocks or (3 if a.quick else 9)
     warmup = a.warmup if a.warmup is not None else (2 if a.quick else 5)

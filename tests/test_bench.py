@@ -1,0 +1,47 @@
+"The benchmark runs and reports every configuration and every part (its figures are not checked: they are timings)."
+import subprocess, sys
+import pytest
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent.parent/'bench'/'bench.py'
+
+def _run(*args):
+    r = subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+def test_ratios_of_both_configurations():
+    out = _run('--quick', '--models', 'mlp32', '--blocks', '1', '--steps', '10', '--warmup', '1', '--no-store')
+    rows = [l.split() for l in out.splitlines() if l.startswith('mlp32')]
+    assert [r[1:3] for r in rows] == [['torchEmber', '10'], ['torchEmber', 'every=10']]
+    assert all(r[-3].endswith('x') and float(r[-3][:-1]) > 0 for r in rows)
+
+def test_breakdown_switches_each_part_off():
+    out = _run('--breakdown', '--quick', '--blocks', '1', '--cycles', '2')
+    for variant in ('armed', 'no writer', 'no activation stats', 'no weight/grad stats', 'empty hooks'):
+        assert any(l.startswith(variant + ' ') for l in out.splitlines()), variant
+    parts = [l for l in out.splitlines() if l.rstrip().endswith(' ms') and l.startswith('  ')]
+    assert len(parts) == 5, out
+
+def _bench():
+    sys.path.insert(0, str(BENCH.parent))
+    import bench
+    return bench
+
+def test_switching_off_a_method_that_is_not_there_fails():
+    class Recorder: pass
+    with pytest.raises(AttributeError, match='emit'): _bench()._off(Recorder(), 'emit')
+
+@pytest.mark.parametrize('switch, ttypes', [(None, {'input', 'output', 'weight', 'weight_grad'}), ('_no_writer', set()),
+    ('_no_activations', {'weight', 'weight_grad'}), ('_no_params', {'input', 'output'}), ('_empty_hooks', {'weight', 'weight_grad'})])
+def test_each_switch_leaves_out_what_it_names(tmp_path, switch, ttypes):
+    import torch
+    from torchember import torchEmber
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU(), torch.nn.Linear(4, 1))
+    te = torchEmber(model, run='r', db=tmp_path/'s.db')
+    if switch: getattr(_bench(), switch)(te)
+    for _ in range(2): model(torch.randn(3, 4)).sum().backward()
+    te.flush()
+    df = te.df()
+    assert set(df.ttype) == ttypes
+    te.disarm()
