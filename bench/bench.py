@@ -199,10 +199,11 @@ def breakdown(name, every, rounds, cycles, warmup_s):
     "Where an armed step's time goes: steps timed one by one, each part switched off in turn (cumulatively), bare blocks between."
     model, step = setup(name)
     warm_up(step, 5, warmup_s)
-    variants = [(label, [f for _, f, _ in PARTS[:i + 1] if f]) for i, (label, _, _) in enumerate(PARTS)]
+    labels = [label for label, _, _ in PARTS]
+    variants = [(label, [f for _, f, _ in PARTS[:i + 1] if f]) for i, label in enumerate(labels)]
     k = every * (cycles + 1)                   # the first cycle of a block is not counted: first-use costs
-    times = {v: [[] for _ in range(every)] for v in [None] + [label for label, _ in variants]}
-    flushes = {label: [] for label, _ in variants}
+    times = {label: [[] for _ in range(every)] for label in [None] + labels}
+    flushes = {label: [] for label in labels}
     def block(v):
         label, offs = v if v else (None, [])
         gc.collect()
@@ -231,13 +232,12 @@ def breakdown(name, every, rounds, cycles, warmup_s):
     print(head); print('-' * len(head))
     print(f"{'bare (ms a step)':<22}" + ''.join(f"{x*1e3:10.2f}" for x in split(bare)) + f"{sum(bare)*1e3:10.2f}")
     near, cost = {}, {}
-    for label, _ in variants:
+    for label in labels:
         extra = [statistics.median(ts) - b for ts, b in zip(times[label], bare)]
         flush = statistics.median(flushes[label]) / cycles
         near[label], cost[label] = sum(extra[:2]) + flush, sum(extra) + flush
         print(f"{label:<22}" + ''.join(f"{x*1e3:+10.2f}" for x in split(extra)) +
               f"{cost[label]*1e3:+10.2f} {(sum(bare) + cost[label]) / sum(bare):6.3f}x", flush=True)
-    labels = [label for label, _ in variants]
     print(f"\nthe extra time of the recorded step{' and the next' if every > 1 else ''} with the flush's share, part by part "
           "(the difference between a variant and the next one down" + ("; the other steps' is left out" if every > 2 else "") + "):")
     for (_, _, part), before, nxt in zip(PARTS[1:], labels, labels[1:]):
