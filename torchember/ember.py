@@ -7,6 +7,7 @@ Docs: https://torchember.github.io/torchember/ember.html.md"""
 # %% ../nbs/04_ember.ipynb #ee006446
 from __future__ import annotations
 import atexit, secrets, time, warnings, weakref
+from collections import deque
 from functools import partial
 import torch
 import torch.distributed as dist
@@ -19,7 +20,7 @@ from .store import engine, create_run, write_step, Writer, db_url, keyed_by_rank
 from .query import Run
 
 # %% auto #0
-__all__ = ['torchEmber', 'unwrap', 'process_rank', 'agree_run_name', 'rank_selector']
+__all__ = ['GROUP', 'torchEmber', 'unwrap', 'process_rank', 'agree_run_name', 'rank_selector']
 
 # %% ../nbs/04_ember.ipynb #654a6fa8
 class torchEmber:
@@ -64,7 +65,7 @@ class torchEmber:
         if snapshot is not None: self.recorder.on_tensor = Snapshots(snapshot, self.capture.names, snapshot_fn)
         if track_updates: self.recorder.param_extras = UpdateTracker()
         self._changes = Changes()
-        self.writer, self._disarm_hook, self._last_events = None, _Hook(self.disarm), (None, None)
+        self.writer, self._disarm_hook, self._last_events, self._queued = None, _Hook(self.disarm), (None, None), deque()
         self.engine = self.run_id = None
         if not self.recording: return        # a rank left out: nothing armed, nothing written
         config = dict(every=every, modules=None if modules is None else repr(modules), record_eval=record_eval,
@@ -123,18 +124,52 @@ def rank_selector(ranks=None)->callable:
     return lambda rank: rank in chosen
 
 # %% ../nbs/04_ember.ipynb #83fa450b
+GROUP = 16   # the most steps the writer puts in one transaction
+
 @patch
 def _emit(self:torchEmber, rec):
     if self.writer is None: self.writer = Writer(strict=self.strict)
-    self.writer.submit(partial(self._write, rec))
+    self._queued.append(rec)
+    self.writer.submit(self._write_queued)   # one job per step: the writer's bounded queue still bounds the steps waiting
 
 @patch
-def _write(self:torchEmber, rec):
+def _write_queued(self:torchEmber):
+    "Write the steps queued so far (up to `GROUP`) in one transaction; if it fails, each in one of its own."
+    recs = [self._queued.popleft() for _ in range(min(GROUP, len(self._queued)))]
+    if len(recs) > 1:
+        kept = self._written()
+        try:
+            steps = [self._step_args(rec) for rec in recs]
+            with self.engine.begin() as c:
+                for kw in steps: write_step(c, **kw)
+            return
+        except Exception: self._put_back(kept)
+    errors = []
+    for rec in recs:
+        kept = self._written()
+        try: write_step(self.engine, **self._step_args(rec))
+        except Exception as e: self._put_back(kept); errors.append(e)
+    if errors: raise errors[0]   # the writer warns once (or `flush` raises it, with `strict`)
+
+@patch
+def _step_args(self:torchEmber, rec)->dict:
+    "`write_step`'s arguments for `rec`; moves the last events written and the snapshots' digests forward."
     same = rec.events and rec.events == self._last_events[1]
-    write_step(self.engine, self.run_id, rec.step, rec.rows(), rec.events, closed=rec.closed,
-               events_step=self._last_events[0] if same else None, training=rec.training, calls=rec.call_rows(),
-               scalars=rec.scalar_values(), snapshots=self._changes.rows(rec.snapshots), rank=self.rank)
+    kw = dict(run_id=self.run_id, step=rec.step, rows=rec.rows(), events=rec.events, closed=rec.closed,
+              events_step=self._last_events[0] if same else None, training=rec.training, calls=rec.call_rows(),
+              scalars=rec.scalar_values(), snapshots=self._changes.rows(rec.snapshots), rank=self.rank)
     if rec.events and not same: self._last_events = (rec.step, rec.events)
+    return kw
+
+@patch
+def _written(self:torchEmber)->tuple:
+    "What writing a step moves forward (the last events written, the snapshots' digests), to put back if its transaction fails."
+    return self._last_events, dict(self._changes.last)
+
+@patch
+def _put_back(self:torchEmber, written:tuple):
+    "Undo `_step_args` back to what `_written` returned."
+    self._last_events, self._changes.last = written
 
 # %% ../nbs/04_ember.ipynb #e2c7a131
 _armed = weakref.WeakKeyDictionary()   # model -> the torchEmber that armed it

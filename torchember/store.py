@@ -1,4 +1,4 @@
-"""The event store: a small documented schema in SQLite (the default) or PostgreSQL, one transaction per step, written by a background thread.
+"""The event store: a small documented schema in SQLite (the default) or PostgreSQL, each step written whole in one transaction by a background thread.
 
 Docs: https://torchember.github.io/torchember/store.html.md"""
 
@@ -7,6 +7,7 @@ Docs: https://torchember.github.io/torchember/store.html.md"""
 # %% ../nbs/02_store.ipynb #2645585c
 from __future__ import annotations
 import getpass, itertools, json, os, queue, socket, sqlite3, threading, time, warnings, atexit, weakref
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 import sqlalchemy as sa
@@ -338,8 +339,8 @@ def _executemany(c, table:Table, rows:list, replace:bool=False):
 
 def write_step(eng, run_id:int, step:int, rows:list, events:list=(), closed:bool=True, events_step:int=None,
                training:bool=None, calls:list=(), scalars:dict=None, snapshots:list=(), rank:int=0):
-    "Write a step of `rank`: its stat `rows` (tuples in `stats` column order after `run_id, step, rank`), `events` (`(kind, module_id, call)`), `calls` (`(module_id, call, training, fwd_ms, bwd_ms)`), `scalars` and `snapshots` (`(module_id, ttype, tname, call, dtype, shape, data)`) in one transaction; `events_step`: an earlier step of the rank whose events these equal (none are written)."
-    with eng.begin() as c:
+    "Write a step of `rank`: its stat `rows` (tuples in `stats` column order after `run_id, step, rank`), `events` (`(kind, module_id, call)`), `calls` (`(module_id, call, training, fwd_ms, bwd_ms)`), `scalars` and `snapshots` (`(module_id, ttype, tname, call, dtype, shape, data)`) in one transaction of engine `eng`, or in the open one of connection `eng`; `events_step`: an earlier step of the rank whose events these equal (none are written)."
+    with (nullcontext(eng) if isinstance(eng, sa.Connection) else eng.begin()) as c:
         if rows: _executemany(c, stats_t, [(run_id, step, rank, *r) for r in rows], replace=True)
         if calls: _executemany(c, calls_t, [(run_id, step, rank, *r) for r in calls], replace=True)
         if scalars: _executemany(c, scalars_t, [(run_id, step, rank, k, v) for k, v in scalars.items()], replace=True)
