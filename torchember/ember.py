@@ -144,12 +144,12 @@ def _write_queued(self:torchEmber):
                 for kw in steps: write_step(c, **kw)
             return
         except Exception: self._put_back(kept)
-    errors = []
+    first = None
     for rec in recs:
         kept = self._written()
         try: write_step(self.engine, **self._step_args(rec))
-        except Exception as e: self._put_back(kept); errors.append(e)
-    if errors: raise errors[0]   # the writer warns once (or `flush` raises it, with `strict`)
+        except Exception as e: self._put_back(kept); first = first or e
+    if first: raise first   # the writer warns once (or `flush` raises it, with `strict`)
 
 @patch
 def _step_args(self:torchEmber, rec)->dict:
