@@ -21,7 +21,7 @@ written through the store's write path, and `latest()` / one module's history on
 To add a configuration, append a `Config(label, arm_fn)` to what `configs()` returns (or register it in `CONFIGS`);
 `arm_fn(model) -> handle`, and the handle needs a `disarm()` (or pass your own `disarm_fn`).
 """
-import argparse, atexit, gc, itertools, os, resource, shutil, statistics, sys, tempfile, time, uuid
+import argparse, atexit, gc, itertools, os, platform, resource, shutil, statistics, sys, tempfile, time, uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -167,7 +167,8 @@ def bench_model(name, cfgs, blocks, steps, warmup, warmup_s):
         for c in (order if r % 2 == 0 else order[::-1]):
             times[c.label if c else None].append(time_block(model, step, steps, c))
     bare = statistics.median(times[None])
-    return [(name, c.label, bare, statistics.median(times[c.label]), statistics.median(times[c.label]) / bare,
+    floor = 1 + read_floor(model) / bare
+    return [(name, c.label, bare, statistics.median(times[c.label]), floor, statistics.median(times[c.label]) / bare,
              statistics.median(a / b for a, b in zip(times[c.label], times[None])),
              _spread(times[None]), _spread(times[c.label])) for c in cfgs]
 
@@ -352,6 +353,7 @@ def main(argv=None):
     for n in names:
         if n not in MODELS: sys.exit(f"unknown model {n!r}; known: {', '.join(MODELS)}")
     cfgs = configs(a.configs.split(',') if a.configs else None)
+    print(machine_line())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, scratch dbs in {scratch()}"
           + (" (kept)" if KEEP_DB else " (removed at exit)"))
     _print_kernel()
@@ -369,14 +371,15 @@ def main(argv=None):
     warmup = a.warmup if a.warmup is not None else (2 if a.quick else 5)
     warmup_s = 1.0 if a.quick else 3.0
     print(f"{blocks} blocks per configuration, warmup >= {warmup} steps and >= {warmup_s:.0f} s; times are median ms/step "
-          f"(spread = (max-min)/median over blocks)\n")
-    hdr = f"{'model':<10} {'config':<22} {'steps':>5} {'bare ms':>9} {'armed ms':>9} {'ratio':>7} {'paired':>7} {'spread b/a':>12}"
+          f"(spread = (max-min)/median over blocks);\n"
+          f"floor = 1 + one read of the params and a grad-sized copy (torch.sum of each) over the bare step: no stats of them can cost less\n")
+    hdr = f"{'model':<10} {'config':<22} {'steps':>5} {'bare ms':>9} {'armed ms':>9} {'floor':>7} {'ratio':>7} {'paired':>7} {'spread b/a':>12}"
     print(hdr); print('-' * len(hdr))
     t_all = time.perf_counter()
     for n in names:
         steps = a.steps or MODELS[n][2 if a.quick else 1]
-        for (mn, label, bare, armed, ratio, paired, sb, sa) in bench_model(n, cfgs, blocks, steps, warmup, warmup_s):
-            print(f"{mn:<10} {label:<22} {steps:5d} {bare*1e3:9.2f} {armed*1e3:9.2f} {ratio:7.2f}x {paired:6.2f}x "
+        for (mn, label, bare, armed, floor, ratio, paired, sb, sa) in bench_model(n, cfgs, blocks, steps, warmup, warmup_s):
+            print(f"{mn:<10} {label:<22} {steps:5d} {bare*1e3:9.2f} {armed*1e3:9.2f} {floor:6.2f}x {ratio:7.2f}x {paired:6.2f}x "
                   f"{sb*100:5.0f}%/{sa*100:3.0f}%", flush=True)
     print(f"\ntotal {time.perf_counter() - t_all:.0f} s")
     _check_load()
@@ -384,6 +387,47 @@ def main(argv=None):
         print()
         store_bench()
         _check_load()
+
+def machine() -> dict:
+    "What the figures depend on: CPU model, vendor, vector extensions, cores, cache sizes (from /proc and /sys on Linux)."
+    info = dict(cpu=platform.processor() or platform.machine(), vendor='', vector=[], cores=os.cpu_count(), caches={})
+    try: text = Path('/proc/cpuinfo').read_text()
+    except OSError: text = ''
+    fields = {}
+    for line in text.splitlines():
+        k, _, v = line.partition(':')
+        fields.setdefault(k.strip(), v.strip())
+    info['cpu'] = fields.get('model name') or fields.get('Model') or fields.get('CPU part') or info['cpu']
+    info['vendor'] = fields.get('vendor_id') or fields.get('CPU implementer', '')
+    flags = set((fields.get('flags') or fields.get('Features') or '').split())
+    info['vector'] = [n for f, n in (('avx2', 'AVX2'), ('avx512f', 'AVX-512'), ('avx512_bf16', 'AVX512-BF16'),
+                                     ('asimd', 'NEON'), ('sve', 'SVE')) if f in flags]
+    try: info['cores'] = len(os.sched_getaffinity(0))
+    except AttributeError: pass
+    for d in sorted(Path('/sys/devices/system/cpu/cpu0/cache').glob('index*')):
+        try: level, kind, size = ((d/f).read_text().strip() for f in ('level', 'type', 'size'))
+        except OSError: continue
+        if kind != 'Instruction': info['caches'][f"L{level}"] = size
+    return info
+
+def machine_line(m: dict = None) -> str:
+    "One line naming the machine, printed beside every figure."
+    m = m or machine()
+    caches = ', '.join(f"{k} {v}" for k, v in m['caches'].items()) or 'caches unknown'
+    return (f"machine: {m['cpu']} ({m['vendor'] or 'vendor unknown'}), {'/'.join(m['vector']) or 'no AVX2/AVX-512/NEON'}, "
+            f"{m['cores']} cores, {caches}")
+
+def read_floor(model, reps: int = 5) -> float:
+    "Seconds for one read of `model`'s params and grads (a `torch.sum` of each; grads stood in by copies of the params, their size): what any stats of them must pay at least."
+    ps = [p.detach() for p in model.parameters()]
+    ts = ps + [p.clone() for p in ps]
+    times = []
+    with torch.no_grad():
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for t in ts: t.sum()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 def _print_kernel():
     "Say which kernel computes the moments of CPU tensors: the figures depend on it."

@@ -15,6 +15,16 @@ def test_ratios_of_both_configurations():
     rows = [l.split() for l in out.splitlines() if l.startswith('mlp32')]
     assert [r[1:3] for r in rows] == [['torchEmber', '10'], ['torchEmber', 'every=10']]
     assert all(r[-3].endswith('x') and float(r[-3][:-1]) > 0 for r in rows)
+    assert all(float(r[-4][:-1]) >= 1 for r in rows)          # the floor: one read of the params and grads
+    machine = next(l for l in out.splitlines() if l.startswith('machine: '))
+    assert 'cores' in machine and ' L' in machine, machine   # names the CPU, its cores and caches
+
+def test_machine_names_the_cpu_it_runs_on():
+    m = _bench().machine()
+    assert m['cpu'] and m['cores'] >= 1
+    flags = open('/proc/cpuinfo').read() if Path('/proc/cpuinfo').exists() else ''
+    assert ('AVX2' in m['vector']) == (' avx2' in flags)
+    assert ('AVX-512' in m['vector']) == (' avx512f' in flags)
 
 def test_breakdown_switches_each_part_off():
     out = _run('--breakdown', '--quick', '--blocks', '1', '--cycles', '2')
