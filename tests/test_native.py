@@ -124,3 +124,38 @@ def test_kernel_threads_are_torchs_own_openmp_workers():
     uses, torch_openmp, same_runtimes = r.stdout.split()
     assert uses == torch_openmp, r.stdout
     assert same_runtimes == 'True'
+
+
+# ---------------------------------------------------------------- large tensors: the path that measured faster
+
+@needs_compiler
+@pytest.mark.parametrize('faster', ['native', 'torch'])
+def test_large_tensors_take_the_path_that_measured_faster(tmp_path, monkeypatch, faster):
+    "Whatever the CPU, a large tensor goes where the measurement said; the stats are the same either way."
+    monkeypatch.setenv('TORCHEMBER_CACHE', str(tmp_path))
+    monkeypatch.setattr(native, '_large', {})
+    slow, fast = (1.0, 9.0) if faster == 'native' else (9.0, 1.0)
+    monkeypatch.setattr(native, 'measure_large', lambda: dict(native=slow, torch=fast, sum=0.5))
+    m = native.large_choice()
+    big, small = torch.randn(native.LARGE), torch.randn(1000)
+    assert native.supports(big) == (m['native'] <= m['torch']) == (faster == 'native')
+    assert native.supports(small)                       # small tensors always take the kernel
+    rows = native.MomentRows()
+    assert (rows.take(big) is not None) == (faster == 'native')
+    from torchember.stats import default_stats
+    s = default_stats(big)
+    d = big.double()
+    np.testing.assert_allclose([s['mean'].item(), s['norm'].item(), s['max'].item()],
+                               [d.mean().item(), d.norm().item(), d.max().item()], rtol=1e-9)
+
+@needs_compiler
+def test_large_choice_is_measured_once_and_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv('TORCHEMBER_CACHE', str(tmp_path))
+    monkeypatch.setattr(native, '_large', {})
+    m = native.large_choice()
+    assert set(m) == {'native', 'torch', 'sum'} and all(v > 0 for v in m.values())
+    kept = list(tmp_path.glob('large-*.json'))
+    assert len(kept) == 1
+    monkeypatch.setattr(native, '_large', {})
+    monkeypatch.setattr(native, 'measure_large', lambda: pytest.fail("measured again"))
+    assert native.large_choice() == m                   # read back from the cache, not measured again

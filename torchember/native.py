@@ -6,23 +6,38 @@ Docs: https://torchember.github.io/torchember/native.html.md"""
 
 # %% ../nbs/00a_native.ipynb #4ac8202a
 from __future__ import annotations
-import ctypes, hashlib, os, platform, shutil, subprocess, tempfile, threading, warnings
+import ctypes, hashlib, json, os, platform, shutil, statistics, subprocess, tempfile, threading, time, warnings
 from pathlib import Path
 import numpy as np
 import torch
 
 # %% auto #0
-__all__ = ['SOURCE', 'FLAGS', 'KINDS', 'PER_THREAD', 'PER_STARTED', 'compiler', 'cache_dir', 'cpu_id', 'build', 'openmp_runtime',
-           'library', 'use_openmp', 'supports', 'Batch', 'moments', 'MomentRows']
+__all__ = ['SOURCE', 'FLAGS', 'KINDS', 'PER_THREAD', 'PER_STARTED', 'LARGE', 'compiler', 'cache_dir', 'cpu_id', 'build',
+           'openmp_runtime', 'library', 'use_openmp', 'supports', 'Batch', 'moments', 'measure_large', 'large_choice',
+           'large_native', 'MomentRows']
 
 # %% ../nbs/00a_native.ipynb #d6fadc1c
 SOURCE = r'''#include <stdint.h>
 #include <math.h>
 #include <thread>
 #include <vector>
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef double f64x8 __attribute__((vector_size(64)));
-typedef int64_t i64x8 __attribute__((vector_size(64)));
+/* Vectors as wide as the target's registers (64 bytes with AVX-512, 32 with AVX, else 16: SSE, NEON): wider generic
+   vectors than the hardware has are split into many narrow operations, which made an AVX2 build 16x slower than
+   torch's own sum. */
+#if defined(__AVX512F__)
+#define VBYTES 64
+#elif defined(__AVX__)
+#define VBYTES 32
+#else
+#define VBYTES 16
+#endif
+#define L64 (VBYTES / 8)
+#define L32 (VBYTES / 4)
+typedef double f64v __attribute__((vector_size(VBYTES)));
+typedef int64_t i64v __attribute__((vector_size(VBYTES)));
+typedef float f32v __attribute__((vector_size(VBYTES)));
+typedef int32_t i32v __attribute__((vector_size(VBYTES)));
+typedef float f32h __attribute__((vector_size(VBYTES / 2)));
 
 /* Ask for the memory 16 KiB past p into L2, not L1: the L2 tracks more misses at once, and a tensor read from DRAM
    came 15-20% faster so (integer arithmetic: no pointer is formed past the tensor's end). */
@@ -30,21 +45,21 @@ static inline void ahead(const void* p) { __builtin_prefetch((const void*)((uint
 
 /* float64: out = n, sum, sumsq, min, max, nonzero, 0, 0; NaN is skipped by min and max (the caller sees it in the sum) */
 static void moments_f64(const double* x, int64_t n, double* out) {
-  f64x8 s0 = {0}, s1 = {0}, q0 = {0}, q1 = {0}, lo0, lo1, hi0, hi1;
-  i64x8 c0 = {0}, c1 = {0};
-  for (int l = 0; l < 8; l++) { lo0[l] = lo1[l] = INFINITY; hi0[l] = hi1[l] = -INFINITY; }
+  f64v s0 = {0}, s1 = {0}, q0 = {0}, q1 = {0}, lo0, lo1, hi0, hi1;
+  i64v c0 = {0}, c1 = {0};
+  for (int l = 0; l < L64; l++) { lo0[l] = lo1[l] = INFINITY; hi0[l] = hi1[l] = -INFINITY; }
   int64_t i = 0, nz = 0;
-  for (; i + 16 <= n; i += 16) {
-    ahead(x + i);
-    f64x8 a, b;
-    __builtin_memcpy(&a, x + i, 64); __builtin_memcpy(&b, x + i + 8, 64);
+  for (; i + 2 * L64 <= n; i += 2 * L64) {
+    if ((i & 15) == 0) ahead(x + i);
+    f64v a, b;
+    __builtin_memcpy(&a, x + i, VBYTES); __builtin_memcpy(&b, x + i + L64, VBYTES);
     s0 += a; s1 += b; q0 += a * a; q1 += b * b;
     lo0 = a < lo0 ? a : lo0; lo1 = b < lo1 ? b : lo1;
     hi0 = a > hi0 ? a : hi0; hi1 = b > hi1 ? b : hi1;
-    c0 -= (i64x8)(a != 0); c1 -= (i64x8)(b != 0);
+    c0 -= (i64v)(a != 0); c1 -= (i64v)(b != 0);
   }
   double S = 0, Q = 0, mn = INFINITY, mx = -INFINITY;
-  for (int l = 0; l < 8; l++) {
+  for (int l = 0; l < L64; l++) {
     S += s0[l] + s1[l]; Q += q0[l] + q1[l]; nz += c0[l] + c1[l];
     double a = lo0[l] < lo1[l] ? lo0[l] : lo1[l], b = hi0[l] > hi1[l] ? hi0[l] : hi1[l];
     mn = a < mn ? a : mn; mx = b > mx ? b : mx;
@@ -56,41 +71,38 @@ static void moments_f64(const double* x, int64_t n, double* out) {
   out[0] = (double)n; out[1] = S; out[2] = Q; out[3] = mn; out[4] = mx; out[5] = (double)nz; out[6] = 0; out[7] = 0;
 }
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-
-/* 8 floats at p as doubles: one instruction with AVX-512 (compilers split the generic conversion into four) */
-#ifdef __AVX512F__
+/* L64 floats at p as doubles: one instruction with AVX-512 (compilers split the generic conversion into four) */
+#if defined(__AVX512F__)
 #include <immintrin.h>
-static inline f64x8 widen(const float* p) { return (f64x8)_mm512_cvtps_pd(_mm256_loadu_ps(p)); }
+static inline f64v widen(const float* p) { return (f64v)_mm512_cvtps_pd(_mm256_loadu_ps(p)); }
 #else
-static inline f64x8 widen(const float* p) { f32x8 h; __builtin_memcpy(&h, p, 32); return __builtin_convertvector(h, f64x8); }
+static inline f64v widen(const float* p) { f32h h; __builtin_memcpy(&h, p, VBYTES / 2); return __builtin_convertvector(h, f64v); }
 #endif
 
-/* float32: the same, with min, max and the non-zero count on 16 lanes at once and the sums on two halves of 8, in float64;
+/* float32: the same, with min, max and the non-zero count on L32 lanes at once and the sums on two halves, in float64;
    the int32 counts are emptied into nz every 2^30 iterations, before they could overflow */
 static void moments_f32(const float* x, int64_t n, double* out) {
-  f64x8 s0 = {0}, s1 = {0}, q0 = {0}, q1 = {0};
-  f32x16 lo, hi; i32x16 c = {0};
-  for (int l = 0; l < 16; l++) { lo[l] = INFINITY; hi[l] = -INFINITY; }
+  f64v s0 = {0}, s1 = {0}, q0 = {0}, q1 = {0};
+  f32v lo, hi; i32v c = {0};
+  for (int l = 0; l < L32; l++) { lo[l] = INFINITY; hi[l] = -INFINITY; }
   int64_t i = 0, nz = 0;
-  while (i + 16 <= n) {
-    int64_t stop = n - 16 < i + (int64_t(1) << 34) ? n - 16 : i + (int64_t(1) << 34);
-    for (; i <= stop; i += 16) {
-      ahead(x + i);
-      f32x16 a;
-      __builtin_memcpy(&a, x + i, 64);
-      f64x8 d0 = widen(x + i), d1 = widen(x + i + 8);
+  while (i + L32 <= n) {
+    int64_t stop = n - L32 < i + (int64_t(1) << 30) * L32 ? n - L32 : i + (int64_t(1) << 30) * L32;
+    for (; i <= stop; i += L32) {
+      if ((i & 15) == 0) ahead(x + i);
+      f32v a;
+      __builtin_memcpy(&a, x + i, VBYTES);
+      f64v d0 = widen(x + i), d1 = widen(x + i + L64);
       s0 += d0; s1 += d1; q0 += d0 * d0; q1 += d1 * d1;
       lo = a < lo ? a : lo; hi = a > hi ? a : hi;
-      c -= (i32x16)(a != 0);
+      c -= (i32v)(a != 0);
     }
-    for (int l = 0; l < 16; l++) nz += (int64_t)c[l];
+    for (int l = 0; l < L32; l++) nz += (int64_t)c[l];
     c = c - c;
   }
   double S = 0, Q = 0, mn = INFINITY, mx = -INFINITY;
-  for (int l = 0; l < 8; l++) { S += s0[l] + s1[l]; Q += q0[l] + q1[l]; }
-  for (int l = 0; l < 16; l++) { mn = lo[l] < mn ? lo[l] : mn; mx = hi[l] > mx ? hi[l] : mx; }
+  for (int l = 0; l < L64; l++) { S += s0[l] + s1[l]; Q += q0[l] + q1[l]; }
+  for (int l = 0; l < L32; l++) { mn = lo[l] < mn ? lo[l] : mn; mx = hi[l] > mx ? hi[l] : mx; }
   for (; i < n; i++) {
     double v = x[i];
     S += v; Q += v * v; mn = v < mn ? v : mn; mx = v > mx ? v : mx; nz += v != 0;
@@ -281,6 +293,7 @@ def use_openmp(on:bool=True)->bool:
 KINDS = {torch.float32: 0, torch.float64: 1}
 PER_THREAD = 2**16     # elements an OpenMP worker of torch's must have to be worth waking
 PER_STARTED = 2**20    # elements a thread started for the call must have (no OpenMP runtime)
+LARGE = 2**20          # elements from which a tensor's path is chosen by measuring (`large_native`)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 def _kind(t:torch.Tensor)->int:
@@ -293,8 +306,8 @@ def _threads(n:int, lib)->int:
     return max(1, min(torch.get_num_threads(), n // (PER_THREAD if lib.openmp else PER_STARTED)))
 
 def supports(t:torch.Tensor)->bool:
-    "Whether `moments` reads `t`: a plain dense float32/float64 CPU tensor with at least one element."
-    return _kind(t) >= 0 and t.numel() > 0
+    "Whether `moments` reads `t`: a plain dense float32/float64 CPU tensor with at least one element (a large one only where `large_native`)."
+    return _kind(t) >= 0 and 0 < (n := t.numel()) and (n < LARGE or large_native())
 
 def _dense(t:torch.Tensor)->torch.Tensor:
     "`t` if its memory holds exactly its elements, else a contiguous copy."
@@ -337,6 +350,53 @@ def moments(ts:list,             # tensors that `supports` accepts
     lib.torchember_moments1(t.data_ptr(), t.numel(), KINDS[t.dtype], out.data_ptr(), threads or _threads(t.numel(), lib))
     return out
 
+# %% ../nbs/00a_native.ipynb #db9ed1df
+def _torch_moments(t:torch.Tensor)->torch.Tensor:
+    "The moments of float CPU tensor `t` with torch's kernels (what the stats fall back to), for `measure_large`."
+    mn, mx = torch.aminmax(t)
+    z = t.new_zeros((), dtype=torch.float64)
+    return torch.stack([z + t.numel(), t.sum(dtype=torch.float64), torch.linalg.vector_norm(t, dtype=torch.float64).square(),
+                        mn.double(), mx.double(), torch.count_nonzero(t).double(), z, z])
+
+def measure_large(n:int=4*LARGE,   # elements of the float32 tensor timed
+                  reps:int=5,      # rounds; each times the three in turn
+                 )->dict:          # median ms of `native`, `torch` and `sum`
+    "Time the kernel, torch's kernels for the same moments and one `torch.sum` on a float32 tensor of `n` elements, on torch's threads."
+    x = torch.randn(n)
+    fns = dict(native=lambda: moments([x]), torch=lambda: _torch_moments(x), sum=lambda: x.sum())
+    times = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, f in fns.items():
+            t0 = time.perf_counter(); f(); times[k].append((time.perf_counter() - t0) * 1e3)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+_large = {}
+
+def _large_file(threads:int)->Path:
+    key = hashlib.sha256('\n'.join([SOURCE, cpu_id(), torch.__version__, str(threads)]).encode()).hexdigest()[:16]
+    return cache_dir()/f'large-{key}.json'
+
+def large_choice()->dict:
+    "The measurement behind `large_native` for torch's current thread count (`measure_large`'s dict), from the cache or measured now."
+    threads = torch.get_num_threads()
+    if threads in _large: return _large[threads]
+    f = _large_file(threads)
+    try: m = json.loads(f.read_text())
+    except (OSError, ValueError):
+        m = measure_large()
+        try:
+            f.parent.mkdir(parents=True, exist_ok=True)
+            tmp = f.with_suffix(f'.{os.getpid()}.tmp')
+            tmp.write_text(json.dumps(m)); os.replace(tmp, f)
+        except OSError: pass          # a cache folder that can't be written: measured again in the next process
+    _large[threads] = m
+    return m
+
+def large_native()->bool:
+    "Whether the kernel reads tensors of `LARGE` elements or more: it measured no slower than torch's kernels here."
+    m = _large.get(torch.get_num_threads()) or large_choice()
+    return m['native'] <= m['torch']
+
 # %% ../nbs/00a_native.ipynb #ff862ade
 class MomentRows:
     "A float64 `(n, 8)` CPU matrix of moments, one row added per `take` (grows as needed)."
@@ -353,7 +413,7 @@ class MomentRows:
     def take(self, t:torch.Tensor, most:int|None=None)->bool|None:
         "Write the moments of `t` into the next row if `supports(t)` (and it has at most `most` elements): whether its sum is finite; None if not taken."
         kind = _kind(t)
-        if kind < 0 or (n := t.numel()) == 0 or most is not None and n > most: return None
+        if kind < 0 or (n := t.numel()) == 0 or most is not None and n > most or n >= LARGE and not large_native(): return None
         i = self.n
         if i == self._cap: self._grow()
         if not t.is_contiguous(): t = _dense(t.detach())
