@@ -128,7 +128,7 @@ VIEWS = {
 class StoreError(Exception):
     "A store that cannot be used: not a database, a newer schema, not writable, or a run another live process records."
 
-_engines, _opened, _lock = {}, {}, threading.Lock()   # url -> engine; url -> (st_dev, st_ino) of the SQLite file it opened
+_engines, _opened, _lock = {}, {}, threading.Lock()   # url -> engine; url -> (path, (st_dev, st_ino)) of the SQLite file it opened
 
 def _sqlite_pragmas(dbapi_conn, _):
     "Every connection's settings; none writes the file (WAL is switched on by `_wal` once the file is known to be a store)."
@@ -182,10 +182,10 @@ def engine(db=None, create:bool=True)->sa.Engine:
     "The SQLAlchemy engine of store `db`, its schema created or checked; `create=False` refuses a SQLite file that doesn't exist."
     url = db_url(db)
     with _lock:
+        if url in _engines and (url not in _opened or _file_id(_opened[url][0]) == _opened[url][1]): return _engines[url]
         u = sa.make_url(url)
         sqlite, memory = u.get_backend_name() == 'sqlite', url == MEMORY
         path = u.database if sqlite and not memory else None
-        if url in _engines and (path is None or _file_id(path) == _opened[url]): return _engines[url]
         _engines.pop(url, None)    # a file deleted or replaced: its engine stays with whoever holds it, refusing to write
         if path:
             if not create and not Path(path).exists(): raise StoreError(f"there is no torchember store at {path!r}")
@@ -204,8 +204,8 @@ def engine(db=None, create:bool=True)->sa.Engine:
             eng.dispose()
             raise
         if path:
-            _opened[url] = _file_id(path)
-            event.listen(eng, 'begin', partial(_same_file, path, _opened[url]))
+            _opened[url] = path, _file_id(path)
+            event.listen(eng, 'begin', partial(_same_file, *_opened[url]))
         _engines[url] = eng
         return eng
 
@@ -346,7 +346,7 @@ def _torch_version():
 # %% ../nbs/02_store.ipynb #9a9ba6e1
 def claim(c, name:str, run_id:int, rank:int, joined:bool=True):
     "In transaction `c`, claim `rank` of run `run_id` (named `name`) for this process; a `StoreError` if another live process holds it."
-    if c.dialect.name == 'postgresql' and not _pg_lock(c.engine, run_id, rank) or joined and _held_elsewhere(c, run_id, rank):
+    if c.dialect.name == 'postgresql' and not _pg_claimed(c.engine, run_id, rank) or joined and _held_elsewhere(c, run_id, rank):
         h = c.execute(select(ranks_t.c.host, ranks_t.c.pid, ranks_t.c.joined).where(ranks_t.c.run_id == run_id, ranks_t.c.rank == rank)).first()
         since = time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(h.joined)) if h and h.joined else 'unknown'
         raise StoreError(f"run {name!r}, rank {rank}, is being recorded by another live process (pid {h and h.pid} on "
@@ -375,16 +375,26 @@ def _alive(pid:int, since:float=None)->bool:
     except (OSError, ValueError, IndexError, StopIteration): return True   # no /proc: trust the pid
     return since is None or started <= since + 2    # btime is whole seconds
 
+def _pg_claimed(eng, run_id:int, rank:int, tries:int=10)->bool:
+    "Whether this process got `(run_id, rank)`'s advisory lock, trying for a second: the session of a holder killed a moment ago may still be ending."
+    for _ in range(tries):
+        if _pg_lock(eng, run_id, rank): return True
+        time.sleep(0.1)
+    return False
+
 _claims = {}   # url -> the connection whose session holds this process's advisory locks (PostgreSQL)
 
 def _pg_lock(eng, run_id:int, rank:int)->bool:
     "Take the session advisory lock of `(run_id, rank)` on a connection held for the life of the process; whether it was free."
     url = eng.url.render_as_string(hide_password=False)
     with _lock:
-        if url not in _claims or _claims[url].closed:
-            _claims[url] = sa.create_engine(url, poolclass=sa.pool.NullPool, isolation_level='AUTOCOMMIT').connect()
         key = int.from_bytes(hashlib.blake2b(f'torchember run {run_id} rank {rank}'.encode(), digest_size=8).digest(), 'big', signed=True)
-        return bool(_claims[url].exec_driver_sql('SELECT pg_try_advisory_lock(%(k)s)', dict(k=key)).scalar())
+        for attempt in (0, 1):
+            if url not in _claims or _claims[url].closed or attempt:   # none yet, or the last one was lost (a server restart)
+                _claims[url] = sa.create_engine(url, poolclass=sa.pool.NullPool, isolation_level='AUTOCOMMIT').connect()
+            try: return bool(_claims[url].exec_driver_sql('SELECT pg_try_advisory_lock(%(k)s)', dict(k=key)).scalar())
+            except sa.exc.DBAPIError:
+                if attempt: raise
 
 # %% ../nbs/02_store.ipynb #a8b558f6
 _sql = {}
