@@ -286,12 +286,15 @@ def mt_log(self:torchEmber)->list:
     return self.sequence()
 
 # %% ../nbs/04_ember.ipynb #285b1d8a
+from .store import check_name
+
 @patch
 def log(self:torchEmber, **scalars):
     "Store `scalars` (numbers or 0-d tensors) with the current step (on a rank not recorded, nothing)."
     for k, v in scalars.items():
         if isinstance(v, torch.Tensor) and v.numel() != 1 or not isinstance(v, (int, float, torch.Tensor)) or isinstance(v, bool):
             raise TypeError(f"te.log takes numbers or one-element tensors, got {k}={type(v).__name__}")
+        check_name(k, 'te.log: scalar name')   # refused here: a name the store cannot hold would fail every step carrying it
     if not self.recording: return self
     step = max(self.capture.step, 0)
     for k, v in scalars.items(): self.recorder.scalar(step, k, v)

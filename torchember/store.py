@@ -6,7 +6,7 @@ Docs: https://torchember.github.io/torchember/store.html.md"""
 
 # %% ../nbs/02_store.ipynb #2645585c
 from __future__ import annotations
-import getpass, itertools, json, os, queue, socket, sqlite3, threading, time, warnings, atexit, weakref
+import getpass, hashlib, itertools, json, os, queue, socket, sqlite3, threading, time, warnings, atexit, weakref
 from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
@@ -16,24 +16,46 @@ from sqlalchemy import (BigInteger, Column, Float, ForeignKey, Integer, LargeBin
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 # %% auto #0
-__all__ = ['SCHEMA_VERSION', 'metadata', 'STAT_COLS', 'Str', 'Size', 'meta_t', 'runs_t', 'ranks_t', 'modules_t', 'steps_t',
-           'events_t', 'stats_t', 'calls_t', 'scalars_t', 'snapshots_t', 'VIEWS', 'ROWS_PER_INSERT', 'default_db',
-           'db_url', 'StoreError', 'engine', 'keyed_by_rank', 'create_run', 'write_step', 'idle_priority', 'Writer']
+__all__ = ['SCHEMA_VERSION', 'MEMORY', 'metadata', 'STAT_COLS', 'Str', 'Size', 'meta_t', 'runs_t', 'ranks_t', 'modules_t',
+           'steps_t', 'events_t', 'stats_t', 'calls_t', 'scalars_t', 'snapshots_t', 'VIEWS', 'ROWS_PER_INSERT',
+           'default_db', 'db_url', 'check_name', 'escaped', 'StoreError', 'engine', 'keyed_by_rank', 'create_run',
+           'claim', 'write_step', 'idle_priority', 'Writer']
 
 # %% ../nbs/02_store.ipynb #2b4773a6
 SCHEMA_VERSION = 2
+MEMORY = 'sqlite://'   # the in-memory store of the process, however it is spelled
 
 def default_db()->str:
     "The store used when none is given: `$TORCHEMBER_DB`, else `~/.torchember/torchember.db`."
     return os.environ.get('TORCHEMBER_DB') or str(Path.home()/'.torchember'/'torchember.db')
 
 def db_url(db=None)->str:
-    "A SQLAlchemy URL for `db`: a URL as is, a path as a SQLite file."
+    "A SQLAlchemy URL for `db`: a URL as is, a path as a SQLite file; `:memory:` and SQLite's in-memory URLs as `MEMORY`."
     db = str(db if db is not None else default_db())
-    if '://' in db: return db
+    if db == ':memory:': return MEMORY
+    if '://' in db:
+        try: u = sa.make_url(db)
+        except sa.exc.ArgumentError: return db    # `engine` says what is wrong with it
+        return MEMORY if u.get_backend_name() == 'sqlite' and u.database in (None, '', ':memory:') else db
     p = Path(db).expanduser()
     if p.is_dir(): raise IsADirectoryError(f"torchember store {str(p)!r} is a directory; give a file path such as {str(p/'torchember.db')!r}")
+    if not _utf8(str(p)): raise StoreError(f"torchember store path {str(p)!r} is not valid UTF-8, which SQLite needs; choose another name")
     return f"sqlite:///{p.absolute()}"
+
+def _utf8(s:str)->bool:
+    "Whether `s` can be stored as text: no lone surrogates (what `surrogateescape` makes of undecodable bytes, or `'\\ud800'`)."
+    try: s.encode('utf-8')
+    except UnicodeEncodeError: return False
+    return True
+
+def check_name(name:str, what:str)->str:
+    "`name`, or a `ValueError` that names `what` if no store can hold it."
+    if not _utf8(name): raise ValueError(f"{what} {name!r} cannot be stored: it is not valid UTF-8 (it holds a lone surrogate)")
+    return name
+
+def escaped(s):
+    "A string as it can be stored: lone surrogates written as `\\udxxx`; anything else as is."
+    return s.encode('utf-8', 'backslashreplace').decode('utf-8') if isinstance(s, str) and not _utf8(s) else s
 
 # %% ../nbs/02_store.ipynb #6a4bd03f
 metadata = MetaData()
@@ -104,47 +126,86 @@ VIEWS = {
 
 # %% ../nbs/02_store.ipynb #323e6639
 class StoreError(Exception):
-    "A store that cannot be used: not a database, a newer schema, or not writable."
+    "A store that cannot be used: not a database, a newer schema, not writable, or a run another live process records."
 
-_engines, _lock = {}, threading.Lock()
+_engines, _opened, _lock = {}, {}, threading.Lock()   # url -> engine; url -> (path, (st_dev, st_ino)) of the SQLite file it opened
 
 def _sqlite_pragmas(dbapi_conn, _):
+    "Every connection's settings; none writes the file (WAL is switched on by `_wal` once the file is known to be a store)."
     cur = dbapi_conn.cursor()
     cur.execute('PRAGMA busy_timeout=30000')
-    for i in range(300):   # switching a new file to WAL fails at once, without waiting, while another process switches it
-        try: cur.execute('PRAGMA journal_mode=WAL'); break
-        except sqlite3.OperationalError as e:
-            if 'locked' not in str(e) or i == 299: raise
-            time.sleep(0.01)
     cur.execute('PRAGMA synchronous=NORMAL')
     cur.close()
 
+def _wal(eng):
+    "Switch a store's file to the WAL journal (it stays so); retried, as SQLite refuses at once, without waiting, while another process switches it."
+    with eng.connect() as c:
+        for i in range(300):
+            try: return c.exec_driver_sql('PRAGMA journal_mode=WAL').scalar()
+            except sa.exc.OperationalError as e:
+                if 'locked' not in str(e.orig) or i == 299: raise
+                time.sleep(0.01)
+
+def _file_id(path)->tuple|None:
+    "`(st_dev, st_ino)` of `path`, None if there is no file."
+    try: st = os.stat(path)
+    except OSError: return None
+    return st.st_dev, st.st_ino
+
+def _same_file(path, fid, conn):
+    "Refuse a transaction on a store file deleted or replaced since the engine opened it: what it wrote would reach no file anyone reads."
+    if _file_id(path) != fid:
+        raise StoreError(f"torchember store {path!r} was deleted or replaced while this process had it open; what is recorded "
+                         "into it now is lost (a new torchEmber on that path starts a new store)")
+
+def _private_dirs(folder:Path):
+    "Create `folder` and its missing parents, each 0700 whatever the umask."
+    missing = [d for d in (folder, *folder.parents) if not d.exists()]
+    for d in reversed(missing):
+        d.mkdir(exist_ok=True)
+        os.chmod(d, 0o700)
+
 def _prepare_file(url:sa.URL):
-    "Create a SQLite file's directory (0700) and the file (0600)."
+    "Create a SQLite file's directory (0700, and so every missing parent) and the file (0600)."
     p = Path(url.database)
     try:
-        p.parent.mkdir(parents=True, mode=0o700, exist_ok=True)
+        _private_dirs(p.parent)
         if not p.exists(): os.close(os.open(p, os.O_CREAT | os.O_WRONLY, 0o600))
     except OSError as e: raise StoreError(f"cannot create torchember store {str(p)!r}: {e.strerror or e}") from None
+
+def _memory_engine()->sa.Engine:
+    "The in-memory store of this process: one connection, lent to one thread at a time (the writer's, a reader's)."
+    con = sqlite3.connect(':memory:', check_same_thread=False)
+    return sa.create_engine(MEMORY, creator=lambda: con, poolclass=sa.pool.QueuePool, pool_size=1, max_overflow=0)
 
 def engine(db=None, create:bool=True)->sa.Engine:
     "The SQLAlchemy engine of store `db`, its schema created or checked; `create=False` refuses a SQLite file that doesn't exist."
     url = db_url(db)
     with _lock:
-        if url in _engines: return _engines[url]
+        if url in _engines and (url not in _opened or _file_id(_opened[url][0]) == _opened[url][1]): return _engines[url]
         u = sa.make_url(url)
-        sqlite = u.get_backend_name() == 'sqlite'
-        if sqlite and u.database not in (None, '', ':memory:'):
-            if not create and not Path(u.database).exists(): raise StoreError(f"there is no torchember store at {u.database!r}")
+        sqlite, memory = u.get_backend_name() == 'sqlite', url == MEMORY
+        path = u.database if sqlite and not memory else None
+        _engines.pop(url, None)    # a file deleted or replaced: its engine stays with whoever holds it, refusing to write
+        if path:
+            if not create and not Path(path).exists(): raise StoreError(f"there is no torchember store at {path!r}")
             _prepare_file(u)
-        eng = sa.create_engine(url)
+        eng = _memory_engine() if memory else sa.create_engine(url)
         if sqlite: event.listen(eng, 'connect', _sqlite_pragmas)
-        try: _init_schema(eng)
+        try:
+            _init_schema(eng)
+            if path: _wal(eng)
         except sa.exc.DatabaseError as e:
             eng.dispose()
-            folder = Path(u.database or '.').parent
-            if sqlite and not create and Path(u.database).is_file() and not os.access(folder, os.W_OK): eng = _archive_engine(u)
+            folder = Path(path or '.').parent
+            if path and not create and Path(path).is_file() and not os.access(folder, os.W_OK): eng = _archive_engine(u)
             else: raise StoreError(f"{u.render_as_string(hide_password=True)} is not a usable torchember store: {e.orig}") from None
+        except StoreError:
+            eng.dispose()
+            raise
+        if path:
+            _opened[url] = path, _file_id(path)
+            event.listen(eng, 'begin', partial(_same_file, *_opened[url]))
         _engines[url] = eng
         return eng
 
@@ -164,11 +225,13 @@ def _init_schema(eng, tries:int=3):
     try:
         with eng.begin() as c:
             if c.dialect.name == 'postgresql': c.exec_driver_sql('SELECT pg_advisory_xact_lock(7461)')  # one creator at a time, till commit
-            tables = set(sa.inspect(c).get_table_names())
-            if tables and 'meta' not in tables:
+            insp = sa.inspect(c)
+            tables = set(insp.get_table_names())
+            ours = 'meta' in tables and {'key', 'value'} <= {col['name'] for col in insp.get_columns('meta')}
+            ver = _stored_version(c, eng) if ours else None    # refuses a newer or garbled store before touching it
+            if tables and ver is None:   # a store is made whole, version included, in one transaction: this is another's
                 raise StoreError(f"{eng.url.render_as_string(hide_password=True)} is a database but not a torchember store "
                                  f"(it has tables {', '.join(sorted(tables)[:5])}); choose another file")
-            ver = _stored_version(c, eng) if tables else None    # refuses a newer or garbled store before touching it
             metadata.create_all(c)
             if ver is not None and (_upgrade(c, eng) or ver < SCHEMA_VERSION):
                 for v in VIEWS: c.exec_driver_sql(f'DROP VIEW IF EXISTS {v}')
@@ -232,7 +295,9 @@ def _stored_version(c, eng)->int|None:
 # %% ../nbs/02_store.ipynb #cd2f66e7
 def create_run(eng, name:str, model:str, modules:list, tree:dict, config:dict=None, resume:bool=False,
                rank:int=0, world_size:int=1)->tuple:
-    "Create run `name`, join it as another `rank` of its world, or find it with `resume`; `modules` as `(name, mtype, parent[, n_params, n_learnable, param_bytes])`. Its id, and with `resume` the last step this rank closed."
+    "Create run `name`, join it as another `rank` of its world, or find it with `resume`; `modules` as `(name, mtype, parent[, n_params, n_learnable, param_bytes])`. Its id, and with `resume` the last step this rank closed. This process then holds the rank (see `claim`)."
+    check_name(name, 'run name')
+    model, modules = escaped(model), [(escaped(n), escaped(t), *rest) for n, t, *rest in modules]   # names the model gave
     for attempt in range(3):
         try: return _create_run(eng, name, model, modules, tree, config, resume, rank, world_size)
         except sa.exc.IntegrityError:   # another rank created the run (or claimed the rank) at the same moment
@@ -243,6 +308,8 @@ def create_run(eng, name:str, model:str, modules:list, tree:dict, config:dict=No
 
 def _create_run(eng, name, model, modules, tree, config, resume, rank, world_size):
     with eng.begin() as c:
+        if c.dialect.name == 'sqlite':   # take the write lock first: two processes that resume at once claim the rank in turn
+            c.execute(update(meta_t).where(meta_t.c.key == 'schema_version').values(value=meta_t.c.value))
         row = c.execute(select(runs_t.c.id, runs_t.c.world_size).where(runs_t.c.name == name)).first()
         if row is None:
             rid = c.execute(insert(runs_t).values(
@@ -251,7 +318,7 @@ def _create_run(eng, name, model, modules, tree, config, resume, rank, world_siz
             info = ('n_params', 'n_learnable', 'param_bytes')
             c.execute(insert(modules_t), [dict(run_id=rid, id=i, name=n, mtype=t, parent=p, **(dict.fromkeys(info) | dict(zip(info, rest))))
                                           for i, (n, t, p, *rest) in enumerate(modules)])
-            _join(c, rid, rank)
+            claim(c, name, rid, rank, joined=False)
             return rid, None
         joined = c.execute(select(ranks_t.c.rank).where(ranks_t.c.run_id == row.id, ranks_t.c.rank == rank)).first() is not None
         fellow = not joined and world_size > 1 and row.world_size == world_size
@@ -261,14 +328,10 @@ def _create_run(eng, name, model, modules, tree, config, resume, rank, world_siz
                            .order_by(modules_t.c.id)).all()
         if [tuple(r) for r in stored] != [tuple(m[:2]) for m in modules]:
             raise ValueError(f"run {name!r} was recorded from a model with other modules; {'resume' if resume else 'join'} it with the same model")
-        if not joined: _join(c, row.id, rank)
+        claim(c, name, row.id, rank, joined)
         if not resume: return row.id, None
         last = c.execute(select(func.max(steps_t.c.step)).where(steps_t.c.run_id == row.id, steps_t.c.rank == rank)).scalar()
         return row.id, last
-
-def _join(c, run_id:int, rank:int):
-    "Claim `rank` of run `run_id` for this process."
-    c.execute(insert(ranks_t).values(run_id=run_id, rank=rank, host=socket.gethostname(), pid=os.getpid(), joined=time.time()))
 
 def _user():
     try: return getpass.getuser()
@@ -279,6 +342,59 @@ def _torch_version():
         import torch
         return torch.__version__
     except ImportError: return None
+
+# %% ../nbs/02_store.ipynb #9a9ba6e1
+def claim(c, name:str, run_id:int, rank:int, joined:bool=True):
+    "In transaction `c`, claim `rank` of run `run_id` (named `name`) for this process; a `StoreError` if another live process holds it."
+    if c.dialect.name == 'postgresql' and not _pg_claimed(c.engine, run_id, rank) or joined and _held_elsewhere(c, run_id, rank):
+        h = c.execute(select(ranks_t.c.host, ranks_t.c.pid, ranks_t.c.joined).where(ranks_t.c.run_id == run_id, ranks_t.c.rank == rank)).first()
+        since = time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(h.joined)) if h and h.joined else 'unknown'
+        raise StoreError(f"run {name!r}, rank {rank}, is being recorded by another live process (pid {h and h.pid} on "
+                         f"host {h and h.host!r}, since {since}); wait for it to end (or stop it), or record under another run name")
+    me = dict(host=socket.gethostname(), pid=os.getpid(), joined=time.time())
+    if joined: c.execute(update(ranks_t).where(ranks_t.c.run_id == run_id, ranks_t.c.rank == rank).values(**me))
+    else: c.execute(insert(ranks_t).values(run_id=run_id, rank=rank, **me))
+
+def _held_elsewhere(c, run_id:int, rank:int)->bool:
+    "Whether the `ranks` row names another process of this host that still runs (SQLite's claim; see `claim`)."
+    if c.dialect.name != 'sqlite': return False
+    h = c.execute(select(ranks_t.c.host, ranks_t.c.pid, ranks_t.c.joined).where(ranks_t.c.run_id == run_id, ranks_t.c.rank == rank)).first()
+    return h is not None and h.host == socket.gethostname() and h.pid not in (None, os.getpid()) and _alive(h.pid, h.joined)
+
+def _alive(pid:int, since:float=None)->bool:
+    "Whether process `pid` runs and, where `/proc` tells, started no later than `since` (so is not a later process that reused the pid)."
+    try: os.kill(pid, 0)
+    except ProcessLookupError: return False
+    except PermissionError: pass          # another user's process: it exists
+    except OSError: return False
+    try:
+        fields = Path(f'/proc/{pid}/stat').read_text().rpartition(')')[2].split()
+        if fields[0] in ('Z', 'X'): return False    # exited, not yet reaped
+        boot = next(float(l.split()[1]) for l in Path('/proc/stat').read_text().splitlines() if l.startswith('btime'))
+        started = boot + int(fields[19]) / os.sysconf('SC_CLK_TCK')
+    except (OSError, ValueError, IndexError, StopIteration): return True   # no /proc: trust the pid
+    return since is None or started <= since + 2    # btime is whole seconds
+
+def _pg_claimed(eng, run_id:int, rank:int, tries:int=10)->bool:
+    "Whether this process got `(run_id, rank)`'s advisory lock, trying for a second: the session of a holder killed a moment ago may still be ending."
+    for _ in range(tries):
+        if _pg_lock(eng, run_id, rank): return True
+        time.sleep(0.1)
+    return False
+
+_claims = {}   # url -> the connection whose session holds this process's advisory locks (PostgreSQL)
+
+def _pg_lock(eng, run_id:int, rank:int)->bool:
+    "Take the session advisory lock of `(run_id, rank)` on a connection held for the life of the process; whether it was free."
+    url = eng.url.render_as_string(hide_password=False)
+    with _lock:
+        key = int.from_bytes(hashlib.blake2b(f'torchember run {run_id} rank {rank}'.encode(), digest_size=8).digest(), 'big', signed=True)
+        for attempt in (0, 1):
+            if url not in _claims or _claims[url].closed or attempt:   # none yet, or the last one was lost (a server restart)
+                _claims[url] = sa.create_engine(url, poolclass=sa.pool.NullPool, isolation_level='AUTOCOMMIT').connect()
+            try: return bool(_claims[url].exec_driver_sql('SELECT pg_try_advisory_lock(%(k)s)', dict(k=key)).scalar())
+            except sa.exc.DBAPIError:
+                if attempt: raise
 
 # %% ../nbs/02_store.ipynb #a8b558f6
 _sql = {}
@@ -329,13 +445,20 @@ def _executemany(c, table:Table, rows:list, replace:bool=False):
         while len(rows) - i > 1:
             n = next((n for n in sizes if len(rows) - i >= n), len(rows) - i)   # the largest that fits, else the rest
             if n > most or not (sql := _multi(c, table, replace, n)): break
-            c.exec_driver_sql(sql, tuple(itertools.chain.from_iterable(rows[i:i+n])))
+            _execute(c, sql, tuple(itertools.chain.from_iterable(rows[i:i+n])))
             i += n
         rows = rows[i:]
         if not rows: return
     sql, order = _compiled(c, (table.name, replace), partial(_insert, table, replace))
     names = [col.name for col in table.columns]
-    c.exec_driver_sql(sql, rows if order == names else [dict(zip(names, r)) for r in rows])
+    _execute(c, sql, rows if order == names else [dict(zip(names, r)) for r in rows])
+
+def _execute(c, sql:str, params):
+    "Run `sql` with `params`; a text SQLite or PostgreSQL cannot encode (a lone surrogate in a name the model or a stat function gave) is stored `escaped`, never failing the step."
+    try: c.exec_driver_sql(sql, params)
+    except UnicodeEncodeError:   # raised while binding, before the statement runs: the transaction goes on
+        esc = lambda row: {k: escaped(v) for k, v in row.items()} if isinstance(row, dict) else tuple(map(escaped, row))
+        c.exec_driver_sql(sql, [esc(r) for r in params] if isinstance(params, list) else esc(params))
 
 def write_step(eng, run_id:int, step:int, rows:list, events:list=(), closed:bool=True, events_step:int=None,
                training:bool=None, calls:list=(), scalars:dict=None, snapshots:list=(), rank:int=0):
