@@ -113,12 +113,41 @@ static void combine(double* into, const double* m) {
   into[3] = m[3] < into[3] ? m[3] : into[3]; into[4] = m[4] > into[4] ? m[4] : into[4]; into[5] += m[5];
 }
 
-static void span(void* const* ptrs, const int8_t* kinds, int64_t j, int64_t start, int64_t len, double* out) {
-  if (kinds[j] == 0) moments_f32((const float*)ptrs[j] + start, len, out);
-  else moments_f64((const double*)ptrs[j] + start, len, out);
+/* float16 to float32, exactly, in integer arithmetic (any compiler, any CPU): a normal number's exponent is rebased,
+   Inf and NaN keep an all-ones exponent, a subnormal is rebuilt as a normal float32 minus 2^-14 */
+static inline float f16(uint16_t h) {
+  uint32_t o = (uint32_t)(h & 0x7fff) << 13, e = o & 0x0f800000;
+  o += (uint32_t)(127 - 15) << 23;
+  if (e == 0x0f800000) o += (uint32_t)(128 - 16) << 23;
+  float f;
+  if (e == 0) { o += 1u << 23; __builtin_memcpy(&f, &o, 4); f -= 6.103515625e-05f; __builtin_memcpy(&o, &f, 4); }
+  o |= (uint32_t)(h & 0x8000) << 16;
+  __builtin_memcpy(&f, &o, 4);
+  return f;
 }
 
-/* The moments of k tensors (data pointers, element counts, dtypes: 0 float32, 1 float64) into out (k x 8),
+/* bfloat16 (kind 2) and float16 (kind 3): widened to float32 (exact) a block of 4096 at a time, in a buffer that stays
+   in L1, and each block measured as float32 */
+static void moments_half(const uint16_t* x, int64_t n, int8_t kind, double* out) {
+  float buf[4096];
+  double part[8];
+  out[0] = out[1] = out[2] = out[5] = out[6] = out[7] = 0; out[3] = INFINITY; out[4] = -INFINITY;
+  for (int64_t i = 0; i < n; i += 4096) {
+    int64_t m = n - i < 4096 ? n - i : 4096;
+    if (kind == 2) for (int64_t j = 0; j < m; j++) { uint32_t b = (uint32_t)x[i + j] << 16; __builtin_memcpy(buf + j, &b, 4); }
+    else for (int64_t j = 0; j < m; j++) buf[j] = f16(x[i + j]);
+    moments_f32(buf, m, part);
+    combine(out, part);
+  }
+}
+
+static void span(void* const* ptrs, const int8_t* kinds, int64_t j, int64_t start, int64_t len, double* out) {
+  if (kinds[j] == 0) moments_f32((const float*)ptrs[j] + start, len, out);
+  else if (kinds[j] == 1) moments_f64((const double*)ptrs[j] + start, len, out);
+  else moments_half((const uint16_t*)ptrs[j] + start, len, kinds[j], out);
+}
+
+/* The moments of k tensors (data pointers, element counts, dtypes: 0 float32, 1 float64, 2 bfloat16, 3 float16) into out (k x 8),
    their elements shared out in contiguous ranges among up to `threads` threads: torch's OpenMP team where the loader
    handed its runtime over, else threads started for the call, the caller's one of them. */
 extern "C" void torchember_moments(void* const* ptrs, const int64_t* ns, const int8_t* kinds, int64_t k,
@@ -220,9 +249,10 @@ def openmp_runtime()->ctypes.CDLL|None:
     if 'parallel backend: OpenMP' not in torch.__config__.parallel_info(): return None
     paths = []
     try:
-        for line in open('/proc/self/maps'):
-            parts = line.split(maxsplit=5)
-            if len(parts) == 6 and any(n in parts[5] for n in ('libgomp', 'libiomp', 'libomp')): paths.append(parts[5].strip())
+        with open('/proc/self/maps') as maps:
+            for line in maps:
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and any(n in parts[5] for n in ('libgomp', 'libiomp', 'libomp')): paths.append(parts[5].strip())
     except OSError: pass
     paths += [str(p) for p in sorted((Path(torch.__file__).parent/'lib').glob('lib*omp*'))]
     for p in dict.fromkeys(paths):
@@ -278,13 +308,13 @@ def use_openmp(on:bool=True)->bool:
     return lib.openmp
 
 # %% ../nbs/00a_native.ipynb #8d808dbc
-KINDS = {torch.float32: 0, torch.float64: 1}
+KINDS = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
 PER_THREAD = 2**16     # elements an OpenMP worker of torch's must have to be worth waking
 PER_STARTED = 2**20    # elements a thread started for the call must have (no OpenMP runtime)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 def _kind(t:torch.Tensor)->int:
-    "The kernel's code for `t`'s dtype if it reads `t` (a plain dense float32/float64 CPU tensor), else -1."
+    "The kernel's code for `t`'s dtype if it reads `t` (a plain dense float CPU tensor of a dtype of `KINDS`), else -1."
     if type(t) not in _PLAIN or not t.is_cpu or t.layout != torch.strided or t.is_nested or t.is_neg(): return -1
     return KINDS.get(t.dtype, -1)
 
@@ -293,7 +323,7 @@ def _threads(n:int, lib)->int:
     return max(1, min(torch.get_num_threads(), n // (PER_THREAD if lib.openmp else PER_STARTED)))
 
 def supports(t:torch.Tensor)->bool:
-    "Whether `moments` reads `t`: a plain dense float32/float64 CPU tensor with at least one element."
+    "Whether `moments` reads `t`: a plain dense CPU tensor of a dtype of `KINDS` with at least one element."
     return _kind(t) >= 0 and t.numel() > 0
 
 def _dense(t:torch.Tensor)->torch.Tensor:
