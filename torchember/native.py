@@ -13,8 +13,8 @@ import torch
 
 # %% auto #0
 __all__ = ['SOURCE', 'FLAGS', 'KINDS', 'PER_THREAD', 'PER_STARTED', 'LARGE', 'compiler', 'cache_dir', 'cpu_id', 'build',
-           'openmp_runtime', 'library', 'use_openmp', 'supports', 'Batch', 'moments', 'measure_large', 'large_choice',
-           'large_native', 'MomentRows']
+           'openmp_runtime', 'library', 'use_openmp', 'supports', 'Batch', 'moments', 'torch_moments', 'measure_large',
+           'large_choice', 'large_native', 'MomentRows']
 
 # %% ../nbs/00a_native.ipynb #d6fadc1c
 SOURCE = r'''#include <stdint.h>
@@ -125,12 +125,41 @@ static void combine(double* into, const double* m) {
   into[3] = m[3] < into[3] ? m[3] : into[3]; into[4] = m[4] > into[4] ? m[4] : into[4]; into[5] += m[5];
 }
 
-static void span(void* const* ptrs, const int8_t* kinds, int64_t j, int64_t start, int64_t len, double* out) {
-  if (kinds[j] == 0) moments_f32((const float*)ptrs[j] + start, len, out);
-  else moments_f64((const double*)ptrs[j] + start, len, out);
+/* float16 to float32, exactly, in integer arithmetic (any compiler, any CPU): a normal number's exponent is rebased,
+   Inf and NaN keep an all-ones exponent, a subnormal is rebuilt as a normal float32 minus 2^-14 */
+static inline float f16(uint16_t h) {
+  uint32_t o = (uint32_t)(h & 0x7fff) << 13, e = o & 0x0f800000;
+  o += (uint32_t)(127 - 15) << 23;
+  if (e == 0x0f800000) o += (uint32_t)(128 - 16) << 23;
+  float f;
+  if (e == 0) { o += 1u << 23; __builtin_memcpy(&f, &o, 4); f -= 6.103515625e-05f; __builtin_memcpy(&o, &f, 4); }
+  o |= (uint32_t)(h & 0x8000) << 16;
+  __builtin_memcpy(&f, &o, 4);
+  return f;
 }
 
-/* The moments of k tensors (data pointers, element counts, dtypes: 0 float32, 1 float64) into out (k x 8),
+/* bfloat16 (kind 2) and float16 (kind 3): widened to float32 (exact) a block of 4096 at a time, in a buffer that stays
+   in L1, and each block measured as float32 */
+static void moments_half(const uint16_t* x, int64_t n, int8_t kind, double* out) {
+  float buf[4096];
+  double part[8];
+  out[0] = out[1] = out[2] = out[5] = out[6] = out[7] = 0; out[3] = INFINITY; out[4] = -INFINITY;
+  for (int64_t i = 0; i < n; i += 4096) {
+    int64_t m = n - i < 4096 ? n - i : 4096;
+    if (kind == 2) for (int64_t j = 0; j < m; j++) { uint32_t b = (uint32_t)x[i + j] << 16; __builtin_memcpy(buf + j, &b, 4); }
+    else for (int64_t j = 0; j < m; j++) buf[j] = f16(x[i + j]);
+    moments_f32(buf, m, part);
+    combine(out, part);
+  }
+}
+
+static void span(void* const* ptrs, const int8_t* kinds, int64_t j, int64_t start, int64_t len, double* out) {
+  if (kinds[j] == 0) moments_f32((const float*)ptrs[j] + start, len, out);
+  else if (kinds[j] == 1) moments_f64((const double*)ptrs[j] + start, len, out);
+  else moments_half((const uint16_t*)ptrs[j] + start, len, kinds[j], out);
+}
+
+/* The moments of k tensors (data pointers, element counts, dtypes: 0 float32, 1 float64, 2 bfloat16, 3 float16) into out (k x 8),
    their elements shared out in contiguous ranges among up to `threads` threads: torch's OpenMP team where the loader
    handed its runtime over, else threads started for the call, the caller's one of them. */
 extern "C" void torchember_moments(void* const* ptrs, const int64_t* ns, const int8_t* kinds, int64_t k,
@@ -232,9 +261,10 @@ def openmp_runtime()->ctypes.CDLL|None:
     if 'parallel backend: OpenMP' not in torch.__config__.parallel_info(): return None
     paths = []
     try:
-        for line in open('/proc/self/maps'):
-            parts = line.split(maxsplit=5)
-            if len(parts) == 6 and any(n in parts[5] for n in ('libgomp', 'libiomp', 'libomp')): paths.append(parts[5].strip())
+        with open('/proc/self/maps') as maps:
+            for line in maps:
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and any(n in parts[5] for n in ('libgomp', 'libiomp', 'libomp')): paths.append(parts[5].strip())
     except OSError: pass
     paths += [str(p) for p in sorted((Path(torch.__file__).parent/'lib').glob('lib*omp*'))]
     for p in dict.fromkeys(paths):
@@ -290,14 +320,14 @@ def use_openmp(on:bool=True)->bool:
     return lib.openmp
 
 # %% ../nbs/00a_native.ipynb #8d808dbc
-KINDS = {torch.float32: 0, torch.float64: 1}
+KINDS = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
 PER_THREAD = 2**16     # elements an OpenMP worker of torch's must have to be worth waking
 PER_STARTED = 2**20    # elements a thread started for the call must have (no OpenMP runtime)
 LARGE = 2**20          # elements from which a tensor's path is chosen by measuring (`large_native`)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 def _kind(t:torch.Tensor)->int:
-    "The kernel's code for `t`'s dtype if it reads `t` (a plain dense float32/float64 CPU tensor), else -1."
+    "The kernel's code for `t`'s dtype if it reads `t` (a plain dense float CPU tensor of a dtype of `KINDS`), else -1."
     if type(t) not in _PLAIN or not t.is_cpu or t.layout != torch.strided or t.is_nested or t.is_neg(): return -1
     return KINDS.get(t.dtype, -1)
 
@@ -306,7 +336,7 @@ def _threads(n:int, lib)->int:
     return max(1, min(torch.get_num_threads(), n // (PER_THREAD if lib.openmp else PER_STARTED)))
 
 def supports(t:torch.Tensor)->bool:
-    "Whether `moments` reads `t`: a plain dense float32/float64 CPU tensor with at least one element (a large one only where `large_native`)."
+    "Whether `moments` reads `t`: a plain dense CPU tensor of a dtype of `KINDS` with at least one element (a large one only where `large_native`)."
     return _kind(t) >= 0 and 0 < (n := t.numel()) and (n < LARGE or large_native())
 
 def _dense(t:torch.Tensor)->torch.Tensor:
@@ -351,8 +381,8 @@ def moments(ts:list,             # tensors that `supports` accepts
     return out
 
 # %% ../nbs/00a_native.ipynb #db9ed1df
-def _torch_moments(t:torch.Tensor)->torch.Tensor:
-    "The moments of float CPU tensor `t` with torch's fastest kernels (sums in `t`'s dtype: a float64 `sum` of float32 converts first, 30× slower), for `measure_large`."
+def torch_moments(t:torch.Tensor)->torch.Tensor:
+    "The 8 moments of float CPU tensor `t` (float32 or float64) with torch's fastest kernels, NaN and Inf not counted: what stats use where the kernel is not (sums in `t`'s dtype: a float64 `sum` of float32 converts first, ~30× slower)."
     mn, mx = torch.aminmax(t)
     z = t.new_zeros((), dtype=torch.float64)
     return torch.stack([z + t.numel(), t.sum().double(), torch.linalg.vector_norm(t).double().square(),
@@ -363,7 +393,7 @@ def measure_large(n:int=4*LARGE,   # elements of the float32 tensor timed
                  )->dict:          # median ms of `native`, `torch` and `sum`
     "Time the kernel, torch's kernels for the same moments and one `torch.sum` on a float32 tensor of `n` elements, on torch's threads."
     x = torch.randn(n)
-    fns = dict(native=lambda: moments([x]), torch=lambda: _torch_moments(x), sum=lambda: x.sum())
+    fns = dict(native=lambda: moments([x]), torch=lambda: torch_moments(x), sum=lambda: x.sum())
     times = {k: [] for k in fns}
     for _ in range(reps):
         for k, f in fns.items():

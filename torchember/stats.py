@@ -6,7 +6,7 @@ Docs: https://torchember.github.io/torchember/stats.html.md"""
 
 # %% ../nbs/01_stats.ipynb #57cf6cb2
 from __future__ import annotations
-import json, math, os, warnings, weakref
+import json, math, os, time, warnings, weakref
 from functools import partial
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -17,9 +17,9 @@ from .core import elapsed_ms
 from . import native
 
 # %% auto #0
-__all__ = ['MOMENTS', 'STATS', 'F64', 'FLOATS', 'SMALL', 'ROW_FIELDS', 'TTYPES', 'as_real', 'moments', 'stats_of_moments',
-           'native_moments', 'fused_moments', 'default_stats', 'check_stats', 'StepRecord', 'Recorder', 'dtype_name',
-           'shape_of']
+__all__ = ['MOMENTS', 'STATS', 'F64', 'SMALL', 'FLOATS', 'SLOW_COMPILE_S', 'VECTOR_MAX', 'ROW_FIELDS', 'TTYPES', 'SLOW_FRACTION',
+           'SLOW_S', 'as_real', 'moments', 'stats_of_moments', 'native_moments', 'fused_moments', 'default_stats',
+           'check_stats', 'StepRecord', 'Recorder', 'dtype_name', 'shape_of']
 
 # %% ../nbs/01_stats.ipynb #676c44cd
 MOMENTS = ('n', 'sum', 'sumsq', 'min', 'max', 'nonzero', 'nan', 'inf')
@@ -36,7 +36,8 @@ def as_real(t:torch.Tensor)->torch.Tensor:
 def _eager_rows(x:torch.Tensor, counts:bool)->torch.Tensor:
     "The `MOMENTS` of each row of `x` with eager kernels; NaN and Inf counts are zeros unless `counts`."
     k, n = x.shape
-    cols = [x.new_full((k,), n, dtype=torch.float64), x.sum(1, dtype=torch.float64), (x*x).sum(1, dtype=torch.float64), x.amin(1), x.amax(1)]
+    d = x if x.dtype == torch.float64 else x.to(torch.float64)   # squares of half-precision values in float64, exact
+    cols = [x.new_full((k,), n, dtype=torch.float64), d.sum(1), (d*d).sum(1), x.amin(1), x.amax(1)]
     if counts: cols += [(x != 0).sum(1), x.isnan().sum(1), x.isinf().sum(1)]
     else: cols += [x.sign().abs().sum(1, dtype=torch.float64), x.new_zeros(k, dtype=torch.float64), x.new_zeros(k, dtype=torch.float64)]
     return torch.stack(cols, 1).to(torch.float64)
@@ -50,7 +51,7 @@ def moments(x:torch.Tensor)->torch.Tensor:
     cpu = x.device.type == 'cpu'
     if k == 1 and n > 1: m = _kernel('flat', cpu)(x[0])[None]
     elif n == 1 or x.dtype not in FLOATS: m = _eager_rows(x, not cpu)
-    else: m = _kernel('rows', cpu)(x)   # k, n >= 2: one compiled graph serves every size
+    else: m = _kernel('rows', cpu)(x)   # k, n >= 2: on an accelerator, one compiled graph serves every size
     if cpu and not math.isfinite(m[:, 1].sum()): m = _eager_rows(x, True)   # NaN or Inf to count
     return m
 
@@ -67,52 +68,68 @@ def stats_of_moments(m:torch.Tensor)->torch.Tensor:
 # %% ../nbs/01_stats.ipynb #1fbe18f7
 F64 = torch.float64
 
-def _flat8(x, counts:bool=False):
-    "The 8 `MOMENTS` of 1-d `x`, all in one graph; NaN and Inf counts are zeros unless `counts`."
+def _flat8(x):
+    "The 8 `MOMENTS` of 1-d `x`, NaN and Inf counted, all in one graph."
     d = x.to(F64)    # sums in float64; min and max in x's own dtype (exact, and 2-3x faster)
     z = d.new_zeros(())
-    nan, inf = (x.isnan().sum().to(F64), x.isinf().sum().to(F64)) if counts else (z, z)
-    return torch.stack([z + x.shape[0], d.sum(), (d*d).sum(), x.amin().to(F64), x.amax().to(F64), (x != 0).sum().to(F64), nan, inf])
+    return torch.stack([z + x.shape[0], d.sum(), (d*d).sum(), x.amin().to(F64), x.amax().to(F64), (x != 0).sum().to(F64),
+                        x.isnan().sum().to(F64), x.isinf().sum().to(F64)])
+
+SMALL = 2**16   # elements up to which a tensor is small: copied and stacked with others of its size, summed in float64
 
 def _eager8(x):
+    "The 8 `MOMENTS` of 1-d `x` with eager kernels, NaN and Inf counts zeros (a CPU counts them only where the sum is not finite)."
+    if x.numel() > SMALL:   # sums in float32 (torch's cascade sums): a float64 sum of float32 converts it first, ~30x slower
+        return native.torch_moments(x if x.dtype in (torch.float32, torch.float64) else x.float())
+    if x.dtype not in (torch.float32, torch.float64): x = x.to(F64)   # squares of half-precision values, exact
     mn, mx = torch.aminmax(x)
     z = x.new_zeros((), dtype=F64)
     return torch.stack([z + x.numel(), x.sum(dtype=F64), torch.linalg.vector_norm(x, dtype=F64).square(),
                         mn.double(), mx.double(), torch.count_nonzero(x).double(), z, z])
 
-def _rows8(x, counts:bool=False):
-    "The `MOMENTS` of each row of 2-d `x`, all in one graph; NaN and Inf counts are zeros unless `counts`."
+def _rows8(x):
+    "The `MOMENTS` of each row of 2-d `x`, NaN and Inf counted, all in one graph."
     d = x.to(F64)
     z = d.new_zeros(x.shape[0])
-    nan, inf = (x.isnan().sum(1).to(F64), x.isinf().sum(1).to(F64)) if counts else (z, z)
     return torch.stack([z + x.shape[1], d.sum(1), (d*d).sum(1), x.amin(1).to(F64), x.amax(1).to(F64),
-                        (x != 0).sum(1).to(F64), nan, inf], 1)
+                        (x != 0).sum(1).to(F64), x.isnan().sum(1).to(F64), x.isinf().sum(1).to(F64)], 1)
 
-def _flat8c(x): return _flat8(x, counts=True)
-def _rows8c(x): return _rows8(x, counts=True)
-
-# On a CPU, NaN and Inf are counted only when the sum shows there are some: two fewer reductions in the common case
-_KERNELS = {('flat', True): (_flat8, _eager8), ('flat', False): (_flat8c, _flat8c),
-            ('rows', True): (_rows8, partial(_eager_rows, counts=False)), ('rows', False): (_rows8c, partial(_eager_rows, counts=True))}
-_compiled = {}
+# kind -> (fused graph for an accelerator, its eager stand-in, the CPU's eager kernel: NaN and Inf not counted)
+_KERNELS = {'flat': (_flat8, _flat8, _eager8), 'rows': (_rows8, partial(_eager_rows, counts=True), partial(_eager_rows, counts=False))}
+_compiled, _COMPILE = {}, {}   # kernels compiled so far; what stopped compiling ('failed') or was said ('slow')
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+SLOW_COMPILE_S = 5.0           # a first compile longer than this is said in a warning
 
 def _kernel(kind:str, cpu:bool):
-    "The moments function of `kind` ('flat' or 'rows') for a CPU or accelerator tensor: compiled, or eager if compiling is off or failed."
-    fn, eager = _KERNELS[kind, cpu]
-    if os.environ.get('TORCHEMBER_COMPILE', '1') == '0': return eager
-    if (kind, cpu) not in _compiled: _compiled[kind, cpu] = _guarded(torch.compile(fn, dynamic=True), eager)
-    return _compiled[kind, cpu]
+    "The moments function of `kind` ('flat' or 'rows'): eager on a CPU; on an accelerator compiled on first use, eager where compiling is off or failed."
+    fused, eager, on_cpu = _KERNELS[kind]
+    if cpu: return on_cpu
+    if 'failed' in _COMPILE or os.environ.get('TORCHEMBER_COMPILE', '1') == '0': return eager
+    if kind not in _compiled:
+        try: _compiled[kind] = _guarded(torch.compile(fused, dynamic=True), eager)
+        except Exception as e: return _no_compile(e, eager)
+    return _compiled[kind]
+
+def _no_compile(e:Exception, eager):
+    "Stop compiling for the process, saying so once; `eager`."
+    if 'failed' not in _COMPILE:
+        _COMPILE['failed'] = e
+        warnings.warn(f"torchember: compiling the fused stats kernels failed ({type(e).__name__}: {e}); eager kernels "
+                      "compute the stats from now on (the same numbers; slower on large tensors)")
+    return eager
 
 def _guarded(compiled, eager):
-    "Call `compiled`; if compiling fails, warn once and use `eager` from then on."
+    "Call `compiled` (its first call compiles it: said if slow); if it raises, warn once and use `eager` from then on."
     def f(x):
-        try: return compiled(x)
-        except Exception as e:
-            if os.environ.get('TORCHEMBER_COMPILE') != '0':
-                warnings.warn(f"torchember: compiling the fused stats kernel failed ({type(e).__name__}: {e}); using eager kernels")
-                os.environ['TORCHEMBER_COMPILE'] = '0'
-            return eager(x)
+        if 'failed' in _COMPILE: return eager(x)
+        t0 = time.perf_counter()
+        try: m = compiled(x)
+        except Exception as e: return _no_compile(e, eager)(x)
+        if 'slow' not in _COMPILE and (s := time.perf_counter() - t0) > SLOW_COMPILE_S:
+            _COMPILE['slow'] = s
+            warnings.warn(f"torchember: compiling a fused stats kernel took {s:.1f} s (once per process); "
+                          "TORCHEMBER_COMPILE=0 uses eager kernels instead")
+        return m
     return f
 
 def _flat(t:torch.Tensor)->torch.Tensor:
@@ -126,7 +143,7 @@ def _native(t:torch.Tensor)->bool:
 
 def _counted(t:torch.Tensor)->torch.Tensor:
     "The 8 `MOMENTS` of float `t` with NaN and Inf counted (and a NaN min or max): for a tensor whose sum is not finite."
-    return _kernel('flat', False)(_flat(t.detach()))
+    return _flat8(_flat(t.detach()))
 
 def native_moments(ts:list, batch=None)->torch.Tensor:
     "The `MOMENTS` of CPU tensors `ts` (see `native.supports`) as `(len(ts), 8)` float64, NaN and Inf counted where a sum isn't finite."
@@ -145,8 +162,6 @@ def fused_moments(t:torch.Tensor)->torch.Tensor:
     return m
 
 # %% ../nbs/01_stats.ipynb #0de888e0
-SMALL = 2**16
-
 def default_stats(t:torch.Tensor)->dict:
     "The default `STATS` of `t` as 0-d tensors on its device: numel, mean, std, min, max, norm, zero_frac, nan and inf counts."
     if t.device.type == 'meta': return {'numel': t.numel()}
@@ -155,8 +170,13 @@ def default_stats(t:torch.Tensor)->dict:
         return dict(zip(STATS, stats_of_moments(m[None])[0].unbind()))
 
 # %% ../nbs/01_stats.ipynb #61084eac
+VECTOR_MAX = 4096    # values one stat may hold (a histogram, quantiles); a longer one is refused
+
+def _too_long(fn_name:str, k:str, n:int)->ValueError:
+    return ValueError(f"{fn_name}: stat {k!r} has {n} values, over the bound of {VECTOR_MAX} (torchember.stats.VECTOR_MAX); not stored")
+
 def check_stats(d, fn_name:str='stat function')->dict:
-    "Validate a stat function's result: a dict of str -> number, 0-d tensor, 1-d tensor or list of numbers."
+    "Validate a stat function's result: a dict of str -> number, 0-d tensor, or 1-d tensor or list of at most `VECTOR_MAX` numbers."
     if not isinstance(d, dict): raise TypeError(f"{fn_name} must return a dict of name -> value, got {type(d).__name__}")
     out = {}
     for k, v in d.items():
@@ -165,8 +185,10 @@ def check_stats(d, fn_name:str='stat function')->dict:
             if v.layout != torch.strided or v.is_nested or v.device.type == 'meta':
                 raise TypeError(f"{fn_name}: stat {k!r} must be a dense tensor with values, got a {v.layout} tensor on {v.device}")
             if v.dim() > 1: raise TypeError(f"{fn_name}: stat {k!r} must be 0-d or 1-d, got shape {tuple(v.shape)}")
+            if v.numel() > VECTOR_MAX: raise _too_long(fn_name, k, v.numel())
             v = v.detach()
         elif isinstance(v, (list, tuple)):
+            if len(v) > VECTOR_MAX: raise _too_long(fn_name, k, len(v))
             if not all(isinstance(i, (int, float, bool)) for i in v): raise TypeError(f"{fn_name}: stat {k!r} must be a list of numbers")
             v = [float(i) for i in v]
         elif isinstance(v, (int, float, bool)) or v is None: v = None if v is None else float(v)
@@ -284,8 +306,9 @@ class Recorder:
         self._groups, self._pieces, self._nm, self._seen, self._xvals, self._weights = {}, [], 0, {}, [], None
         self._direct, self._direct_rows = None, []   # CPU tensors measured at once (`_now`)
         self._nat = native.library() is not None     # looked up once a step
+        self._spent, self._t0 = {}, time.perf_counter()   # seconds per custom stat function, in a step that began at `_t0`
 
-_STEP_STATE = ('rec', '_groups', '_pieces', '_nm', '_seen', '_xvals', '_weights', '_direct', '_direct_rows', '_nat')
+_STEP_STATE = ('rec', '_groups', '_pieces', '_nm', '_seen', '_xvals', '_weights', '_direct', '_direct_rows', '_nat', '_spent', '_t0')
 
 # %% ../nbs/01_stats.ipynb #a3561aa6
 _DTYPES = {}
@@ -387,6 +410,29 @@ def _custom(self, fn, t, mi, ttype, tname):
     self.rec.extras.append(d)
     return len(self.rec.extras) - 1
 
+# %% ../nbs/01_stats.ipynb #ee492e67
+SLOW_FRACTION, SLOW_S = 0.5, 0.1
+
+_untimed_custom = Recorder._custom
+
+@patch_to(Recorder)
+def _custom(self, fn, t, mi, ttype, tname):
+    "`_untimed_custom`, its time added to `fn`'s seconds in the step."
+    t0 = time.perf_counter()
+    try: return _untimed_custom(self, fn, t, mi, ttype, tname)
+    finally: self._spent[fn] = self._spent.get(fn, 0.) + time.perf_counter() - t0
+
+@patch_to(Recorder)
+def _name_slow(self):
+    "Warn, once per function, of a custom stat function that took most of the step now closing."
+    if not self._spent: return
+    wall = time.perf_counter() - self._t0
+    for fn, s in self._spent.items():
+        if s > SLOW_S and s > SLOW_FRACTION * wall:
+            name = getattr(fn, '__name__', repr(fn))
+            self._warn(('slow', name), f"stat function {name!r} took {s:.2f} s of a {wall:.2f} s step ({s/wall:.0%} of it); "
+                                       "give it fewer tensors (`how_record_*`), sample, or record fewer steps (`every=`)")
+
 # %% ../nbs/01_stats.ipynb #5797d0eb
 @patch_to(Recorder)
 @contextmanager
@@ -400,11 +446,25 @@ def _late(self, step:int):
         if keep: vars(self).update(keep)
 
 @patch_to(Recorder)
+def _failed(self, what:str, e:Exception):
+    "A part of recording failed: raise `e` with `strict`, else warn once per part (its stats are left empty)."
+    if self.strict: raise e
+    self._warn(('failed', what), f"{what} failed ({type(e).__name__}: {e}); those stats are left empty, training goes on")
+
+@patch_to(Recorder)
 def params(self, step, ttype, items):
-    "Record a batch of `(mi, tname, tensor)` weights or grads for `step`."
+    "Record a batch of `(mi, tname, tensor)` weights or grads for `step` (nothing raises out of it but with `strict`)."
     if self.rec is None or self.rec.step != step:
         with self._late(step): return self.params(step, ttype, items)
-    more = self.param_extras(ttype, items) if self.param_extras is not None else None
+    try: self._params(ttype, items)
+    except Exception as e: self._failed(f"recording the {ttype}s", e)
+
+@patch_to(Recorder)
+def _params(self, ttype, items):
+    try: more = self.param_extras(ttype, items) if self.param_extras is not None else None
+    except Exception as e:
+        self._failed("the extra stats of weights and grads", e)
+        more = None
     keys = self.rec.keys
     planned = self.stat_fns[ttype] is default_stats and more is None and self.on_tensor is None
     if planned and ttype == 'weight':
@@ -447,7 +507,11 @@ def _reduce_groups(self):
     "Reduce the pending small tensors, stacked by size, and add the rows measured at once."
     for rows_snaps in self._groups.values():
         rows = [r for r, _ in rows_snaps]
-        self._pieces.append((rows, moments(torch.stack([s for _, s in rows_snaps]).reshape(len(rows), -1))))
+        try: m = moments(torch.stack([s for _, s in rows_snaps]).reshape(len(rows), -1))
+        except Exception as e:
+            self._failed("measuring small tensors", e)
+            m = _unmeasured(None).expand(len(rows), 8)
+        self._pieces.append((rows, m))
     self._groups = {}
     if self._direct is not None:
         self._pieces.append((self._direct_rows, self._direct.matrix()))
@@ -471,15 +535,19 @@ _PLANS = {}
 
 @patch_to(Recorder)
 def _planned(self, batches):
-    "Record `(ttype, [(mi, tname, tensor)])` batches with default stats, by a cached `_plan` of them together."
+    "Record `(ttype, [(mi, tname, tensor)])` batches with default stats, by a cached `_plan` of them together (one by one where planning fails)."
     lib = native.library()
     nat = lib is not None
-    sig = (nat and lib.openmp, nat, torch.get_num_threads(),
-           *[(ttype, *[(mi, tname, type(t), t.dtype, t.shape, t.device) for mi, tname, t in items]) for ttype, items in batches])
-    plan = _PLANS.get(sig)
-    if plan is None:
-        if len(_PLANS) > 64: _PLANS.clear()
-        plan = _PLANS[sig] = _plan(batches, nat)
+    try:
+        sig = (nat and lib.openmp, nat, torch.get_num_threads(),
+               *[(ttype, *[(mi, tname, type(t), t.dtype, t.shape, t.device) for mi, tname, t in items]) for ttype, items in batches])
+        plan = _PLANS.get(sig)
+        if plan is None:
+            if len(_PLANS) > 64: _PLANS.clear()
+            plan = _PLANS[sig] = _plan(batches, nat)
+    except Exception as e:
+        self._failed("planning the weights and grads", e)
+        return self._one_by_one(batches)
     metas, natives, batch, groups, large, other = plan
     base = self._nm
     self._nm += len(metas)
@@ -488,14 +556,23 @@ def _planned(self, batches):
     with torch.no_grad():
         if natives:     # all of them in one call, shared out over torch's threads
             try: self._pieces.append(([base + j for j in natives], native_moments([ts[j] for j in natives], batch)))
-            except Exception: large = large + natives
+            except Exception as e:
+                self._failed("the native kernel", e)
+                large = large + natives
         for idx in groups:
-            try: x = torch.stack([ts[j] for j in idx]).reshape(len(idx), -1)
+            try: self._pieces.append(([base + j for j in idx], moments(torch.stack([ts[j] for j in idx]).reshape(len(idx), -1))))
             except Exception:            # measure them one by one, each with its own error handling
                 for j in idx: self._default(ts[j], copy=False, where=metas[j][:3], row=base + j)
-            else: self._pieces.append(([base + j for j in idx], moments(x)))
         for j in large + other: self._default(ts[j], copy=False, where=metas[j][:3], row=base + j)
     if self._groups: self._reduce_groups()
+
+@patch_to(Recorder)
+def _one_by_one(self, batches):
+    "Record `(ttype, [(mi, tname, tensor)])` batches with default stats, tensor by tensor, each with its own error handling."
+    for ttype, items in batches:
+        for mi, tname, t in items:
+            self.rec.keys.append((mi, 0, ttype, tname, shape_of(t), dtype_name(t), self._default(t, copy=False, where=(mi, ttype, tname)), -1))
+    self._reduce_groups()
 
 @patch_to(Recorder)
 def read_weights(self):
@@ -517,6 +594,7 @@ def _plain(m:torch.Tensor)->torch.Tensor:
 def _to_host(ts:list):
     "Concatenate float64 tensors and copy them to the host without blocking; the result and an event (or None)."
     if not ts: return None, None
+    if len({t.device for t in ts}) > 1: ts = [t.cpu() for t in ts]   # e.g. custom stats on two devices
     x = torch.cat(ts)
     if x.device.type == 'cpu': return x, None
     out = x.to('cpu', non_blocking=True)
@@ -530,25 +608,37 @@ def close(self, step, events, closed:bool=True, calls=()):
     "Finish the open step and `emit` its `StepRecord` (`closed=False`: late rows of a step already written)."
     rec = self.rec
     if rec is None: return
+    try: self._gather(rec)
+    except Exception as e:     # the step is written all the same, with the stats that could not be gathered empty
+        self._failed("gathering the step's stats", e)
+        rec.perm, rec.moments, rec.values, rec.done = list(range(self._nm)), _unmeasured(None).repeat(self._nm, 1), None, None
+        rec.extras = [{k: v for k, v in d.items() if not isinstance(v, tuple)} for d in rec.extras]
+    rec.events, rec.closed, rec.calls = events, closed, list(calls)
+    self._name_slow()
+    self.rec, self.last, self._seen, self._xvals, self._pieces = None, rec, {}, [], []
+    self.emit(rec)
+
+@patch_to(Recorder)
+def _gather(self, rec:StepRecord):
+    "Reduce what is pending and start the copies of the step's moments (in key order; a row no part measured is NaN) and custom values to the host."
     if self._weights is not None: self._planned(self._pending_weights())
     self._reduce_groups()
     order, mats = [], []
     for rows, m in self._pieces: order += rows; mats.append(m if type(m) is torch.Tensor else _plain(m))
-    if mats:
-        dev = {m.device for m in mats}
-        if len(dev) > 1: mats = [m.cpu() for m in mats]
-    rec.perm = [0]*len(order)
-    for i, r in enumerate(order): rec.perm[r] = i
-    rec.moments, ev1 = _to_host(mats)
-    off = 0
+    if len(order) < self._nm:   # rows of a part that failed
+        missing = sorted(set(range(self._nm)) - set(order))
+        order += missing; mats.append(_unmeasured(None).expand(len(missing), 8))
+    perm = [0]*len(order)
+    for i, r in enumerate(order): perm[r] = i
+    moments, ev1 = _to_host(mats)
+    off, layout = 0, []
     for d in rec.extras:
+        layout.append({})
         for k, v in d.items():
             if isinstance(v, tuple):
                 scalar, x = v
-                d[k] = (off, x.numel(), scalar)
+                layout[-1][k] = (off, x.numel(), scalar)
                 off += x.numel()
     rec.values, ev2 = _to_host(self._xvals)
-    rec.done = ev2 if ev2 is not None else ev1
-    rec.events, rec.closed, rec.calls = events, closed, list(calls)
-    self.rec, self.last, self._seen, self._xvals, self._pieces = None, rec, {}, [], []
-    self.emit(rec)
+    for d, l in zip(rec.extras, layout): d.update(l)
+    rec.perm, rec.moments, rec.done = perm, moments, ev2 if ev2 is not None else ev1
