@@ -63,15 +63,15 @@ def test_at_most_one_sync_per_recorded_step_on_gpu(db):
 
 def _policy(tid): return open(f'/proc/self/task/{tid}/sched').read().split('policy')[1].split(':')[1].split()[0]
 
-@pytest.mark.skipif(sys.platform != 'linux', reason="SCHED_IDLE is Linux's")
-def test_writer_runs_on_idle_cpu_time_only(db):
-    "The writer thread is SCHED_IDLE (5), so it cannot hold up PyTorch's intra-op threads; the training thread keeps its policy."
+@pytest.mark.skipif(sys.platform != 'linux', reason="scheduling policies are Linux's")
+def test_writer_runs_at_normal_priority(db):
+    "The writer thread is SCHED_OTHER (0), not SCHED_IDLE: an idle-only thread can wait for seconds where training keeps every core busy, past the time bound on what a kill loses; the training thread keeps its policy."
     model = mlp()
     te = torchEmber(model, run='idle', db=db)
     before = _policy(threading.get_native_id())
     model(torch.randn(2, 8)).sum().backward()
     te.flush()
-    assert _policy(te.writer._t.native_id) == str(os.SCHED_IDLE)
+    assert _policy(te.writer._t.native_id) == str(os.SCHED_OTHER)
     assert _policy(threading.get_native_id()) == before
     assert len(te.latest()) > 0
     te.disarm()

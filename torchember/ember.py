@@ -6,7 +6,7 @@ Docs: https://torchember.github.io/torchember/ember.html.md"""
 
 # %% ../nbs/04_ember.ipynb #ee006446
 from __future__ import annotations
-import atexit, secrets, time, warnings, weakref
+import atexit, math, os, secrets, signal, threading, time, warnings, weakref
 from collections import deque
 from functools import partial
 import torch
@@ -20,7 +20,7 @@ from .store import engine, create_run, write_step, Writer, db_url, keyed_by_rank
 from .query import Run
 
 # %% auto #0
-__all__ = ['GROUP', 'torchEmber', 'unwrap', 'process_rank', 'agree_run_name', 'rank_selector']
+__all__ = ['GROUP', 'SIGNAL_WAIT_S', 'torchEmber', 'unwrap', 'process_rank', 'agree_run_name', 'rank_selector']
 
 # %% ../nbs/04_ember.ipynb #654a6fa8
 class torchEmber:
@@ -44,6 +44,8 @@ class torchEmber:
                  track_updates:bool=False, # update_norm and init_dist of every weight (keeps two copies of the weights)
                  ranks=None,            # which ranks of a distributed job record: a list of ranks or a predicate `rank -> bool`; default all
                 ):
+        _check_args(run, db, every, hist, sample_n, outliers, snapshot, snapshot_fn, resume=resume, strict=strict,
+                    record_eval=record_eval, timing=timing, io_grad=io_grad, track_updates=track_updates)
         if not isinstance(model, nn.Module):
             raise TypeError(f"torchEmber arms an nn.Module, not {type(model).__name__}")
         model = unwrap(model)
@@ -65,7 +67,8 @@ class torchEmber:
         if snapshot is not None: self.recorder.on_tensor = Snapshots(snapshot, self.capture.names, snapshot_fn)
         if track_updates: self.recorder.param_extras = UpdateTracker()
         self._changes = Changes()
-        self.writer, self._disarm_hook, self._last_events, self._queued = None, _Hook(self.disarm), (None, None), deque()
+        self.writer, self._disarm_hook, self._last_events = None, _Hook(self.disarm), (None, None)
+        self._forked, self._dropped = False, 0
         self.engine = self.run_id = None
         if not self.recording: return        # a rank left out: nothing armed, nothing written
         config = dict(every=every, modules=None if modules is None else repr(modules), record_eval=record_eval,
@@ -90,6 +93,28 @@ class torchEmber:
         where = f", rank={self.rank} of {self.world_size}" if self.world_size > 1 else ''
         store = self.engine.url.database or self.engine.url if self.engine is not None else self.db
         return f"torchEmber(run={self.run_name!r}, model={type(self.model).__name__}, step={self.capture.step}{where}, store={store}, {state})"
+
+def _check_args(run, db, every, hist, sample_n, outliers, snapshot, snapshot_fn, **flags):
+    "Refuse a bad argument of `torchEmber` by its name: `TypeError` for a wrong type, `ValueError` for a bad value."
+    def need(ok, name, v, what, exc=TypeError):
+        if not ok: raise exc(f"torchEmber's {name}= must be {what}, not {v!r}")
+    isint = lambda v: isinstance(v, int) and not isinstance(v, bool)
+    need(run is None or isinstance(run, str), 'run', run, 'a str (the run name) or None')
+    need(run != '', 'run', run, 'a non-empty name', ValueError)
+    need(db is None or isinstance(db, (str, os.PathLike)), 'db', db, 'a file path, a SQLAlchemy URL or None')
+    for k, v in flags.items(): need(isinstance(v, bool), k, v, 'True or False')
+    need(isint(every), 'every', every, 'an int')
+    need(every >= 1, 'every', every, 'an int >= 1', ValueError)
+    need(isint(hist), 'hist', hist, 'an int (histogram bins, 0 for none)')
+    need(hist >= 0, 'hist', hist, 'an int >= 0', ValueError)
+    need(sample_n is None or isint(sample_n), 'sample_n', sample_n, 'an int or None')
+    need(sample_n is None or sample_n > 0, 'sample_n', sample_n, 'an int > 0 or None', ValueError)
+    need(outliers is None or isinstance(outliers, (int, float)) and not isinstance(outliers, bool), 'outliers', outliers, 'a number or None')
+    need(outliers is None or math.isfinite(outliers) and outliers > 0, 'outliers', outliers, 'a finite number > 0 or None', ValueError)
+    pats = [snapshot] if isinstance(snapshot, str) else snapshot
+    need(snapshot is None or isinstance(pats, (list, tuple)) and all(isinstance(p, str) for p in pats), 'snapshot', snapshot,
+         "a glob str such as 'layers.3.output', a list of them, or None")
+    need(snapshot_fn is None or callable(snapshot_fn), 'snapshot_fn', snapshot_fn, 'callable or None')
 
 # %% ../nbs/04_ember.ipynb #34287e9d
 def unwrap(model:nn.Module)->nn.Module:
@@ -128,28 +153,26 @@ GROUP = 16   # the most steps the writer puts in one transaction
 
 @patch
 def _emit(self:torchEmber, rec):
-    if self.writer is None: self.writer = Writer(strict=self.strict)
-    self._queued.append(rec)
-    self.writer.submit(self._write_queued)   # one job per step: the writer's bounded queue still bounds the steps waiting
+    if self._forked: return           # the parent's torchEmber, in a forked child: records nothing
+    if self.writer is None: self.writer = Writer(self._write_steps, strict=self.strict, size=_rec_bytes, group=GROUP)
+    self.writer.submit(rec)
+
+def _rec_bytes(rec)->int:
+    "About the memory a waiting `StepRecord` holds: its keys and stats, and its snapshots."
+    return 320 * len(rec.keys) + sum(s[-1].nbytes for s in rec.snapshots)
 
 @patch
-def _write_queued(self:torchEmber):
-    "Write the steps queued so far (up to `GROUP`) in one transaction; if it fails, each in one of its own."
-    recs = [self._queued.popleft() for _ in range(min(GROUP, len(self._queued)))]
-    if len(recs) > 1:
-        kept = self._written()
-        try:
-            steps = [self._step_args(rec) for rec in recs]
-            with self.engine.begin() as c:
-                for kw in steps: write_step(c, **kw)
-            return
-        except Exception: self._put_back(kept)
-    first = None
-    for rec in recs:
-        kept = self._written()
-        try: write_step(self.engine, **self._step_args(rec))
-        except Exception as e: self._put_back(kept); first = first or e
-    if first: raise first   # the writer warns once (or `flush` raises it, with `strict`)
+def _write_steps(self:torchEmber, recs:list):
+    "Write `recs` in one transaction; if it fails, put back what writing moved forward, and raise."
+    kept = self._written()
+    try:
+        steps = [self._step_args(rec) for rec in recs]
+        if len(steps) == 1: return write_step(self.engine, **steps[0])
+        with self.engine.begin() as c:
+            for kw in steps: write_step(c, **kw)
+    except BaseException:
+        self._put_back(kept)
+        raise
 
 @patch
 def _step_args(self:torchEmber, rec)->dict:
@@ -171,8 +194,15 @@ def _put_back(self:torchEmber, written:tuple):
     "Undo `_step_args` back to what `_written` returned."
     self._last_events, self._changes.last = written
 
+@patch(as_prop=True)
+def dropped(self:torchEmber)->int:
+    "How many finished steps never reached the store: dropped from memory while it was locked, or whose write failed."
+    w = self.writer
+    return self._dropped + (w.dropped + w.failed if w is not None else 0)
+
 # %% ../nbs/04_ember.ipynb #e2c7a131
 _armed = weakref.WeakKeyDictionary()   # model -> the torchEmber that armed it
+_embers = weakref.WeakSet()            # every torchEmber armed in this process
 
 @atexit.register
 def _close_open_steps():
@@ -181,13 +211,72 @@ def _close_open_steps():
         try: te.flush()
         except Exception: pass
 
+def _forked_child():
+    "In a forked child every torchEmber of the parent goes inert: its steps are the parent's, its writer is the parent's thread."
+    for te in list(_embers): te._forked, te.writer, te.capture.enabled = True, None, False
+
+if hasattr(os, 'register_at_fork'): os.register_at_fork(after_in_child=_forked_child)
+
+SIGNAL_WAIT_S = 10   # the longest SIGTERM or SIGINT waits for the store to take the finished steps
+_chained = {}        # signal -> the handler torchember's stands in front of
+_deferred = {}       # signal -> times it was put off while a step was being handed over
+
+def _on_signal(signum, frame):
+    "Write every finished step, then do what the handler torchember stands in front of would have done."
+    if _closing(frame) and _deferred.get(signum, 0) < 100:   # a step is being handed over: let it finish, take the signal again
+        _deferred[signum] = _deferred.get(signum, 0) + 1
+        return threading.Timer(0.01, os.kill, (os.getpid(), signum)).start()
+    _deferred.pop(signum, None)
+    prev = _chained.get(signum, signal.SIG_DFL)
+    try: _write_finished(ends=prev == signal.SIG_DFL)
+    except Exception: pass
+    if callable(prev): return prev(signum, frame)
+    signal.signal(signum, signal.SIG_DFL)            # the default action (ends the process), as without torchember
+    signal.raise_signal(signum)
+
+def _write_finished(ends:bool):
+    "Wait (up to `SIGNAL_WAIT_S`) until the writers have written every finished step; when the process `ends`, close first the open steps that nothing is in the middle of."
+    if ends:
+        for te in list(_armed.values()):
+            if not te._forked and te.capture._depth == 0 and te.capture._grads is None: te.capture.close()
+    end = time.monotonic() + SIGNAL_WAIT_S
+    for te in list(_embers):
+        if te.writer is not None: te.writer.wait(max(end - time.monotonic(), 0))
+
+def _closing(frame)->bool:
+    "Whether the main thread was stopped inside torchember's closing or handing over of a step (closing it again would lose it)."
+    while frame is not None:
+        if frame.f_code.co_name in ('close', '_emit') and frame.f_globals.get('__name__', '').startswith('torchember.'): return True
+        frame = frame.f_back
+    return False
+
+def _install_handlers():
+    "Put `_on_signal` in front of SIGTERM's and SIGINT's handlers (from the main thread only; one set from C or ignored is left alone)."
+    if threading.current_thread() is not threading.main_thread(): return
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        cur = signal.getsignal(sig)
+        if cur is _on_signal or cur is None or cur == signal.SIG_IGN: continue
+        _chained[sig] = cur
+        signal.signal(sig, _on_signal)
+
+def _restore_handlers():
+    "Once no model is armed, give back the handlers `_install_handlers` stood in front of (unless the user has set others since)."
+    if len(_armed) or threading.current_thread() is not threading.main_thread(): return
+    for sig, prev in list(_chained.items()):
+        if signal.getsignal(sig) is _on_signal: signal.signal(sig, prev)
+        del _chained[sig]
+
 @patch
 def arm(self:torchEmber):
     "Arm the model (again); recording continues the same run. On a rank that `ranks=` leaves out, nothing happens."
     if not self.recording: return self
+    if self._forked: raise RuntimeError(f"this torchEmber (run {self.run_name!r}) was made in another process, of which this one is "
+                                        "a fork; arm the model here with a torchEmber of its own, under another run name")
     other = _armed.get(self.model)
     if other is not None and other is not self and other.capture.armed: other.disarm()
     _armed[self.model] = self
+    _embers.add(self)
+    _install_handlers()
     self.capture.arm()
     if 'disarm' not in type(self.model).__dict__ and 'disarm' not in vars(self.model):
         self.model.__dict__['disarm'] = self._disarm_hook
@@ -208,10 +297,13 @@ def disarm(self:torchEmber):
     self.capture.disarm()
     if vars(self.model).get('disarm') is self._disarm_hook: del self.model.__dict__['disarm']
     if _armed.get(self.model) is self: del _armed[self.model]
+    _restore_handlers()
     if self.writer is not None:
         w, self.writer = self.writer, None
         try: w.flush()          # with strict=True, a failed write surfaces here
-        finally: w.close()
+        finally:
+            w.close()
+            self._dropped += w.dropped + w.failed
     return self
 
 @patch

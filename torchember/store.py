@@ -18,8 +18,9 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 # %% auto #0
 __all__ = ['SCHEMA_VERSION', 'MEMORY', 'metadata', 'STAT_COLS', 'Str', 'Size', 'meta_t', 'runs_t', 'ranks_t', 'modules_t',
            'steps_t', 'events_t', 'stats_t', 'calls_t', 'scalars_t', 'snapshots_t', 'VIEWS', 'ROWS_PER_INSERT',
-           'default_db', 'db_url', 'check_name', 'escaped', 'StoreError', 'engine', 'keyed_by_rank', 'create_run',
-           'claim', 'write_step', 'idle_priority', 'Writer']
+           'LINGER_S', 'PENDING_STEPS', 'PENDING_BYTES', 'RETRY_S', 'EXIT_WAIT_S', 'default_db', 'db_url', 'check_name',
+           'escaped', 'StoreError', 'engine', 'keyed_by_rank', 'create_run', 'claim', 'write_step', 'idle_priority',
+           'store_busy', 'Writer']
 
 # %% ../nbs/02_store.ipynb #2b4773a6
 SCHEMA_VERSION = 2
@@ -483,6 +484,8 @@ def _last_step_update(dialect):
     return update(runs_t).where(runs_t.c.id == bindparam('rid')).values(last_step=sa.case((last >= bindparam('st'), last), else_=bindparam('st')))
 
 # %% ../nbs/02_store.ipynb #8cb47b5c
+from collections import deque
+
 _writers = weakref.WeakSet()
 
 def idle_priority():
@@ -490,49 +493,166 @@ def idle_priority():
     try: os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError): pass
 
+LINGER_S = 0.25                                   # the longest a submitted item waits before the writer takes it
+PENDING_STEPS, PENDING_BYTES = 1024, 256 << 20    # the most that waits in memory while the store cannot take it
+RETRY_S = 0.1                                     # pause before writing again to a store that said it was locked
+
+def store_busy(e:Exception)->bool:
+    "Whether `e` says another writer holds the store for now: SQLite busy or locked, a PostgreSQL lock or serialization conflict."
+    orig = getattr(e, 'orig', e)
+    return (getattr(orig, 'sqlstate', None) in ('55P03', '40001', '40P01')
+            or isinstance(orig, sqlite3.OperationalError) and any(m in str(orig) for m in ('locked', 'busy')))
+
+def _steps(n:int)->str: return f"{n} step was" if n == 1 else f"{n} steps were"
+
+def _short(e:Exception)->str:
+    "`e` in a line: the driver's error without the SQL."
+    e = getattr(e, 'orig', None) or e
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
 class Writer:
-    "A background thread that runs submitted jobs in order."
-    def __init__(self, maxsize:int=64, strict:bool=False):
-        self.q, self.strict, self.errors, self._warned = queue.Queue(maxsize), strict, [], False
+    "A background thread that writes submitted items in order, several to a transaction, each within `LINGER_S` of its arrival."
+    def __init__(self,
+                 write,              # `write(items)`: store a list of items in one transaction, or raise
+                 strict:bool=False,  # keep errors for `flush` to raise, instead of warning
+                 size=None,          # `size(item)`: the bytes it holds, for the memory bound
+                 group:int=16,       # the most items in one `write`
+                ):
+        self.write, self.strict, self.size, self.group = write, strict, size or (lambda item: 0), group
+        self.max_steps, self.max_bytes = PENDING_STEPS, PENDING_BYTES
+        self.pending, self.nbytes, self.errors = deque(), 0, []   # (arrival, item, bytes), oldest first
+        self.dropped = self.failed = 0                            # items dropped past the bound; items whose write failed
+        self._cv = threading.Condition(threading.RLock())         # reentrant: a signal handler may wait inside `submit`
+        self._busy, self._urgent, self._stop = None, 0, False     # the batch being written; flushes waiting; closing
+        self._lost, self._error, self._drops = 0, None, 0         # the current episodes: items lost and the first error; items dropped
         self._t = threading.Thread(target=self._run, name='torchember-writer', daemon=True)
         self._t.start()
         _writers.add(self)
 
-    def _run(self):
-        idle_priority()
-        while True:
-            job = self.q.get()
-            try:
-                if job is None: return
-                job()
-            except Exception as e:
-                self.errors.append(e)
-                if not self._warned and not self.strict:
-                    self._warned = True
-                    warnings.warn(f"torchember: writing to the store failed ({type(e).__name__}: {e}); "
-                                  "training goes on, records of this step are lost", RuntimeWarning)
-            finally: self.q.task_done()
-
-    def submit(self, job):
-        "Queue `job` to run on the writer thread."
+    def submit(self, item):
+        "Hand `item` to the writer: an append, and a wakeup only when the thread must look; past the bound the oldest waiting item is dropped."
         if not self._t.is_alive(): raise RuntimeError("torchember writer is closed")
-        self.q.put(job)
+        n = self.size(item)
+        with self._cv:
+            self.pending.append((time.monotonic(), item, n))
+            self.nbytes += n
+            if len(self.pending) > self.max_steps or self.nbytes > self.max_bytes: self._drop_oldest()
+            if len(self.pending) in (1, self.group): self._cv.notify()
+
+    def _drop_oldest(self):
+        while len(self.pending) > 1 and (len(self.pending) > self.max_steps or self.nbytes > self.max_bytes):
+            self.nbytes -= self.pending.popleft()[2]
+            self.dropped += 1
+            self._drops += 1
+            if self._drops == 1:
+                self._say(StoreError(f"the store has taken nothing for a while (locked by another program?): up to {self.max_steps} "
+                                     f"steps or {self.max_bytes >> 20} MB wait in memory, and past that the oldest are dropped"))
+
+    def _say(self, e:Exception):
+        "Warn about `e` (with `strict`, keep it for `flush` to raise)."
+        if self.strict: self.errors.append(e)
+        else: warnings.warn(f"torchember: {e}", RuntimeWarning, stacklevel=3)
+
+    def _run(self):
+        while True:
+            with self._cv:
+                while True:
+                    if self.pending:
+                        if self._stop or self._urgent or len(self.pending) >= self.group: break
+                        wait = self.pending[0][0] + LINGER_S - time.monotonic()
+                        if wait <= 0: break
+                        self._cv.wait(wait)
+                    elif self._stop: return
+                    else: self._cv.wait()
+                batch = self._busy = [self.pending.popleft() for _ in range(min(self.group, len(self.pending)))]
+                self.nbytes -= sum(n for *_, n in batch)
+            try: back = self._write_batch(batch)
+            except BaseException: back = []
+            with self._cv:
+                if back:                                  # the store is locked: back to the front, in order
+                    self.pending.extendleft(reversed(back))
+                    self.nbytes += sum(n for *_, n in back)
+                    self._drop_oldest()
+                self._busy = None
+                self._cv.notify_all()
+                if back: self._cv.wait(RETRY_S)
+
+    def _write_batch(self, batch:list)->list:
+        "Write `batch` in one transaction, else item by item, so that only an item that cannot be written is lost; what the store was too busy to take."
+        try:
+            self.write([item for _, item, _ in batch])
+            return self._wrote()
+        except Exception as e:
+            if store_busy(e): return batch
+            if len(batch) == 1: return self._fail(e)
+        for i, (_, item, _) in enumerate(batch):
+            try:
+                self.write([item])
+                self._wrote()
+            except Exception as e:
+                if store_busy(e): return batch[i:]
+                self._fail(e)
+        return []
+
+    def _wrote(self)->list:
+        "An item was written: say how many were lost or dropped since the last one that was (with `strict`, `flush` raised that already)."
+        with self._cv: lost, error, drops, self._lost, self._error, self._drops = self._lost, self._error, self._drops, 0, None, 0
+        if self.strict: return []
+        if lost: self._say(StoreError(f"{_steps(lost)} lost while writing to the store failed ({_short(error)}); it takes steps again"))
+        if drops: self._say(StoreError(f"{_steps(drops)} dropped while the store was locked; it takes steps again"))
+        return []
+
+    def _fail(self, e:Exception)->list:
+        self.failed += 1
+        self._lost += 1
+        if self._lost == 1:
+            self._error = e
+            if self.strict: self.errors.append(e)
+            else: warnings.warn(f"torchember: writing to the store failed ({type(e).__name__}: {e}); "
+                                "training goes on, records of this step are lost", RuntimeWarning)
+        return []
+
+    def wait(self, timeout:float=None)->bool:
+        "Wait until every submitted item is written or given up (at most `timeout` s); whether that happened."
+        if not self._t.is_alive(): return not self.pending
+        with self._cv:
+            self._urgent += 1
+            self._cv.notify_all()
+            try: return self._cv.wait_for(lambda: not self.pending and self._busy is None, timeout)
+            finally: self._urgent -= 1
 
     def flush(self):
-        "Wait until every submitted job has run; with `strict`, raise the first error since the last flush."
-        if self._t.is_alive(): self.q.join()
+        "Wait until every submitted item is written or given up; with `strict`, raise the first error since the last flush."
+        self.wait()
         if self.strict and self.errors:
             first, self.errors = self.errors[0], []
             raise first
 
-    def close(self):
-        "Flush and stop the thread."
-        if self._t.is_alive():
-            self.q.put(None)
-            self._t.join()
+    def close(self, timeout:float=None):
+        "Write what is waiting (for at most `timeout` s), stop the thread, and say what was lost and not yet said."
+        if not self._t.is_alive(): return
+        done = self.wait(timeout)
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if done: self._t.join()
+        if self._lost and not self.strict: self._say(StoreError(f"{_steps(self._lost)} lost since writing to the store failed ({_short(self._error)})"))
+        if not done: self._say(StoreError(f"{_steps(len(self.pending))} not written within {timeout} s: the store stayed locked"))
+
+EXIT_WAIT_S = 30   # the longest the interpreter's exit waits for a locked store
 
 @atexit.register
 def _flush_all():
+    end = time.monotonic() + EXIT_WAIT_S
     for w in list(_writers):
-        try: w.close()
+        try: w.close(max(end - time.monotonic(), 0))
         except Exception: pass
+
+def _forked_child():
+    "In a forked child the parent's writer threads don't exist and its pooled connections are the parent's: forget both."
+    global _lock
+    _lock = threading.Lock()
+    _writers.clear()
+    for eng in list(_engines.values()): eng.dispose(close=False)
+
+if hasattr(os, 'register_at_fork'): os.register_at_fork(after_in_child=_forked_child)

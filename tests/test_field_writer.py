@@ -1,0 +1,297 @@
+"""Issue 17, items 3, 9, 10 and 16: forked processes, durability bounded by time, a locked store, bad arguments.
+
+Processes are real: forked children, a DataLoader's fork workers, training scripts killed with SIGKILL, SIGTERM and
+SIGINT at a random moment. The store is locked by another connection and filled up.
+"""
+import contextlib, os, random, signal, sqlite3, subprocess, sys, textwrap, threading, time, traceback, warnings
+from pathlib import Path
+
+import pytest, torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from torchember import torchEmber, load
+from test_never_lose import store_capped, tw, sql, check_whole, env
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+
+def _steps(model, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n): model(torch.randn(4, 8, generator=g)).sum().backward()
+
+def _stored(db, run):
+    return [s for (s,) in sql(db, f"SELECT s.step FROM steps s JOIN runs r ON r.id = s.run_id WHERE r.name = '{run}' ORDER BY s.step")]
+
+def _in_child(fn)->int:
+    "Run `fn` in a forked child; its exit code (0: returned, 1: raised, traceback on stderr)."
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter('ignore')
+                fn()
+            code = 0
+        except BaseException: traceback.print_exc()
+        finally: os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+# ---------------------------------------------------------------- 3. forked processes
+
+@pytest.mark.parametrize('written_before', [False, True])
+def test_forked_child_runs_the_armed_model_and_records_nothing(db, written_before):
+    model = _mlp()
+    te = torchEmber(model, run='parent', db=db)
+    _steps(model, 2)                                   # steps 0, 1 (1 still open)
+    if written_before: te.flush()
+    def child():
+        _steps(model, 3, seed=5)
+        te.flush(); te.disarm()
+    assert _in_child(child) == 0
+    _steps(model, 2, seed=1)
+    te.flush()
+    assert _stored(db, 'parent') == [0, 1, 2, 3]
+    assert check_whole(db, 'parent', len(te.latest())) == [0, 1, 2, 3]
+    te.disarm()
+
+def test_a_child_that_arms_the_model_records_a_run_of_its_own(db):
+    model = _mlp()
+    te = torchEmber(model, run='parent', db=db)
+    _steps(model, 2)
+    def child():
+        with pytest.raises(RuntimeError, match='other process'): te.arm()
+        with torchEmber(model, run='child', db=db):
+            _steps(model, 3, seed=5)
+    assert _in_child(child) == 0
+    _steps(model, 1)
+    te.flush()
+    assert _stored(db, 'parent') == [0, 1, 2]
+    assert _stored(db, 'child') == [0, 1, 2]
+    te.disarm()
+
+class _Calls(Dataset):
+    "A dataset whose items are the armed model's outputs: its workers call the model."
+    def __init__(self, model): self.model = model
+    def __len__(self): return 8
+    def __getitem__(self, i):
+        with torch.no_grad(): return self.model(torch.randn(1, 8))[0]
+
+def test_dataloader_fork_workers_call_the_armed_model(db):
+    model = _mlp()
+    te = torchEmber(model, run='loader', db=db)
+    _steps(model, 1)
+    dl = DataLoader(_Calls(model), batch_size=2, num_workers=2, multiprocessing_context='fork')
+    assert len([b for b in dl]) == 4
+    _steps(model, 1)
+    te.flush()
+    assert _stored(db, 'loader') == [0, 1]
+    te.disarm()
+
+
+# ---------------------------------------------------------------- 9. durability bounded by time
+
+TRAIN = textwrap.dedent('''
+    import os, signal, sys, time
+    import torch
+    from torch import nn
+    from torchember import torchEmber
+    db, mode = sys.argv[1], sys.argv[2]
+    if mode == 'busy':                           # every core kept busy, as training on all cores does
+        import hashlib, threading
+        data = bytes(1 << 20)
+        def burn():
+            while True: hashlib.sha256(data).digest()
+        for _ in range(os.cpu_count()): threading.Thread(target=burn, daemon=True).start()
+    if mode == 'user-before': signal.signal(signal.SIGTERM, lambda s, f: (print('user handler', flush=True), sys.exit(3)))
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(64, 64), nn.ReLU())], nn.Linear(64, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    te = torchEmber(model, run='r', db=db)
+    if mode == 'user-after': signal.signal(signal.SIGTERM, lambda s, f: (print('user handler', flush=True), sys.exit(4)))
+    step = 0
+    while True:
+        model(torch.randn(32, 64)).pow(2).mean().backward(); opt.step(); opt.zero_grad()
+        print(step, time.time(), flush=True)
+        step += 1
+''')
+
+def _train(tmp_path, mode='plain'):
+    p = tmp_path/'train.py'
+    p.write_text(TRAIN)
+    db = tmp_path/'store.db'
+    return db, subprocess.Popen([sys.executable, str(p), str(db), mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=env())
+
+def _run_then(p, sig, after:float):
+    "Read the step lines of `p` for `after` seconds, then send `sig`; `(steps printed, {step: time printed}, time sent, rest of stdout)`."
+    printed, t0 = {}, None
+    for line in p.stdout:
+        parts = line.split()
+        if len(parts) != 2: continue
+        printed[int(parts[0])] = float(parts[1])
+        t0 = t0 or time.time()
+        if time.time() - t0 > after: break
+    sent = time.time()
+    p.send_signal(sig)
+    out, err = p.communicate(timeout=120)
+    return printed, sent, out, err
+
+def test_sigkill_keeps_every_step_finished_more_than_a_second_before(tmp_path):
+    db, p = _train(tmp_path, 'busy')
+    printed, sent, _, err = _run_then(p, signal.SIGKILL, random.uniform(2.5, 4))
+    assert p.returncode == -signal.SIGKILL, err[-3000:]
+    old = [s for s, t in printed.items() if t < sent - 1.0 and s + 1 in printed]   # closed by the next step's start
+    assert len(old) > 10, "too few steps to judge"
+    stored = set(_stored(str(db), 'r'))
+    assert not set(old) - stored, f"{len(set(old) - stored)} steps finished over 1 s before the kill are not in the store"
+
+def test_sigterm_writes_every_finished_step_and_exits_as_without_torchember(tmp_path):
+    db, p = _train(tmp_path)
+    printed, _, _, err = _run_then(p, signal.SIGTERM, random.uniform(1, 2))
+    assert p.returncode == -signal.SIGTERM, err[-3000:]
+    stored = _stored(str(db), 'r')
+    assert stored[:max(printed) + 1] == list(range(max(printed) + 1)), "a printed step is not in the store"
+    check_whole(str(db), 'r', len(load('r', str(db)).df().query('step == 0')))
+
+@pytest.mark.parametrize('mode,code', [('user-before', 3), ('user-after', 4)])
+def test_sigterm_calls_the_users_handler(tmp_path, mode, code):
+    db, p = _train(tmp_path, mode)
+    printed, _, out, err = _run_then(p, signal.SIGTERM, 1)
+    assert p.returncode == code and 'user handler' in out, err[-3000:]
+    assert set(range(max(printed) + 1)) <= set(_stored(str(db), 'r'))
+
+def test_sigint_raises_keyboard_interrupt_after_writing(tmp_path):
+    db, p = _train(tmp_path)
+    printed, _, _, err = _run_then(p, signal.SIGINT, 1)
+    assert p.returncode in (1, -signal.SIGINT) and 'KeyboardInterrupt' in err, err[-3000:]
+    assert set(range(max(printed) + 1)) <= set(_stored(str(db), 'r'))
+
+def test_handlers_are_put_back_when_the_last_model_is_disarmed(db):
+    before = signal.getsignal(signal.SIGTERM)
+    model = _mlp()
+    te = torchEmber(model, run='handlers', db=db)
+    assert signal.getsignal(signal.SIGTERM) is not before
+    te.disarm()
+    assert signal.getsignal(signal.SIGTERM) is before
+
+def test_arming_in_a_thread_installs_no_handler(db):
+    before = signal.getsignal(signal.SIGTERM)
+    model, out = _mlp(), []
+    t = threading.Thread(target=lambda: out.append(torchEmber(model, run='thread', db=db)))
+    t.start(); t.join()
+    assert out and signal.getsignal(signal.SIGTERM) is before
+    out[0].disarm()
+
+
+# ---------------------------------------------------------------- 10. a locked store never stalls training
+
+@contextlib.contextmanager
+def locked(db, hold_at_most:float=15):
+    "Hold a write lock on `db` from another connection until the block ends (or `hold_at_most` s); yields a list that gets True if it timed out."
+    done, timed_out, ready = threading.Event(), [], threading.Event()
+    def hold():
+        c = sqlite3.connect(db, isolation_level=None)
+        c.execute('BEGIN IMMEDIATE'); ready.set()
+        if not done.wait(hold_at_most): timed_out.append(True)
+        c.execute('COMMIT'); c.close()
+    t = threading.Thread(target=hold)
+    t.start(); ready.wait()
+    try: yield timed_out
+    finally:
+        done.set(); t.join()
+
+def test_training_goes_on_while_the_store_is_locked(db):
+    model = _mlp()
+    te = torchEmber(model, run='locked', db=db)
+    _steps(model, 1); te.flush()
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter('always')
+        with locked(db) as timed_out:
+            _steps(model, 100, seed=1)                 # more steps than the old queue held (64)
+            te.capture.close()
+            assert _stored(db, 'locked') == [0], "the lock did not hold the writer back"
+        assert not timed_out, "training waited for the store while it was locked"
+        te.flush()
+    assert not tw(rec)
+    assert te.dropped == 0
+    assert check_whole(db, 'locked', len(te.latest())) == list(range(101))
+    te.disarm()
+
+def test_past_the_bound_the_oldest_waiting_steps_are_dropped_and_said(db, monkeypatch):
+    model = _mlp()
+    te = torchEmber(model, run='bound', db=db)
+    _steps(model, 1); te.flush()
+    monkeypatch.setattr(te.writer, 'max_steps', 10)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter('always')
+        with locked(db) as timed_out:
+            _steps(model, 30, seed=1)
+            te.capture.close()
+        assert not timed_out
+        te.flush()
+    msgs = tw(rec)
+    assert any('dropped' in m for m in msgs), msgs
+    stored = _stored(db, 'bound')
+    assert te.dropped == 31 - len(stored) and te.dropped >= 10
+    assert stored[-10:] == list(range(21, 31)), "the newest steps are kept"
+    te.disarm()
+
+def test_a_disk_that_fills_twice_is_said_twice_with_counts(db):
+    model = _mlp()
+    te = torchEmber(model, run='full-twice', db=db)
+    _steps(model, 2); te.flush()
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter('always')
+        for episode in range(2):
+            with store_capped(te.engine):
+                for i in range(3): _steps(model, 1, seed=10 * episode + i); te.flush()
+            _steps(model, 1, seed=99); te.flush()      # space again: this step is written and closes the episode
+            _steps(model, 1, seed=98); te.flush()
+    msgs = tw(rec)
+    first = [m for m in msgs if 'records of this step are lost' in m]
+    assert len(first) == 2 and all('database or disk is full' in m for m in first), msgs
+    counts = [int(m.split()[1]) for m in msgs if 'lost while writing' in m]
+    assert len(counts) == 2 and all(counts) and sum(counts) == te.dropped, msgs
+    assert len(_stored(db, 'full-twice')) == 2 + 2 * 5 - te.dropped
+    te.disarm()
+
+
+# ---------------------------------------------------------------- 16. every argument checked
+
+BAD = [
+    (dict(run=b'bytes'), TypeError, 'run'), (dict(run=123), TypeError, 'run'), (dict(run=''), ValueError, 'run'),
+    (dict(db=5), TypeError, 'db'), (dict(every=0), ValueError, 'every'), (dict(every='2'), TypeError, 'every'),
+    (dict(every=True), TypeError, 'every'), (dict(resume='yes'), TypeError, 'resume'), (dict(strict=1), TypeError, 'strict'),
+    (dict(record_eval='no'), TypeError, 'record_eval'), (dict(timing=None), TypeError, 'timing'),
+    (dict(io_grad='y'), TypeError, 'io_grad'), (dict(track_updates=0), TypeError, 'track_updates'),
+    (dict(hist=-1), ValueError, 'hist'), (dict(hist=2.5), TypeError, 'hist'), (dict(hist=8, sample_n=0), ValueError, 'sample_n'),
+    (dict(hist=8, sample_n=1.5), TypeError, 'sample_n'), (dict(hist=8, outliers=-1), ValueError, 'outliers'),
+    (dict(hist=8, outliers=0), ValueError, 'outliers'), (dict(hist=8, outliers='3'), TypeError, 'outliers'),
+    (dict(hist=8, outliers=float('nan')), ValueError, 'outliers'),
+    (dict(snapshot=5), TypeError, 'snapshot'), (dict(snapshot=['a', 5]), TypeError, 'snapshot'),
+    (dict(snapshot_fn=3), TypeError, 'snapshot_fn'),
+]
+
+@pytest.mark.parametrize('kw,exc,name', BAD, ids=[f'{k}={v!r}'[:40] for k, _, _ in BAD for k, v in list(k.items())[-1:]])
+def test_bad_arguments_are_refused_by_name_before_anything_is_armed(db, kw, exc, name):
+    model = _mlp()
+    with pytest.raises(exc, match=name): torchEmber(model, db=db, **kw)
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert not Path(db).exists(), "the store was written before the arguments were checked"
+
+def test_good_arguments_still_pass(db):
+    te = torchEmber(_mlp(), run='ok', db=Path(db), every=2, hist=4, sample_n=None, outliers=3, snapshot=['0.weight'],
+                    snapshot_fn=lambda t: t, record_eval=False, timing=True, io_grad=False, track_updates=True)
+    te.disarm()
+
+@pytest.mark.parametrize('fn', [5, 'mean'])
+def test_how_record_refuses_what_is_not_a_function(db, fn):
+    te = torchEmber(_mlp(), run='how', db=db)
+    for how in (te.how_record_in, te.how_record_out, te.how_record_weight, te.how_record_grad):
+        with pytest.raises(TypeError, match='stat function'): how(fn)
+    with pytest.raises(ValueError, match='ttype'): te.how_record('inputs', lambda t: {})
+    te.disarm()
