@@ -8,6 +8,7 @@ Docs: https://torchember.github.io/torchember/core.html.md"""
 from __future__ import annotations
 import dataclasses, inspect, sys, time, weakref
 from collections import OrderedDict
+from contextlib import contextmanager
 from fnmatch import fnmatchcase
 from functools import partial
 import torch
@@ -210,11 +211,21 @@ def disarm(self:Capture):
     return self
 
 # %% ../nbs/00_core.ipynb #bfdbd434
+_inference_on = torch.is_inference_mode_enabled
+
+@contextmanager
+def _normal_mode():
+    "Inference mode and grad off, for torchember's own work inside a call made under `torch.inference_mode`."
+    with torch.inference_mode(False), torch.no_grad(): yield
+
 @patch
-def _root_pre(self:Capture, mod, args, kwargs):
+def _root_pre(self:Capture, mod, args, kwargs, inference:bool=False):
+    if _inference_on():
+        with _normal_mode(): return self._root_pre(mod, args, kwargs, inference=True)
     if self._depth and not self._nested(): self._depth = 0   # the last root call was interrupted (Ctrl-C)
     if self._depth == 0:
-        self._skip = not self.record_eval and not mod.training
+        training = mod.training and not inference
+        self._skip = not self.record_eval and not training
         if self._skip:                 # an eval-mode call, and eval calls are not recorded: not a step at all
             self._depth += 1
             return
@@ -232,10 +243,10 @@ def _root_pre(self:Capture, mod, args, kwargs):
         self.recording = rec
         if rec:
             self._open, self._events, self._calls, self._stack = True, [], [0]*len(self.mods), []
-            self.recorder.open(self.step, training=mod.training)
+            self.recorder.open(self.step, training=training)
             self.recorder.params(self.step, 'weight', [(mi, pn, p) for mi, pn, p in self.params])
     self._depth += 1
-    if self.recording and self.selected[0]: self._pre(0, mod, args, kwargs)
+    if self.recording and self.selected[0]: self._pre(0, mod, args, kwargs, inference)
 
 @patch
 def _nested(self:Capture)->bool:
@@ -248,6 +259,8 @@ def _nested(self:Capture)->bool:
 
 @patch
 def _root_post(self:Capture, mod, args, out):
+    if _inference_on():
+        with _normal_mode(): return self._root_post(mod, args, out)
     if self.recording and self.selected[0]: self._post(0, mod, args, out)
     self._depth -= 1
     if self._depth == 0:
@@ -258,8 +271,10 @@ def _root_post(self:Capture, mod, args, out):
 
 # %% ../nbs/00_core.ipynb #4fa25472
 @patch
-def _pre(self:Capture, mi, mod, args, kwargs):
+def _pre(self:Capture, mi, mod, args, kwargs, inference:bool=False):
     if not self._open or self._skip: return
+    if _inference_on():
+        with _normal_mode(): return self._pre(mi, mod, args, kwargs, True)
     c = self._calls[mi]
     self._calls[mi] = c + 1
     self._stack.append(c)
@@ -268,11 +283,13 @@ def _pre(self:Capture, mi, mod, args, kwargs):
     ins = named_inputs(args, kwargs, self.sigs[mi])
     for name, t in ins: rec(mi, c, 'input', name, t)
     if self.timing or self.io_grad: self._watch_grads(mi, c, 'input_grad', ins)
-    if self.timing: self._times[mi, c] = [mod.training, self.clock(), None, None, None]
+    if self.timing: self._times[mi, c] = [mod.training and not inference, self.clock(), None, None, None]
 
 @patch
 def _post(self:Capture, mi, mod, args, out):
     if not self._open or self._skip or not self._stack: return
+    if _inference_on():
+        with _normal_mode(): return self._post(mi, mod, args, out)
     c = self._stack.pop()
     if self.timing and (mi, c) in self._times: self._times[mi, c][2] = self.clock()
     rec = self.recorder.tensor
@@ -298,7 +315,8 @@ def elapsed_ms(a, b)->float|None:
 
 @patch
 def _watch_grads(self:Capture, mi, c, ttype, tensors):
-    "Hook the grads of `tensors` (named) of call `c` of module `mi`."
+    "Hook the grads of `tensors` (named) of call `c` of module `mi` (none when grad is off: no backward goes through the call)."
+    if not torch.is_grad_enabled(): return
     for name, t in tensors:
         if t.requires_grad:
             try: t.register_hook(_Hook(self._on_grad, mi, c, ttype, name))
@@ -347,6 +365,8 @@ def _grads_done(self:Capture, again:bool=False):
 def close(self:Capture):
     "Close the open step, if any, handing its events to the recorder."
     if not self._open: return
+    if _inference_on():
+        with _normal_mode(): return self.close()
     self._open = False
     calls = [(mi, c, *t) for (mi, c), t in self._times.items()]
     self._times = {}
@@ -365,5 +385,7 @@ def attach(t:torch.Tensor,     # the tensor to record; returned unchanged
 @patch
 def _attach(self:Capture, module, name, t):
     if not (self._open and self.recording) or self._skip: return
+    if _inference_on():
+        with _normal_mode(): return self._attach(module, name, t)
     mi = self.index[id(module)]
     self.recorder.tensor(mi, max(self._calls[mi] - 1, 0), 'attached', name, t)
