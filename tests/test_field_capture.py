@@ -102,3 +102,90 @@ def test_no_grad_calls_still_record_their_mode(db):
     assert steps.training.tolist() == [True, False]
     assert all(not p._backward_hooks for p in model.parameters())   # no tensor hook where no backward can come
     te.disarm()
+
+
+# ---------------------------------------------------------------- 4. tensor hooks never outlive their step
+
+def _weight_normed():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(4, 4)), nn.ReLU())
+
+def _tensor_hooks(model):
+    return {n: len(p._backward_hooks or {}) for n, p in model.named_parameters() if p._backward_hooks}
+
+@pytest.mark.parametrize('opts', [dict(timing=True), dict(io_grad=True), dict(timing=True, io_grad=True, every=2)],
+                         ids=['timing', 'io_grad', 'both_every2'])
+def test_tensor_hooks_on_leaves_do_not_outlive_their_step(db, opts):
+    model = _weight_normed()
+    bare = copy.deepcopy(model)
+    te = torchEmber(model, run=run_name(), db=db, **opts)
+    for i in range(10):
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(i))
+        model(x).sum().backward(); bare(x).sum().backward()
+        assert len(_tensor_hooks(model)) <= 2 and max(_tensor_hooks(model).values(), default=0) <= 1   # this step's only
+    for a, b in zip(bare.parameters(), model.parameters()): assert torch.equal(a.grad, b.grad)
+    df = te.df()
+    te.disarm()
+    assert _tensor_hooks(model) == {}
+    if opts.get('io_grad'):
+        g = df[df.ttype == 'input_grad'].groupby('step').size()
+        assert g.nunique() == 1, g                           # no ghost rows piling up
+    cap = te.capture
+    import weakref
+    ref = weakref.ref(cap)
+    del te, cap; gc.collect()
+    assert ref() is None                                   # nothing keeps the disarmed capture alive
+
+class Scale(nn.Module):
+    def forward(self, w): return w * 2
+
+class Sometimes(nn.Module):
+    "Uses its weight through `scale` only when asked; the weight gets a grad either way."
+    def __init__(self):
+        super().__init__()
+        self.w, self.scale = nn.Parameter(torch.randn(4, 4)), Scale()
+    def forward(self, x, use:bool): return x @ (self.scale(self.w) if use else self.w)
+
+def test_no_ghost_grad_rows_for_calls_that_never_ran(db):
+    torch.manual_seed(0)
+    model = Sometimes()
+    te = torchEmber(model, run=run_name(), db=db, io_grad=True, timing=True)
+    model(torch.randn(2, 4), True).sum().backward()
+    model(torch.randn(2, 4), False).sum().backward()
+    model(torch.randn(2, 4), False).sum().backward()
+    df = te.df()
+    assert set(df[df.step == 0].module) == {'', 'scale'}
+    assert set(df[df.step > 0].module) == {''}
+    calls = te.run.calls()
+    assert set(calls[calls.step > 0].module) == {''}
+    te.disarm()
+    assert not model.w._backward_hooks
+
+
+# ---------------------------------------------------------------- 7. every call that took part in a backward has its time
+
+class Backbone(nn.Module):
+    "A root that owns no parameter, whose input needs no grad: its backward is that of what it holds."
+    def __init__(self):
+        super().__init__()
+        self.prep = nn.Flatten()
+        self.body = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), nn.Sequential(nn.Linear(4, 4), nn.Tanh()))
+        self.head = nn.Sequential(nn.Identity(), nn.Linear(4, 1))
+    def forward(self, x): return self.head(self.body(self.prep(x)))
+
+@pytest.mark.parametrize('io_grad', [False, True])
+def test_containers_get_their_backward_time(db, io_grad):
+    torch.manual_seed(0)
+    model = Backbone()
+    te = torchEmber(model, run=run_name(), db=db, timing=True, io_grad=io_grad)
+    for _ in range(2): model(torch.randn(3, 2, 2)).sum().backward()
+    calls = te.flush().run.calls().set_index(['step', 'module'])
+    te.disarm()
+    assert calls.fwd_ms.notna().all()
+    took_part = calls.drop(index='prep', level='module')            # every call whose output requires grad
+    assert took_part.bwd_ms.notna().all(), took_part[took_part.bwd_ms.isna()]
+    assert calls.xs('prep', level='module').bwd_ms.isna().all()      # no grad reached it: no backward
+    for step in (0, 1):
+        c = calls.loc[step].bwd_ms
+        assert c[''] >= c.drop(['', 'prep']).max()                     # the root's backward holds its children's
+        assert c['body'] >= max(c['body.0'], c['body.0.0'], c['body.1'])

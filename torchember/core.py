@@ -125,7 +125,7 @@ class Capture:
         self.step, self.enabled, self.armed = -1, True, False
         self.recording, self._depth, self._open, self._skip = False, 0, False, False
         self._root, self._made, self._hooked = [], None, None
-        self._grads, self._times = None, {}
+        self._grads, self._times, self._tensor_hooks = None, {}, []
         self.clock = time.perf_counter
 
     def current_params(self)->list:
@@ -277,20 +277,23 @@ def _pre(self:Capture, mi, mod, args, kwargs, inference:bool=False):
         with _normal_mode(): return self._pre(mi, mod, args, kwargs, True)
     c = self._calls[mi]
     self._calls[mi] = c + 1
-    self._stack.append(c)
+    stack = self._stack
+    stack.append((mi, c))
     self._events.append((ENTER, mi, c))
     rec = self.recorder.tensor
     ins = named_inputs(args, kwargs, self.sigs[mi])
     for name, t in ins: rec(mi, c, 'input', name, t)
     if self.timing or self.io_grad: self._watch_grads(mi, c, 'input_grad', ins)
-    if self.timing: self._times[mi, c] = [mod.training and not inference, self.clock(), None, None, None]
+    if self.timing:   # the last item: the timing of the call around this one (None for the outermost)
+        self._times[mi, c] = [mod.training and not inference, self.clock(), None, None, None,
+                              self._times.get(stack[-2]) if len(stack) > 1 else None]
 
 @patch
 def _post(self:Capture, mi, mod, args, out):
     if not self._open or self._skip or not self._stack: return
     if _inference_on():
         with _normal_mode(): return self._post(mi, mod, args, out)
-    c = self._stack.pop()
+    c = self._stack.pop()[1]
     if self.timing and (mi, c) in self._times: self._times[mi, c][2] = self.clock()
     rec = self.recorder.tensor
     outs = [('output', out)] if isinstance(out, torch.Tensor) else named_tensors(out, 'output')
@@ -315,11 +318,11 @@ def elapsed_ms(a, b)->float|None:
 
 @patch
 def _watch_grads(self:Capture, mi, c, ttype, tensors):
-    "Hook the grads of `tensors` (named) of call `c` of module `mi` (none when grad is off: no backward goes through the call)."
+    "Hook the grads of `tensors` (named) of call `c` of module `mi`, until the step closes (no hooks when grad is off)."
     if not torch.is_grad_enabled(): return
     for name, t in tensors:
         if t.requires_grad:
-            try: t.register_hook(_Hook(self._on_grad, mi, c, ttype, name))
+            try: self._tensor_hooks.append(t.register_hook(_Hook(self._on_grad, mi, c, ttype, name)))
             except RuntimeError: pass          # e.g. a tensor that autograd won't hook; its grads go unseen
 
 @patch
@@ -330,8 +333,12 @@ def _on_grad(self:Capture, mi, c, ttype, name, g):
         now = self.clock()
         if ttype == 'output_grad':
             if t[3] is None: t[3] = now
-        else: t[4] = now
+        else: _ended(t, now)
     if self.io_grad and g is not None: self.recorder.tensor(mi, c, ttype, name, sample_norms(g))
+
+def _ended(t:list, now):
+    "Mark the backward of the call timed by `t`, and of every call around it, as ended no earlier than `now`."
+    while t is not None: t[4], t = now, t[5]
 
 def sample_norms(g:torch.Tensor)->torch.Tensor:
     "The L2 norm of each sample (first dimension) of grad `g`, on its device; a 0-d grad is one sample."
@@ -346,7 +353,7 @@ def _grad_hook(self:Capture, pi, p):
     if self.timing and self._open:
         now, mi = self.clock(), self.params[pi][0]
         for c in range(self._calls[mi]):            # every call of the module that owns `p` ends its backward no earlier
-            if (t := self._times.get((mi, c))) is not None: t[4] = now
+            if (t := self._times.get((mi, c))) is not None: _ended(t, now)
     if self._grads is None:
         self._grads = {}
         torch.autograd.Variable._execution_engine.queue_callback(_Hook(self._grads_done, True))
@@ -363,12 +370,15 @@ def _grads_done(self:Capture, again:bool=False):
 
 @patch
 def close(self:Capture):
-    "Close the open step, if any, handing its events to the recorder."
+    "Close the open step, if any, handing its events to the recorder; remove the tensor hooks it made."
+    if self._tensor_hooks:
+        for h in self._tensor_hooks: h.remove()
+        self._tensor_hooks = []
     if not self._open: return
     if _inference_on():
         with _normal_mode(): return self.close()
     self._open = False
-    calls = [(mi, c, *t) for (mi, c), t in self._times.items()]
+    calls = [(mi, c, *t[:5]) for (mi, c), t in self._times.items()]
     self._times = {}
     self.recorder.close(self.step, self._events, calls=calls)
 
