@@ -189,3 +189,68 @@ def test_containers_get_their_backward_time(db, io_grad):
         c = calls.loc[step].bwd_ms
         assert c[''] >= c.drop(['', 'prep']).max()                     # the root's backward holds its children's
         assert c['body'] >= max(c['body.0'], c['body.0.0'], c['body.1'])
+
+
+# ---------------------------------------------------------------- 6. activation checkpointing: recomputation is not a call
+
+from torch.utils.checkpoint import checkpoint
+
+class Res(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)
+    def forward(self, x): return x + self.fc2(self.act(self.fc1(x)))
+
+class Net(nn.Module):
+    def __init__(self, reentrant=None):
+        super().__init__()
+        self.reentrant = reentrant
+        self.inp, self.blocks, self.head = nn.Linear(4, 8), nn.ModuleList([Res(), Res()]), nn.Linear(8, 1)
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks: x = b(x) if self.reentrant is None else checkpoint(b, x, use_reentrant=self.reentrant)
+        return self.head(x)
+
+def _net(reentrant):
+    torch.manual_seed(0)
+    return Net(reentrant)
+
+def _train(model, accumulate, steps=3):
+    "Losses and grads of a few steps; with `accumulate`, two root calls make one optimizer step."
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g, out = torch.Generator().manual_seed(1), []
+    for _ in range(steps):
+        xs = [torch.randn(3, 4, generator=g) for _ in range(2 if accumulate else 1)]
+        loss = sum(model(x).pow(2).mean() for x in xs)
+        loss.backward()
+        out.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        opt.step(); opt.zero_grad()
+    return out
+
+def _records(te):
+    df = te.df().drop(columns=['run']).sort_values(['step', 'module', 'call', 'ttype', 'tname']).reset_index(drop=True)
+    calls = te.run.calls()
+    return df, [te.sequence(s) for s in sorted(df.step.unique())], calls[['step', 'module', 'call']].assign(timed=calls.bwd_ms.notna())
+
+@pytest.mark.parametrize('accumulate', [False, True])
+@pytest.mark.parametrize('reentrant', [True, False])
+def test_checkpointed_recomputation_is_not_recorded(db, reentrant, accumulate):
+    opts = dict(timing=True, io_grad=not reentrant)   # reentrant checkpointing runs the first forward without grad
+    plain = _net(None)
+    te0 = torchEmber(plain, run=run_name(), db=db, **opts)
+    want = _train(plain, accumulate)
+    want_df, want_seq, want_calls = _records(te0)
+    te0.disarm()
+    bare, model = _net(reentrant), _net(reentrant)
+    te = torchEmber(model, run=run_name(), db=db, **opts)
+    got, ref = _train(model, accumulate), _train(bare, accumulate)
+    for (la, ga), (lb, gb) in zip(got, ref):                     # bit-identical to the bare checkpointed model
+        assert torch.equal(la, lb) and all(torch.equal(a, b) for a, b in zip(ga, gb))
+    df, seq, calls = _records(te)
+    te.disarm()
+    assert seq == want_seq                                       # same calls, same order, no recomputed ones
+    if reentrant: calls, want_calls = calls.drop(columns='timed'), want_calls.drop(columns='timed')
+    assert calls.equals(want_calls)                              # without reentrance, the same calls have backward times
+    assert df[['step', 'module', 'call', 'ttype', 'tname']].equals(want_df[['step', 'module', 'call', 'ttype', 'tname']])
+    for (la, ga), (lb, gb) in zip(got, want):                    # and checkpointing changes nothing of the values
+        assert torch.allclose(la, lb) and all(torch.allclose(a, b) for a, b in zip(ga, gb))

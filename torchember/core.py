@@ -212,6 +212,7 @@ def disarm(self:Capture):
 
 # %% ../nbs/00_core.ipynb #bfdbd434
 _inference_on = torch.is_inference_mode_enabled
+_graph_task = torch._C._current_graph_task_id   # -1 unless a backward is running on this thread
 
 @contextmanager
 def _normal_mode():
@@ -220,6 +221,7 @@ def _normal_mode():
 
 @patch
 def _root_pre(self:Capture, mod, args, kwargs, inference:bool=False):
+    if _graph_task() != -1: return      # a forward recomputed by activation checkpointing: not a step
     if _inference_on():
         with _normal_mode(): return self._root_pre(mod, args, kwargs, inference=True)
     if self._depth and not self._nested(): self._depth = 0   # the last root call was interrupted (Ctrl-C)
@@ -259,6 +261,7 @@ def _nested(self:Capture)->bool:
 
 @patch
 def _root_post(self:Capture, mod, args, out):
+    if _graph_task() != -1: return
     if _inference_on():
         with _normal_mode(): return self._root_post(mod, args, out)
     if self.recording and self.selected[0]: self._post(0, mod, args, out)
@@ -272,7 +275,7 @@ def _root_post(self:Capture, mod, args, out):
 # %% ../nbs/00_core.ipynb #4fa25472
 @patch
 def _pre(self:Capture, mi, mod, args, kwargs, inference:bool=False):
-    if not self._open or self._skip: return
+    if not self._open or self._skip or _graph_task() != -1: return   # not recomputation in a backward
     if _inference_on():
         with _normal_mode(): return self._pre(mi, mod, args, kwargs, True)
     c = self._calls[mi]
@@ -290,7 +293,7 @@ def _pre(self:Capture, mi, mod, args, kwargs, inference:bool=False):
 
 @patch
 def _post(self:Capture, mi, mod, args, out):
-    if not self._open or self._skip or not self._stack: return
+    if not self._open or self._skip or not self._stack or _graph_task() != -1: return
     if _inference_on():
         with _normal_mode(): return self._post(mi, mod, args, out)
     c = self._stack.pop()[1]
@@ -394,7 +397,7 @@ def attach(t:torch.Tensor,     # the tensor to record; returned unchanged
 
 @patch
 def _attach(self:Capture, module, name, t):
-    if not (self._open and self.recording) or self._skip: return
+    if not (self._open and self.recording) or self._skip or _graph_task() != -1: return
     if _inference_on():
         with _normal_mode(): return self._attach(module, name, t)
     mi = self.index[id(module)]
