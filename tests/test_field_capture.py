@@ -254,3 +254,114 @@ def test_checkpointed_recomputation_is_not_recorded(db, reentrant, accumulate):
     assert df[['step', 'module', 'call', 'ttype', 'tname']].equals(want_df[['step', 'module', 'call', 'ttype', 'tname']])
     for (la, ga), (lb, gb) in zip(got, want):                    # and checkpointing changes nothing of the values
         assert torch.allclose(la, lb) and all(torch.allclose(a, b) for a, b in zip(ga, gb))
+
+
+# ---------------------------------------------------------------- 5. a copy of an armed model is a clean bare model
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+def _user_hook(m, args:tuple[torch.Tensor], out:torch.Tensor)->torch.Tensor: return out * 1   # the user's: copies keep it
+
+def _hooks(model):
+    "Every module's hook dicts, as plain dicts of the hooks' identities (functions compare by identity)."
+    names = ('_forward_hooks', '_forward_pre_hooks', '_forward_hooks_with_kwargs', '_forward_hooks_always_called',
+             '_forward_pre_hooks_with_kwargs', '_backward_hooks', '_backward_pre_hooks')
+    return {n: tuple(tuple(getattr(m, a).values()) for a in names) for n, m in model.named_modules()}
+
+def _torchember_in(obj)->list:
+    "Paths to anything of torchember's inside a module's state (attributes, hook dicts), found by walking it."
+    found, seen = [], set()
+    def walk(x, path):
+        if id(x) in seen: return
+        seen.add(id(x))
+        if (type(x).__module__ or '').startswith('torchember') or 'torchember' in (getattr(getattr(x, '__func__', x), '__module__', '') or ''):
+            found.append(path)
+        if isinstance(x, nn.Module):
+            for k, v in vars(x).items(): walk(v, f'{path}.{k}')
+        elif isinstance(x, dict):
+            for k, v in x.items(): walk(v, f'{path}[{k!r}]')
+        elif isinstance(x, (list, tuple, set)):
+            for i, v in enumerate(x): walk(v, f'{path}[{i}]')
+    walk(obj, 'model')
+    return found
+
+COPIES = {'deepcopy': copy.deepcopy, 'pickle': lambda m: pickle.loads(pickle.dumps(m)),
+          'torch.save': lambda m: (torch.save(m, buf := io.BytesIO()), buf.seek(0), torch.load(buf, weights_only=False))[2]}
+
+@pytest.mark.parametrize('how', COPIES)
+@pytest.mark.parametrize('opts', [{}, dict(timing=True, io_grad=True, every=2)], ids=['default', 'timed'])
+def test_copy_of_an_armed_model_is_bare(db, how, opts):
+    model, bare = _mlp(), _mlp()
+    model[1].register_forward_hook(_user_hook); bare[1].register_forward_hook(_user_hook)
+    te = torchEmber(model, run=run_name(), db=db, **opts)
+    x = torch.randn(3, 4)
+    model(x).sum().backward()
+    y = model(x)                                          # a step open, its hooks in place
+    c = COPIES[how](model)
+    assert _torchember_in(c) == []
+    assert not hasattr(c, 'disarm')
+    assert b'torchember' not in pickle.dumps(c)
+    user = [type(h).__name__ for h in c[1]._forward_hooks.values()]
+    assert user == ['function'] and all(not m._forward_pre_hooks for m in c.modules())
+    assert all(not p._post_accumulate_grad_hooks for p in c.parameters())
+    assert [vars(m).keys() for m in c.modules()] == [vars(m).keys() for m in bare.modules()]
+    assert torch.equal(c(x), bare(x))
+    torch.jit.script(c)                                    # the bare model scripts, and so does the copy
+    n = te.flush().run.n_steps
+    c(x).sum().backward()                                  # the copy records nothing
+    assert te.flush().run.n_steps == n
+    y.sum().backward()                                     # the armed model goes on recording
+    model(x)
+    assert te.flush().run.n_steps == n + 1
+    te.disarm()
+    assert _hooks(model) == _hooks(bare)
+
+def test_copy_keeps_the_users_hooks_and_disarm_gives_copying_back(db):
+    import copyreg
+    class Only(nn.Sequential): pass                       # a class no other test arms
+    torch.manual_seed(0)
+    model = Only(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    h = model[0].register_forward_pre_hook(lambda m, a: None)
+    te = torchEmber(model, run=run_name(), db=db)
+    model(torch.randn(2, 4))
+    c = copy.deepcopy(model)
+    assert len(c[0]._forward_pre_hooks) == 1 and not c._forward_pre_hooks and not c._forward_hooks
+    assert Only in copyreg.dispatch_table
+    te.disarm()
+    assert Only not in copyreg.dispatch_table              # copied as usual again
+    h.remove()
+    assert not model[0]._forward_pre_hooks
+
+SAVE = """
+import sys, torch
+from torch import nn
+from torchember import torchEmber
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+te = torchEmber(model, run='saved', db=sys.argv[1], timing=True, io_grad=True)
+model(torch.randn(3, 4)).sum().backward()
+model(torch.randn(3, 4))                        # saved with a step open
+torch.save(model, sys.argv[2])
+torch.save(model.state_dict(), sys.argv[3])
+"""
+LOAD = """
+import sys
+sys.modules['torchember'] = None               # torchember cannot be imported here
+import torch
+model = torch.load(sys.argv[1], weights_only=False)
+model.load_state_dict(torch.load(sys.argv[2]))
+assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+assert not [k for m in model.modules() for k in vars(m) if k in ('disarm', '__getstate__')]
+torch.jit.script(model)
+print(model(torch.ones(1, 4)).shape)
+"""
+
+def test_saved_armed_model_loads_without_torchember(tmp_path):
+    env = dict(os.environ)
+    paths = [str(tmp_path/n) for n in ('s.db', 'model.pt', 'sd.pt')]
+    subprocess.run([sys.executable, '-c', SAVE, *paths], check=True, env=env, capture_output=True)
+    out = subprocess.run([sys.executable, '-c', LOAD, *paths[1:]], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert 'torch.Size([1, 2])' in out.stdout

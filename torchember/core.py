@@ -6,7 +6,7 @@ Docs: https://torchember.github.io/torchember/core.html.md"""
 
 # %% ../nbs/00_core.ipynb #fc509c35
 from __future__ import annotations
-import dataclasses, inspect, sys, time, weakref
+import copyreg, dataclasses, inspect, sys, time, weakref
 from collections import OrderedDict
 from contextlib import contextmanager
 from fnmatch import fnmatchcase
@@ -74,15 +74,15 @@ def named_inputs(args:tuple, kwargs:dict, names:tuple)->list:
 ENTER, EXIT = 'enter', 'exit'
 
 class _Inert:
-    "What the hooks of a pickled or deep-copied armed model become: no-ops."
+    "What a pickled or deep-copied `Capture` (or `torchEmber`, or a stray hook) becomes: a no-op."
     def __call__(self, *args, **kwargs): return None
     def __getattr__(self, name): return _noop
 
 def _noop(*args, **kwargs): return None
 
 class _Hook(partial):
-    "A hook: a `partial` that pickles and deep-copies as an inert no-op."
-    def __reduce__(self): return (_Inert, ())
+    "A hook of torchember's, or anything else arming puts on a module: what a copy of an armed model leaves out."
+    def __reduce__(self): return (_Inert, ())          # only reached where a class copies itself its own way
     def __deepcopy__(self, memo): return _Inert()
 
 # %% ../nbs/00_core.ipynb #62845d51
@@ -141,10 +141,37 @@ class Capture:
     def __deepcopy__(self, memo): return _Inert()
     def __repr__(self): return f"Capture({type(self.model).__name__}, {len(self.mods)} modules, step {self.step}, {'armed' if self.armed else 'disarmed'})"
 
+# %% ../nbs/00_core.ipynb #ce21830f
+_owners = weakref.WeakKeyDictionary()   # module -> the Capture that armed it (for `attach`, and copies)
+
+_HOOK_DICTS = ('_forward_pre_hooks', '_forward_pre_hooks_with_kwargs', '_forward_hooks', '_forward_hooks_with_kwargs',
+               '_forward_hooks_always_called')
+
+def _bare_state(state:dict)->dict:
+    "A module's `state` less every `_Hook` in it, and less the entries of its hook dicts that hold one (with their flags)."
+    ours = {k for a in ('_forward_pre_hooks', '_forward_hooks') for k, h in state.get(a, {}).items() if isinstance(h, _Hook)}
+    state = {k: v for k, v in state.items() if not isinstance(v, _Hook)}
+    for a in _HOOK_DICTS:
+        if ours and a in state: state[a] = OrderedDict((k, v) for k, v in state[a].items() if k not in ours)
+    return state
+
+def _reduce_bare(m:nn.Module):
+    "`m` reduced as it reduces itself, with a bare state if it is armed: what pickles and copies of it are made from."
+    rv = m.__reduce_ex__(4)
+    if m in _owners and isinstance(rv, tuple) and len(rv) > 2 and isinstance(rv[2], dict): rv = (*rv[:2], _bare_state(rv[2]), *rv[3:])
+    return rv
+
+def _copy_bare(classes):
+    "Have copies of the armed modules of `classes` made bare."
+    for cls in classes: copyreg.dispatch_table.setdefault(cls, _reduce_bare)
+
+def _copy_as_usual():
+    "Give `copyreg` back the classes that no armed module has any more."
+    live = {type(m) for m in list(_owners.keys())}
+    for cls in [c for c, r in copyreg.dispatch_table.items() if r is _reduce_bare and c not in live]: del copyreg.dispatch_table[cls]
+
 # %% ../nbs/00_core.ipynb #a259bdd5
 from fastcore.basics import patch
-
-_owners = weakref.WeakKeyDictionary()   # module -> the Capture that armed it (for `attach`)
 
 @patch
 def arm(self:Capture):
@@ -154,6 +181,7 @@ def arm(self:Capture):
     self._root = [root.register_forward_pre_hook(_Hook(self._root_pre), with_kwargs=True, prepend=True),
                   root.register_forward_hook(_Hook(self._root_post), always_call=True)]
     for m in self.mods: _owners[m] = self
+    _copy_bare({type(m) for m in self.mods})
     p = next(iter(self.model.parameters()), None)
     self.clock = _CudaClock() if self.timing and p is not None and p.is_cuda else time.perf_counter
     self.armed = True
@@ -206,6 +234,7 @@ def disarm(self:Capture):
     self._uninstall()
     for m in self.mods:
         if _owners.get(m) is self: del _owners[m]
+    _copy_as_usual()
     self.armed = self.recording = False
     self._depth = 0
     return self
