@@ -365,3 +365,58 @@ def test_saved_armed_model_loads_without_torchember(tmp_path):
     out = subprocess.run([sys.executable, '-c', LOAD, *paths[1:]], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert 'torch.Size([1, 2])' in out.stdout
+
+
+# ---------------------------------------------------------------- 8. torch.compile
+
+def _fresh_mlp():
+    "An MLP of a class made for this call, so no code torch.compile cached for another test applies to it."
+    class Fresh(nn.Sequential): pass
+    torch.manual_seed(0)
+    return Fresh(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+def _steps(fwd, model, n=6):
+    for i in range(n): fwd(torch.randn(16, 4, generator=torch.Generator().manual_seed(i))).sum().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+@pytest.mark.parametrize('backend', ['eager', 'aot_eager'])
+def test_dynamo_stays_out_of_torchembers_code(db, backend):
+    import torch._dynamo as dynamo
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torchember.core import Capture
+    from torchember.stats import Recorder
+    dynamo.reset(); dynamo.utils.counters.clear()
+    model, bare = _fresh_mlp(), _fresh_mlp()
+    te = torchEmber(model, run=run_name(), db=db, timing=True, io_grad=True)
+    compiled = torch.compile(model, backend=backend)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter('always')
+        got = _steps(compiled, model)
+    want = _steps(bare, bare)
+    assert all(torch.allclose(a, b) for a, b in zip(got, want))
+    c = dynamo.utils.counters
+    assert not any('recompile' in k.lower() for k in c['unimplemented']), list(c['unimplemented'])
+    assert c['stats']['unique_graphs'] <= 6                    # graph breaks at the hooks at most, no retracing per step
+    for f in (Capture._root_pre, Capture._pre, Capture._post, Capture._on_grad, Recorder.tensor):
+        assert not _debug_get_cache_entry_list(f.__code__), f   # dynamo compiled none of torchember's code
+    assert not [m for m in tw(rec)]
+    df = te.df()
+    assert sorted(df.step.unique()) == list(range(6)) and df.groupby('step').size().nunique() == 1
+    assert set(df.module) == {'', '0', '1', '2'} and {'input_grad', 'output_grad', 'weight_grad'} <= set(df.ttype)
+    te.disarm()
+
+@pytest.mark.parametrize('same_instance', [True, False], ids=['same_model', 'other_instance'])
+def test_code_compiled_before_arming_is_dropped_with_a_warning(db, same_instance):
+    model = _fresh_mlp()
+    warm = model if same_instance else type(model)(*[copy.deepcopy(m) for m in model])
+    torch.compile(warm, backend='eager')(torch.randn(2, 4)).sum().backward()   # compiled and run once, bare
+    compiled = torch.compile(model, backend='eager')
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter('always')
+        te = torchEmber(model, run=run_name(), db=db)
+    msgs = tw(rec)
+    assert len(msgs) == 1 and 'torch.compile had compiled modules' in msgs[0]
+    for _ in range(3): compiled(torch.randn(2, 4)).sum().backward()
+    assert te.flush().run.n_steps == 3
+    assert set(te.df().module) == {'', '0', '1', '2'}
+    te.disarm()

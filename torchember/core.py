@@ -6,7 +6,7 @@ Docs: https://torchember.github.io/torchember/core.html.md"""
 
 # %% ../nbs/00_core.ipynb #fc509c35
 from __future__ import annotations
-import copyreg, dataclasses, inspect, sys, time, weakref
+import copyreg, dataclasses, inspect, sys, time, warnings, weakref
 from collections import OrderedDict
 from contextlib import contextmanager
 from fnmatch import fnmatchcase
@@ -170,6 +170,28 @@ def _copy_as_usual():
     live = {type(m) for m in list(_owners.keys())}
     for cls in [c for c, r in copyreg.dispatch_table.items() if r is _reduce_bare and c not in live]: del copyreg.dispatch_table[cls]
 
+# %% ../nbs/00_core.ipynb #4bd4e179
+def _dynamo_skips(*fns):
+    "Have dynamo skip `fns` and everything they call (where this torch can)."
+    try:
+        from torch._C._dynamo.eval_frame import set_code_exec_strategy, _FrameExecStrategy, _FrameAction
+        skip = _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP)
+    except (ImportError, AttributeError): return
+    for f in fns: set_code_exec_strategy(f.__code__, skip)
+
+def _forget_compiled_modules()->bool:
+    "Discard the code `torch.compile(module)` compiled so far (it would skip hooks put on since); whether there was any."
+    if 'torch._dynamo' not in sys.modules: return False   # nothing was ever compiled
+    try:
+        from torch._dynamo.external_utils import wrap_inline
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+        from torch._C._dynamo.eval_frame import reset_code
+        code = wrap_inline(_noop).__code__               # the frame every compiled module's call runs in
+        if not _debug_get_cache_entry_list(code): return False
+        reset_code(code)
+        return True
+    except (ImportError, AttributeError): return False
+
 # %% ../nbs/00_core.ipynb #a259bdd5
 from fastcore.basics import patch
 
@@ -182,6 +204,11 @@ def arm(self:Capture):
                   root.register_forward_hook(_Hook(self._root_post), always_call=True)]
     for m in self.mods: _owners[m] = self
     _copy_bare({type(m) for m in self.mods})
+    if _forget_compiled_modules():
+        warnings.warn(f"torchember: torch.compile had compiled modules before {type(self.model).__name__} was armed; that code "
+                      "skips hooks, so it was discarded (compiled modules recompile once). Compile after arming to avoid this; "
+                      "a function compiled around the model must be compiled after arming (or call torch.compiler.reset())",
+                      stacklevel=4)
     p = next(iter(self.model.parameters()), None)
     self.clock = _CudaClock() if self.timing and p is not None and p.is_cuda else time.perf_counter
     self.armed = True
@@ -431,3 +458,7 @@ def _attach(self:Capture, module, name, t):
         with _normal_mode(): return self._attach(module, name, t)
     mi = self.index[id(module)]
     self.recorder.tensor(mi, max(self._calls[mi] - 1, 0), 'attached', name, t)
+
+# %% ../nbs/00_core.ipynb #fa44ee2f
+_dynamo_skips(Capture._root_pre, Capture._root_post, Capture._pre, Capture._post, Capture._on_grad,
+              Capture._grad_hook, Capture._grads_done, Capture._attach, Capture.close)
