@@ -420,3 +420,30 @@ def test_code_compiled_before_arming_is_dropped_with_a_warning(db, same_instance
     assert te.flush().run.n_steps == 3
     assert set(te.df().module) == {'', '0', '1', '2'}
     te.disarm()
+
+
+def test_armed_model_in_a_lightning_fit_with_validation(db, tmp_path):
+    "`Trainer.validate` (and `test`, `predict`) run under torch.inference_mode."
+    L = pytest.importorskip('lightning.pytorch')
+    class Reg(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.2), nn.ReLU(), nn.Linear(8, 1))
+        def forward(self, x): return self.net(x)
+        def training_step(self, batch, i): return nn.functional.mse_loss(self(batch[0]), batch[1])
+        def validation_step(self, batch, i): self.log('val', nn.functional.mse_loss(self(batch[0]), batch[1]))
+        def configure_optimizers(self): return torch.optim.SGD(self.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 1, generator=g))
+    dl = lambda: torch.utils.data.DataLoader(data, batch_size=8)
+    torch.manual_seed(0)
+    module = Reg()
+    te = torchEmber(module, run=run_name(), db=db)
+    trainer = L.Trainer(accelerator='cpu', max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(module, dl(), dl())
+    trainer.validate(module, dl())                         # under torch.inference_mode
+    steps = te.flush().run.steps()
+    te.disarm()
+    assert (~steps.training).sum() == 2 + 2 * 4 + 4      # the sanity check's 2 batches, 4 a validation epoch, validate's 4
+    assert steps.training.sum() == 2 * 4

@@ -186,11 +186,12 @@ def _forget_compiled_modules()->bool:
         from torch._dynamo.external_utils import wrap_inline
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list
         from torch._C._dynamo.eval_frame import reset_code
-        code = wrap_inline(_noop).__code__               # the frame every compiled module's call runs in
-        if not _debug_get_cache_entry_list(code): return False
-        reset_code(code)
-        return True
     except (ImportError, AttributeError): return False
+    # the frames a compiled module's call runs in
+    codes = [c for c in (wrap_inline(_noop).__code__, nn.Module._wrapped_call_impl.__code__, nn.Module._call_impl.__code__)
+             if _debug_get_cache_entry_list(c)]
+    for c in codes: reset_code(c)
+    return bool(codes)
 
 # %% ../nbs/00_core.ipynb #a259bdd5
 from fastcore.basics import patch
