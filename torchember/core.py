@@ -6,8 +6,9 @@ Docs: https://torchember.github.io/torchember/core.html.md"""
 
 # %% ../nbs/00_core.ipynb #fc509c35
 from __future__ import annotations
-import dataclasses, inspect, sys, time, weakref
+import copyreg, dataclasses, inspect, sys, time, warnings, weakref
 from collections import OrderedDict
+from contextlib import contextmanager
 from fnmatch import fnmatchcase
 from functools import partial
 import torch
@@ -73,15 +74,15 @@ def named_inputs(args:tuple, kwargs:dict, names:tuple)->list:
 ENTER, EXIT = 'enter', 'exit'
 
 class _Inert:
-    "What the hooks of a pickled or deep-copied armed model become: no-ops."
+    "What a pickled or deep-copied `Capture` (or `torchEmber`, or a stray hook) becomes: a no-op."
     def __call__(self, *args, **kwargs): return None
     def __getattr__(self, name): return _noop
 
 def _noop(*args, **kwargs): return None
 
 class _Hook(partial):
-    "A hook: a `partial` that pickles and deep-copies as an inert no-op."
-    def __reduce__(self): return (_Inert, ())
+    "A hook of torchember's, or anything else arming puts on a module: what a copy of an armed model leaves out."
+    def __reduce__(self): return (_Inert, ())          # only reached where a class copies itself its own way
     def __deepcopy__(self, memo): return _Inert()
 
 # %% ../nbs/00_core.ipynb #62845d51
@@ -124,7 +125,7 @@ class Capture:
         self.step, self.enabled, self.armed = -1, True, False
         self.recording, self._depth, self._open, self._skip = False, 0, False, False
         self._root, self._made, self._hooked = [], None, None
-        self._grads, self._times = None, {}
+        self._grads, self._times, self._tensor_hooks = None, {}, []
         self.clock = time.perf_counter
 
     def current_params(self)->list:
@@ -140,10 +141,60 @@ class Capture:
     def __deepcopy__(self, memo): return _Inert()
     def __repr__(self): return f"Capture({type(self.model).__name__}, {len(self.mods)} modules, step {self.step}, {'armed' if self.armed else 'disarmed'})"
 
+# %% ../nbs/00_core.ipynb #ce21830f
+_owners = weakref.WeakKeyDictionary()   # module -> the Capture that armed it (for `attach`, and copies)
+
+_HOOK_DICTS = ('_forward_pre_hooks', '_forward_pre_hooks_with_kwargs', '_forward_hooks', '_forward_hooks_with_kwargs',
+               '_forward_hooks_always_called')
+
+def _bare_state(state:dict)->dict:
+    "A module's `state` less every `_Hook` in it, and less the entries of its hook dicts that hold one (with their flags)."
+    ours = {k for a in ('_forward_pre_hooks', '_forward_hooks') for k, h in state.get(a, {}).items() if isinstance(h, _Hook)}
+    state = {k: v for k, v in state.items() if not isinstance(v, _Hook)}
+    for a in _HOOK_DICTS:
+        if ours and a in state: state[a] = OrderedDict((k, v) for k, v in state[a].items() if k not in ours)
+    return state
+
+def _reduce_bare(m:nn.Module):
+    "`m` reduced as it reduces itself, with a bare state if it is armed: what pickles and copies of it are made from."
+    rv = m.__reduce_ex__(4)
+    if m in _owners and isinstance(rv, tuple) and len(rv) > 2 and isinstance(rv[2], dict): rv = (*rv[:2], _bare_state(rv[2]), *rv[3:])
+    return rv
+
+def _copy_bare(classes):
+    "Have copies of the armed modules of `classes` made bare."
+    for cls in classes: copyreg.dispatch_table.setdefault(cls, _reduce_bare)
+
+def _copy_as_usual():
+    "Give `copyreg` back the classes that no armed module has any more."
+    live = {type(m) for m in list(_owners.keys())}
+    for cls in [c for c, r in copyreg.dispatch_table.items() if r is _reduce_bare and c not in live]: del copyreg.dispatch_table[cls]
+
+# %% ../nbs/00_core.ipynb #4bd4e179
+def _dynamo_skips(*fns):
+    "Have dynamo skip `fns` and everything they call (where this torch can)."
+    try:
+        from torch._C._dynamo.eval_frame import set_code_exec_strategy, _FrameExecStrategy, _FrameAction
+        skip = _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP)
+    except (ImportError, AttributeError): return
+    for f in fns: set_code_exec_strategy(f.__code__, skip)
+
+def _forget_compiled_modules()->bool:
+    "Discard the code `torch.compile(module)` compiled so far (it would skip hooks put on since); whether there was any."
+    if 'torch._dynamo' not in sys.modules: return False   # nothing was ever compiled
+    try:
+        from torch._dynamo.external_utils import wrap_inline
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+        from torch._C._dynamo.eval_frame import reset_code
+    except (ImportError, AttributeError): return False
+    # the frames a compiled module's call runs in
+    codes = [c for c in (wrap_inline(_noop).__code__, nn.Module._wrapped_call_impl.__code__, nn.Module._call_impl.__code__)
+             if _debug_get_cache_entry_list(c)]
+    for c in codes: reset_code(c)
+    return bool(codes)
+
 # %% ../nbs/00_core.ipynb #a259bdd5
 from fastcore.basics import patch
-
-_owners = weakref.WeakKeyDictionary()   # module -> the Capture that armed it (for `attach`)
 
 @patch
 def arm(self:Capture):
@@ -153,6 +204,12 @@ def arm(self:Capture):
     self._root = [root.register_forward_pre_hook(_Hook(self._root_pre), with_kwargs=True, prepend=True),
                   root.register_forward_hook(_Hook(self._root_post), always_call=True)]
     for m in self.mods: _owners[m] = self
+    _copy_bare({type(m) for m in self.mods})
+    if _forget_compiled_modules():
+        warnings.warn(f"torchember: torch.compile had compiled modules before {type(self.model).__name__} was armed; that code "
+                      "skips hooks, so it was discarded (compiled modules recompile once). Compile after arming to avoid this; "
+                      "a function compiled around the model must be compiled after arming (or call torch.compiler.reset())",
+                      stacklevel=4)
     p = next(iter(self.model.parameters()), None)
     self.clock = _CudaClock() if self.timing and p is not None and p.is_cuda else time.perf_counter
     self.armed = True
@@ -205,16 +262,29 @@ def disarm(self:Capture):
     self._uninstall()
     for m in self.mods:
         if _owners.get(m) is self: del _owners[m]
+    _copy_as_usual()
     self.armed = self.recording = False
     self._depth = 0
     return self
 
 # %% ../nbs/00_core.ipynb #bfdbd434
+_inference_on = torch.is_inference_mode_enabled
+_graph_task = torch._C._current_graph_task_id   # -1 unless a backward is running on this thread
+
+@contextmanager
+def _normal_mode():
+    "Inference mode and grad off, for torchember's own work inside a call made under `torch.inference_mode`."
+    with torch.inference_mode(False), torch.no_grad(): yield
+
 @patch
-def _root_pre(self:Capture, mod, args, kwargs):
+def _root_pre(self:Capture, mod, args, kwargs, inference:bool=False):
+    if _graph_task() != -1: return      # a forward recomputed by activation checkpointing: not a step
+    if _inference_on():
+        with _normal_mode(): return self._root_pre(mod, args, kwargs, inference=True)
     if self._depth and not self._nested(): self._depth = 0   # the last root call was interrupted (Ctrl-C)
     if self._depth == 0:
-        self._skip = not self.record_eval and not mod.training
+        training = mod.training and not inference
+        self._skip = not self.record_eval and not training
         if self._skip:                 # an eval-mode call, and eval calls are not recorded: not a step at all
             self._depth += 1
             return
@@ -232,10 +302,10 @@ def _root_pre(self:Capture, mod, args, kwargs):
         self.recording = rec
         if rec:
             self._open, self._events, self._calls, self._stack = True, [], [0]*len(self.mods), []
-            self.recorder.open(self.step, training=mod.training)
+            self.recorder.open(self.step, training=training)
             self.recorder.params(self.step, 'weight', [(mi, pn, p) for mi, pn, p in self.params])
     self._depth += 1
-    if self.recording and self.selected[0]: self._pre(0, mod, args, kwargs)
+    if self.recording and self.selected[0]: self._pre(0, mod, args, kwargs, inference)
 
 @patch
 def _nested(self:Capture)->bool:
@@ -248,6 +318,9 @@ def _nested(self:Capture)->bool:
 
 @patch
 def _root_post(self:Capture, mod, args, out):
+    if _graph_task() != -1: return
+    if _inference_on():
+        with _normal_mode(): return self._root_post(mod, args, out)
     if self.recording and self.selected[0]: self._post(0, mod, args, out)
     self._depth -= 1
     if self._depth == 0:
@@ -258,22 +331,29 @@ def _root_post(self:Capture, mod, args, out):
 
 # %% ../nbs/00_core.ipynb #4fa25472
 @patch
-def _pre(self:Capture, mi, mod, args, kwargs):
-    if not self._open or self._skip: return
+def _pre(self:Capture, mi, mod, args, kwargs, inference:bool=False):
+    if not self._open or self._skip or _graph_task() != -1: return   # not recomputation in a backward
+    if _inference_on():
+        with _normal_mode(): return self._pre(mi, mod, args, kwargs, True)
     c = self._calls[mi]
     self._calls[mi] = c + 1
-    self._stack.append(c)
+    stack = self._stack
+    stack.append((mi, c))
     self._events.append((ENTER, mi, c))
     rec = self.recorder.tensor
     ins = named_inputs(args, kwargs, self.sigs[mi])
     for name, t in ins: rec(mi, c, 'input', name, t)
     if self.timing or self.io_grad: self._watch_grads(mi, c, 'input_grad', ins)
-    if self.timing: self._times[mi, c] = [mod.training, self.clock(), None, None, None]
+    if self.timing:   # the last item: the timing of the call around this one (None for the outermost)
+        self._times[mi, c] = [mod.training and not inference, self.clock(), None, None, None,
+                              self._times.get(stack[-2]) if len(stack) > 1 else None]
 
 @patch
 def _post(self:Capture, mi, mod, args, out):
-    if not self._open or self._skip or not self._stack: return
-    c = self._stack.pop()
+    if not self._open or self._skip or not self._stack or _graph_task() != -1: return
+    if _inference_on():
+        with _normal_mode(): return self._post(mi, mod, args, out)
+    c = self._stack.pop()[1]
     if self.timing and (mi, c) in self._times: self._times[mi, c][2] = self.clock()
     rec = self.recorder.tensor
     outs = [('output', out)] if isinstance(out, torch.Tensor) else named_tensors(out, 'output')
@@ -298,10 +378,11 @@ def elapsed_ms(a, b)->float|None:
 
 @patch
 def _watch_grads(self:Capture, mi, c, ttype, tensors):
-    "Hook the grads of `tensors` (named) of call `c` of module `mi`."
+    "Hook the grads of `tensors` (named) of call `c` of module `mi`, until the step closes (no hooks when grad is off)."
+    if not torch.is_grad_enabled(): return
     for name, t in tensors:
         if t.requires_grad:
-            try: t.register_hook(_Hook(self._on_grad, mi, c, ttype, name))
+            try: self._tensor_hooks.append(t.register_hook(_Hook(self._on_grad, mi, c, ttype, name)))
             except RuntimeError: pass          # e.g. a tensor that autograd won't hook; its grads go unseen
 
 @patch
@@ -312,8 +393,12 @@ def _on_grad(self:Capture, mi, c, ttype, name, g):
         now = self.clock()
         if ttype == 'output_grad':
             if t[3] is None: t[3] = now
-        else: t[4] = now
+        else: _ended(t, now)
     if self.io_grad and g is not None: self.recorder.tensor(mi, c, ttype, name, sample_norms(g))
+
+def _ended(t:list, now):
+    "Mark the backward of the call timed by `t`, and of every call around it, as ended no earlier than `now`."
+    while t is not None: t[4], t = now, t[5]
 
 def sample_norms(g:torch.Tensor)->torch.Tensor:
     "The L2 norm of each sample (first dimension) of grad `g`, on its device; a 0-d grad is one sample."
@@ -328,7 +413,7 @@ def _grad_hook(self:Capture, pi, p):
     if self.timing and self._open:
         now, mi = self.clock(), self.params[pi][0]
         for c in range(self._calls[mi]):            # every call of the module that owns `p` ends its backward no earlier
-            if (t := self._times.get((mi, c))) is not None: t[4] = now
+            if (t := self._times.get((mi, c))) is not None: _ended(t, now)
     if self._grads is None:
         self._grads = {}
         torch.autograd.Variable._execution_engine.queue_callback(_Hook(self._grads_done, True))
@@ -345,10 +430,15 @@ def _grads_done(self:Capture, again:bool=False):
 
 @patch
 def close(self:Capture):
-    "Close the open step, if any, handing its events to the recorder."
+    "Close the open step, if any, handing its events to the recorder; remove the tensor hooks it made."
+    if self._tensor_hooks:
+        for h in self._tensor_hooks: h.remove()
+        self._tensor_hooks = []
     if not self._open: return
+    if _inference_on():
+        with _normal_mode(): return self.close()
     self._open = False
-    calls = [(mi, c, *t) for (mi, c), t in self._times.items()]
+    calls = [(mi, c, *t[:5]) for (mi, c), t in self._times.items()]
     self._times = {}
     self.recorder.close(self.step, self._events, calls=calls)
 
@@ -364,6 +454,12 @@ def attach(t:torch.Tensor,     # the tensor to record; returned unchanged
 
 @patch
 def _attach(self:Capture, module, name, t):
-    if not (self._open and self.recording) or self._skip: return
+    if not (self._open and self.recording) or self._skip or _graph_task() != -1: return
+    if _inference_on():
+        with _normal_mode(): return self._attach(module, name, t)
     mi = self.index[id(module)]
     self.recorder.tensor(mi, max(self._calls[mi] - 1, 0), 'attached', name, t)
+
+# %% ../nbs/00_core.ipynb #fa44ee2f
+_dynamo_skips(Capture._root_pre, Capture._root_post, Capture._pre, Capture._post, Capture._on_grad,
+              Capture._grad_hook, Capture._grads_done, Capture._attach, Capture.close)

@@ -329,12 +329,14 @@ def tensor(self, mi, call, ttype, tname, t):
     if self.on_tensor is not None: self.on_tensor(self.rec, mi, call, ttype, tname, t)
     fn = self.stat_fns[ttype]
     keys, key = self.rec.keys, id(t)
+    try: version = t._version
+    except RuntimeError: version = None   # an inference tensor keeps no version counter: measured each time it is seen
     seen = self._seen.get(key)
-    if seen is not None and seen[0]() is t and seen[1] == t._version and seen[2] is fn:
+    if seen is not None and seen[0]() is t and version is not None and seen[1] == version and seen[2] is fn:
         prev = keys[seen[3]]
         keys.append((mi, call, ttype, tname, prev[4], prev[5], prev[6], prev[7]))
         return
-    self._seen[key] = (weakref.ref(t), t._version, fn, len(keys))
+    self._seen[key] = (weakref.ref(t), version, fn, len(keys))
     if fn is default_stats: mrow, xi = self._default(t, copy=True, where=(mi, ttype, tname)), -1
     else: mrow, xi = -1, self._custom(fn, t, mi, ttype, tname)
     keys.append((mi, call, ttype, tname, shape_of(t), dtype_name(t), mrow, xi))
