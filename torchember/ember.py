@@ -156,6 +156,7 @@ def _emit(self:torchEmber, rec):
     if self._forked: return           # the parent's torchEmber, in a forked child: records nothing
     if self.writer is None: self.writer = Writer(self._write_steps, strict=self.strict, size=_rec_bytes, group=GROUP)
     self.writer.submit(rec)
+    if _chained and threading.get_ident() == threading.main_thread().ident: _install_handlers()   # a handler set since arming goes behind ours
 
 def _rec_bytes(rec)->int:
     "About the memory a waiting `StepRecord` holds: its keys and stats, and its snapshots."
@@ -251,7 +252,7 @@ def _closing(frame)->bool:
     return False
 
 def _install_handlers():
-    "Put `_on_signal` in front of SIGTERM's and SIGINT's handlers (from the main thread only; one set from C or ignored is left alone)."
+    "Put `_on_signal` in front of SIGTERM's and SIGINT's handlers (from the main thread only; one set from C or ignored is left alone); at arming, and at each recorded step for a handler the user set since."
     if threading.current_thread() is not threading.main_thread(): return
     for sig in (signal.SIGTERM, signal.SIGINT):
         cur = signal.getsignal(sig)
