@@ -388,7 +388,7 @@ with torch.no_grad():
 te.disarm()
 df = te.run.df(ttype='weight', module='0')
 w = df.set_index(['step', 'tname'])[['numel', 'mean', 'std', 'min', 'max', 'norm']]
-print(sorted(df.step.unique().tolist()), len(df), bool(((w.loc[1] - w.loc[0]).abs() < 1e-6).all().all()))
+print(sorted(df.step.unique().tolist()), len(df), bool(((w.loc[1] - w.loc[0]).abs() <= 1e-6 * w.loc[0].abs().clip(lower=1)).all().all()))   # torch's kernels sum large float32 tensors in float32
 '''
 
 def test_weights_that_become_a_tensor_subclass_are_not_read_as_plain_memory(tmp_path):

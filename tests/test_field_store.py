@@ -213,3 +213,19 @@ def test_new_folders_private(tmp_path):
     finally: os.umask(old)
     for d in ('a', 'a/b', 'a/b/c'): assert oct((tmp_path/d).stat().st_mode & 0o777) == '0o700', d
     assert oct((tmp_path/'a/b/c/store.db').stat().st_mode & 0o777) == '0o600'
+
+
+def test_disarm_gives_the_rank_back_and_arm_claims_it_again(store, tmp_path):
+    "A notebook that finished training lets another process resume its run; arming again claims it again."
+    from torchember import torchEmber
+    model = torch.nn.Linear(3, 1)
+    te = torchEmber(model, run="nb", db=store)
+    model(torch.randn(2, 3)).sum().backward()
+    te.disarm()
+    code = f"import torch; from torchember import torchEmber; m = torch.nn.Linear(3, 1); te = torchEmber(m, run='nb', db={store!r}, resume=True); m(torch.randn(2, 3)).sum().backward(); te.disarm(); print('resumed')"
+    r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
+    assert 'resumed' in r.stdout, r.stderr[-2000:]
+    te.arm()     # claimed again by this process: now another is refused
+    holder = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
+    assert 'being recorded by another live process' in holder.stderr, holder.stderr[-2000:]
+    te.disarm()

@@ -171,6 +171,9 @@ def test_sigint_raises_keyboard_interrupt_after_writing(tmp_path):
     assert set(range(max(printed) + 1)) <= set(_stored(str(db), 'r'))
 
 def test_handlers_are_put_back_when_the_last_model_is_disarmed(db):
+    import gc, torchember.ember as E
+    gc.collect()
+    for other in list(E._armed.values()): other.disarm()    # models earlier tests left armed
     before = signal.getsignal(signal.SIGTERM)
     model = _mlp()
     te = torchEmber(model, run='handlers', db=db)

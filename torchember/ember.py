@@ -16,7 +16,7 @@ from fastcore.basics import patch
 from .core import Capture, module_tree, module_info, _Inert, _Hook
 from .stats import Recorder, TTYPES, default_stats
 from .instruments import hist_stats, Snapshots, Changes, UpdateTracker
-from .store import engine, create_run, write_step, Writer, db_url, keyed_by_rank, StoreError
+from .store import engine, create_run, claim, release, write_step, Writer, db_url, keyed_by_rank, StoreError
 from .query import Run
 
 # %% auto #0
@@ -68,7 +68,7 @@ class torchEmber:
         if track_updates: self.recorder.param_extras = UpdateTracker()
         self._changes = Changes()
         self.writer, self._disarm_hook, self._last_events = None, _Hook(self.disarm), (None, None)
-        self._forked, self._dropped = False, 0
+        self._forked, self._dropped, self._released = False, 0, False
         self.engine = self.run_id = None
         if not self.recording: return        # a rank left out: nothing armed, nothing written
         config = dict(every=every, modules=None if modules is None else repr(modules), record_eval=record_eval,
@@ -275,6 +275,9 @@ def arm(self:torchEmber):
                                         "a fork; arm the model here with a torchEmber of its own, under another run name")
     other = _armed.get(self.model)
     if other is not None and other is not self and other.capture.armed: other.disarm()
+    if self._released:                 # disarmed before: claim the run's rank again
+        with self.engine.begin() as c: claim(c, self.run_name, self.run_id, self.rank)
+        self._released = False
     _armed[self.model] = self
     _embers.add(self)
     _install_handlers()
@@ -305,6 +308,10 @@ def disarm(self:torchEmber):
         finally:
             w.close()
             self._dropped += w.dropped + w.failed
+    if self.engine is not None and not self._forked and not self._released:
+        try: release(self.engine, self.run_id, self.rank)      # another process may now resume the run
+        except Exception: pass
+        self._released = True
     return self
 
 @patch

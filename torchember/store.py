@@ -19,8 +19,8 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 __all__ = ['SCHEMA_VERSION', 'MEMORY', 'metadata', 'STAT_COLS', 'Str', 'Size', 'meta_t', 'runs_t', 'ranks_t', 'modules_t',
            'steps_t', 'events_t', 'stats_t', 'calls_t', 'scalars_t', 'snapshots_t', 'VIEWS', 'ROWS_PER_INSERT',
            'LINGER_S', 'PENDING_STEPS', 'PENDING_BYTES', 'RETRY_S', 'EXIT_WAIT_S', 'default_db', 'db_url', 'check_name',
-           'escaped', 'StoreError', 'engine', 'keyed_by_rank', 'create_run', 'claim', 'write_step', 'idle_priority',
-           'store_busy', 'Writer']
+           'escaped', 'StoreError', 'engine', 'keyed_by_rank', 'create_run', 'claim', 'release', 'write_step',
+           'idle_priority', 'store_busy', 'Writer']
 
 # %% ../nbs/02_store.ipynb #2b4773a6
 SCHEMA_VERSION = 2
@@ -385,17 +385,32 @@ def _pg_claimed(eng, run_id:int, rank:int, tries:int=10)->bool:
 
 _claims = {}   # url -> the connection whose session holds this process's advisory locks (PostgreSQL)
 
+def _pg_key(run_id:int, rank:int)->int:
+    "The advisory lock key of `(run_id, rank)`."
+    return int.from_bytes(hashlib.blake2b(f'torchember run {run_id} rank {rank}'.encode(), digest_size=8).digest(), 'big', signed=True)
+
 def _pg_lock(eng, run_id:int, rank:int)->bool:
     "Take the session advisory lock of `(run_id, rank)` on a connection held for the life of the process; whether it was free."
     url = eng.url.render_as_string(hide_password=False)
     with _lock:
-        key = int.from_bytes(hashlib.blake2b(f'torchember run {run_id} rank {rank}'.encode(), digest_size=8).digest(), 'big', signed=True)
+        key = _pg_key(run_id, rank)
         for attempt in (0, 1):
             if url not in _claims or _claims[url].closed or attempt:   # none yet, or the last one was lost (a server restart)
                 _claims[url] = sa.create_engine(url, poolclass=sa.pool.NullPool, isolation_level='AUTOCOMMIT').connect()
             try: return bool(_claims[url].exec_driver_sql('SELECT pg_try_advisory_lock(%(k)s)', dict(k=key)).scalar())
             except sa.exc.DBAPIError:
                 if attempt: raise
+
+def release(eng, run_id:int, rank:int):
+    "Give up this process's claim on `rank` of run `run_id` (at `disarm`): another process may then resume it."
+    if eng.dialect.name == 'postgresql':
+        with _lock:
+            conn = _claims.get(eng.url.render_as_string(hide_password=False))
+            if conn is not None and not conn.closed: conn.exec_driver_sql('SELECT pg_advisory_unlock(%(k)s)', dict(k=_pg_key(run_id, rank)))
+        return
+    with eng.begin() as c:
+        c.execute(update(ranks_t).where(ranks_t.c.run_id == run_id, ranks_t.c.rank == rank, ranks_t.c.pid == os.getpid(),
+                                        ranks_t.c.host == socket.gethostname()).values(pid=None))
 
 # %% ../nbs/02_store.ipynb #a8b558f6
 _sql = {}
