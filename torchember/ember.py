@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from fastcore.basics import patch
 from .core import Capture, module_tree, module_info, _Inert, _Hook
-from .stats import Recorder, TTYPES, default_stats
+from .stats import Recorder, TTYPES, VECTOR_MAX, default_stats
 from .instruments import hist_stats, Snapshots, Changes, UpdateTracker
 from .store import engine, create_run, claim, release, write_step, Writer, db_url, keyed_by_rank, StoreError
 from .query import Run
@@ -106,7 +106,7 @@ def _check_args(run, db, every, hist, sample_n, outliers, snapshot, snapshot_fn,
     need(isint(every), 'every', every, 'an int')
     need(every >= 1, 'every', every, 'an int >= 1', ValueError)
     need(isint(hist), 'hist', hist, 'an int (histogram bins, 0 for none)')
-    need(hist >= 0, 'hist', hist, 'an int >= 0', ValueError)
+    need(0 <= hist <= VECTOR_MAX, 'hist', hist, f'an int from 0 to {VECTOR_MAX} (a stat holds at most that many values)', ValueError)
     need(sample_n is None or isint(sample_n), 'sample_n', sample_n, 'an int or None')
     need(sample_n is None or sample_n > 0, 'sample_n', sample_n, 'an int > 0 or None', ValueError)
     need(outliers is None or isinstance(outliers, (int, float)) and not isinstance(outliers, bool), 'outliers', outliers, 'a number or None')
