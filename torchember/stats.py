@@ -395,7 +395,13 @@ def _warn(self, key, msg):
 
 @patch_to(Recorder)
 def _custom(self, fn, t, mi, ttype, tname):
-    "Run a custom stat function on `t`; its index in the step's extras, or -1 if it failed."
+    "Run a custom stat function on `t` (its time added to `fn`'s seconds in the step); its index in the step's extras, or -1 if it failed."
+    t0 = time.perf_counter()
+    try: return self._run_custom(fn, t, mi, ttype, tname)
+    finally: self._spent[fn] = self._spent.get(fn, 0.) + time.perf_counter() - t0
+
+@patch_to(Recorder)
+def _run_custom(self, fn, t, mi, ttype, tname):
     name = getattr(fn, '__name__', repr(fn))
     try:
         with torch.no_grad():
@@ -414,15 +420,6 @@ def _custom(self, fn, t, mi, ttype, tname):
 
 # %% ../nbs/01_stats.ipynb #ee492e67
 SLOW_FRACTION, SLOW_S = 0.5, 0.1
-
-_untimed_custom = Recorder._custom
-
-@patch_to(Recorder)
-def _custom(self, fn, t, mi, ttype, tname):
-    "`_untimed_custom`, its time added to `fn`'s seconds in the step."
-    t0 = time.perf_counter()
-    try: return _untimed_custom(self, fn, t, mi, ttype, tname)
-    finally: self._spent[fn] = self._spent.get(fn, 0.) + time.perf_counter() - t0
 
 @patch_to(Recorder)
 def _name_slow(self):
