@@ -273,7 +273,7 @@ def test_empty_store_and_unknown_run(tmp_path):
 # the report
 
 def test_report_html(store, tmp_path):
-    p = report('bad', store, tmp_path/'out'/'bad.html')
+    p = report('bad', tmp_path/'out'/'bad.html', store)
     assert p == (tmp_path/'out'/'bad.html').resolve() and p.exists()
     page = p.read_text()
     assert not re.search(r'<script[^>]*\bsrc\s*=\s*["\']?(https?:)?//', page)
@@ -293,7 +293,7 @@ def test_report_html(store, tmp_path):
 def test_report_paths(store, tmp_path):
     r = load('good', store)
     assert r.report(tmp_path/'a'/'b'/'r.html') == (tmp_path/'a'/'b'/'r.html').resolve()
-    assert report('good', store, str(tmp_path/'dir') + '/').name == 'good.html'
+    assert report('good', str(tmp_path/'dir') + '/', store).name == 'good.html'
     (tmp_path/'dir'/'link.html').symlink_to(tmp_path/'outside.html')
     with pytest.raises(ValueError, match='outside'): r.report(tmp_path/'dir'/'link.html')
     assert not (tmp_path/'outside.html').exists()
@@ -306,4 +306,4 @@ def test_cli(store, tmp_path):
     assert res.stdout.strip() == str(out.resolve()) and out.exists()
     res = subprocess.run([sys.executable, '-m', 'torchember.cli', 'report', 'nope', '--db', store],
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert res.returncode == 1 and "no run named 'nope'" in res.stderr
+    assert res.returncode == 2 and "no run named 'nope'" in res.stderr

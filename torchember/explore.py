@@ -114,7 +114,7 @@ class Explorer(W.VBox):
         self.stop_button.on_click(lambda _: self.stop())
         names = self._fill_runs()
         if run is not None and run not in names: load(run, db)   # raises, naming the runs there are
-        if names: self.show_run(run or names[0])
+        if names: self.show_run(run or self._newest())
         else: self.status.value = 'no runs in this store yet'
 
     def close(self):
@@ -147,7 +147,14 @@ def _fill_runs(self:Explorer)->list:
     with self._quiet():
         _set_options(self.run_picker, opts)
         _set_options(self.overlay_picker, [('(none)', ''), *opts])
+    self._runs = rs
     return rs['name'].tolist()
+
+@patch
+def _newest(self:Explorer)->str:
+    "The newest run that has steps (a run just created, not yet stepped, is passed over), else the newest."
+    rs = self._runs
+    return next(iter(rs.loc[rs['steps'] > 0, 'name']), rs['name'].iloc[0])
 
 @patch
 def show_run(self:Explorer, name:str):
@@ -362,7 +369,7 @@ def poll(self:Explorer)->bool:
     with self._lock:
         names = self._fill_runs()
         if self.run is None:
-            if names: self.show_run(names[0])
+            if names: self.show_run(self._newest())
             return bool(names)
         seen = self._state()   # read before the steps: a step closed meanwhile is new to the next poll
         if seen == self._seen: return False

@@ -121,8 +121,8 @@ def _target(path, run:str)->Path:
     return target
 
 def report(run,                  # a run name, or a `Run`
-           db=None,              # the store, when `run` is a name
            path='report.html',   # the file to write, or a folder for `<run>.html`
+           db=None,              # the store, when `run` is a name
            max_points:int=500,   # at most this many steps per line
            rank:int=None,        # in a run of several ranks, the one to draw; default the first
           )->Path:               # the file written
@@ -138,19 +138,52 @@ def report(self:Run, path='report.html', max_points:int=500, rank:int=None)->Pat
     return report(self, path=path, max_points=max_points, rank=rank)
 
 # %% ../nbs/06_report.ipynb #266641d5
+import sys
 from typing import Annotated
+import sqlalchemy as sa
 from fastcore.script import call_parse, is_cli, CliError
+from . import __version__
+from .store import StoreError
+from .query import runs, delete_run
 
 # %% ../nbs/06_report.ipynb #f4fa2d59
-@call_parse
-def main(command:Annotated[str, "what to do: `report` writes a run's HTML report", {'choices': ['report']}],
-         run:str,                     # the run's name
+def _fail(msg:str):
+    "Stop the command: one line on stderr and exit status 2 from a shell, a `CliError` from Python."
+    if not is_cli(main): raise CliError(msg)   # is_cli(main): not another command (nbdev-test) running this one
+    print(msg, file=sys.stderr)
+    raise SystemExit(2)
+
+def _ls(db)->pd.DataFrame:
+    rs = runs(db)
+    if is_cli(main):
+        where = engine(db).url.database or engine(db).url.render_as_string(hide_password=True)
+        shown = rs.assign(started=rs['started'].dt.strftime('%Y-%m-%d %H:%M'), last_step=rs['last_step'].astype('Int64'))
+        print(shown[['name', 'model', 'steps', 'last_step', 'started']].to_string(index=False) if len(rs) else f"no runs in {where}")
+    return rs
+
+def _rm(run, db)->dict:
+    gone = delete_run(run, db)
+    if is_cli(main): print(f"deleted run {run!r}: {gone.get('steps', 0)} step rows, {sum(gone.values())} rows in all")
+    return gone
+
+@call_parse(pos=['command', 'run'])
+def main(command:Annotated[str, "report: write RUN's HTML report; ls: list the store's runs; rm: delete RUN", {'choices': ['report', 'ls', 'rm']}]=None,
+         run:str=None,                # the run's name (report, rm)
          db:str=None,                 # store path or URL (default: ~/.torchember/torchember.db or $TORCHEMBER_DB)
          Output:str='report.html',    # the HTML file to write, or a folder for RUN.html
          max_points:int=500,          # at most this many steps per line
+         rank:int=None,               # in a run of several ranks, the one to draw (default: the first)
+         version:Annotated[str, "print torchember's version", {'action': 'version'}]=f'torchember {__version__}',
         ):
-    "torchember's command line: `torchember report RUN [--db DB] -o report.html` writes a run's self-contained HTML report."
-    try: p = report(run, db=db, path=Output, max_points=max_points)
-    except (KeyError, ValueError) as e: raise CliError(f"torchember {command}: {e.args[0] if e.args else e}") from None
-    if is_cli(): print(p)
+    "torchember's command line: `report RUN -o report.html` writes a run's self-contained HTML report; `ls` lists the runs; `rm RUN` deletes one."
+    if command is None: _fail("torchember: give a command: report RUN, ls, or rm RUN (torchember --help says more)")
+    if command in ('report', 'rm') and not run: _fail(f"torchember {command}: give the run's name (torchember ls lists them)")
+    try:
+        if command == 'ls': return _ls(db)
+        if command == 'rm': return _rm(run, db)
+        p = report(run, path=Output, db=db, max_points=max_points, rank=rank)
+    except (KeyError, ValueError, StoreError, OSError, sa.exc.SQLAlchemyError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else getattr(e, 'orig', None) or e
+        _fail(f"torchember {command}: {str(msg).strip().splitlines()[0]}")
+    if is_cli(main): print(p)
     return p
