@@ -127,3 +127,13 @@ def test_demo_says_how_to_look_at_its_run(tmp_path):
     assert f"torchember report demo --db {tmp_path/'d.db'} -o report.html" in tail[0]
     assert f"torchember.explore({str(tmp_path/'d.db')!r})" in tail[1]
     assert load('demo', tmp_path/'d.db').scalars()['name'].unique().tolist() == ['loss', 'lr']
+
+from test_postgres import server, pg   # a fresh PostgreSQL store, or a skip that says why there is none
+
+def test_delete_and_overwrite_on_postgres(pg):
+    train(pg, 'keep', steps=2); train(pg, 'gone', steps=2)
+    gid = load('gone', pg).id
+    assert torchember.delete_run('gone', pg)['stats'] > 0 and set(rows_of(pg, gid).values()) == {0}
+    train(pg, 'keep', steps=3, overwrite=True)
+    assert runs(pg)[['name', 'steps']].values.tolist() == [['keep', 3]]
+    with pytest.raises(KeyError, match="no run named 'gone'"): torchember.delete_run('gone', pg)
