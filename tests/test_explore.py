@@ -180,8 +180,9 @@ def test_nan_markers(ex, store):
     marks = trace(ex.history_fig, 'NaN/Inf')
     assert list(marks.x) == bad and all(y is not None for y in marks.y)
     assert 'NaN/Inf' in names(ex.heatmap_fig)
-    bars = ex.overview_fig.data[0]                  # weight grads of the latest step are all NaN
-    assert set(bars.marker.color) == {'#d62728'} and 'NaN/Inf' in names(ex.overview_fig)
+    bars = ex.overview_fig.data[0]                  # weight grads of the latest step are all NaN: the last finite step is shown
+    assert all(y is not None and y > 0 for y in bars.y) and '#d62728' not in set(bars.marker.color)
+    assert ex.overview_fig.layout.title.text.startswith(f'step {BAD_FROM - 1}, the last before NaN/Inf (first at step {BAD_FROM}: 0 output)')
 
 def test_overlay(ex, store):
     ex.module_picker.value = '2'

@@ -137,3 +137,116 @@ def test_delete_and_overwrite_on_postgres(pg):
     train(pg, 'keep', steps=3, overwrite=True)
     assert runs(pg)[['name', 'steps']].values.tolist() == [['keep', 3]]
     with pytest.raises(KeyError, match="no run named 'gone'"): torchember.delete_run('gone', pg)
+
+# C. training scalars, the overview, no NaN in the widget's JSON
+
+from plotly.callbacks import Points, InputDeviceState
+from torchember.explore import explore
+from torchember.figures import module_map, map_figure, scalars_figure
+
+def click(trace, i=None, x=None, y=None):
+    "What a click on point `i` of `trace` (or at `x`, `y` of a heatmap) sends from the browser."
+    pts = Points(point_inds=[i] if i is not None else [[0, 0]], xs=[trace.x[i] if i is not None else x], ys=[trace.y[i] if i is not None else y],
+                 trace_name=trace.name, trace_index=0)
+    trace._dispatch_on_click(pts, InputDeviceState())
+
+@pytest.fixture(scope='module')
+def two(tmp_path_factory):
+    "A store with a healthy run and one whose inputs hold a NaN from step 6 on (histograms recorded)."
+    db = str(tmp_path_factory.mktemp('ui')/'store.db')
+    train(db, 'ok', steps=10)
+    train(db, 'nan', steps=10, blow_up_at=6, seed=1, hist=8)
+    return db
+
+def test_scalars_in_the_explorer_with_overlay(two):
+    e = explore(two, run='ok')
+    titles = [a.text for a in e.scalars_fig.layout.annotations]
+    assert titles == ['loss', 'lr', 'grad_norm', 'weight_norm']
+    st = load('ok', two).steps()
+    loss = [t for t in e.scalars_fig.data if t.name == 'ok' and t.xaxis in ('x', None)][0]
+    np.testing.assert_allclose(loss.y, st['loss']) and list(loss.x) == list(range(10))
+    e.overlay_picker.value = 'nan'
+    assert sorted({t.name for t in e.scalars_fig.data}) == ['nan', 'ok'] and len(e.scalars_fig.data) == 8
+    assert {t.line.color for t in e.scalars_fig.data if t.name == 'nan'} == {'#ff7f0e'}
+    e.close()
+
+def test_bar_click_keeps_ttype_and_stat(two):
+    e = explore(two, run='ok')
+    e.ov_ttype.value, e.ov_stat.value = 'weight_grad', 'norm'
+    bars = e.overview_fig.data[0]
+    click(bars, 1)
+    assert (e.module_picker.value, e.ttype_picker.value, e.stat_picker.value) == (bars.customdata[1], 'weight_grad', ('norm',))
+    assert e.history_df['ttype'].unique().tolist() == ['weight_grad'] and [t.name for t in e.history_fig.data] == ['norm']
+    e.close()
+
+def test_nan_never_reaches_the_widgets_json(two):
+    "Every figure the explorer builds on a run that blew up is valid JSON (jupyter refuses NaN: 'Out of range float values')."
+    e = explore(two, run='nan')
+    figs = ('map_fig', 'scalars_fig', 'history_fig', 'heatmap_fig', 'overview_fig')
+    def check():
+        for f in figs: json.dumps(getattr(e, f).to_plotly_json(), allow_nan=False)
+    check()
+    assert 'first NaN/Inf' in e.status.value and 'last before NaN/Inf (first at step 6' in e.overview_fig.layout.title.text
+    for module in ('0', '2'):
+        for tt in ('output', 'weight_grad', 'input'):
+            e.select(module, tt, 'mean')
+            check()
+    e.ov_ttype.value = 'output'; e.ov_stat.value = 'max'; e.log_toggle.value = True
+    e.overlay_picker.value = 'ok'
+    check()
+    e.close()
+
+# D. the whole model at a glance
+
+def test_map_click_opens_that_modules_history(two):
+    e = explore(two, run='nan')
+    assert e.children[1].children[0] is e.ov_ttype and e.children[2] is e.map_fig   # the map is on top
+    hm = e.map_fig.data[0]
+    assert hm.type == 'heatmap' and list(hm.y) == ['\u00a0\u00a00 · Linear', '\u00a0\u00a02 · Linear'] and list(hm.x) == list(range(10))
+    assert e.map_fig.layout.shapes[0].x0 == 5.5                                # the first NaN/Inf cell, step 6, outlined
+    e.ov_stat.value = 'std'
+    click(e.map_fig.data[0], x=3, y=hm.y[1])
+    assert (e.module_picker.value, e.ttype_picker.value, e.stat_picker.value) == ('2', 'weight_grad', ('std',))
+    assert e.history_df['module'].unique().tolist() == ['2'] and [t.name for t in e.history_fig.data] == ['std', 'NaN/Inf']
+    assert e.history_fig.layout.shapes[0].x0 == 3 and 'step 3 marked' in e.history_fig.layout.title.text
+    e.close()
+
+def big_store(db, steps=10_000, n_modules=200):
+    "A store with one run of `steps` steps of `n_modules` Linear layers, each with a weight grad every step, written directly."
+    from torchember.store import create_run, write_step
+    eng = engine(db)
+    mods = [('', 'Sequential', None)] + [(str(i), 'Linear', 0) for i in range(n_modules)]
+    tree = {'name': '', 'type': 'Sequential', 'children': [{'name': str(i), 'short': str(i), 'type': 'Linear', 'children': []} for i in range(n_modules)]}
+    rid, _ = create_run(eng, 'big', 'Sequential', mods, tree)
+    events = [('enter', 0, 0)] + [e for i in range(1, n_modules + 1) for e in (('enter', i, 0), ('exit', i, 0))] + [('exit', 0, 0)]
+    write_step(eng, rid, 0, [], events)
+    rng = np.random.default_rng(0)
+    with eng.begin() as c:
+        for lo in range(0, steps, 1000):
+            st = range(lo, min(lo + 1000, steps))
+            norms = rng.lognormal(size=(len(st), n_modules))
+            c.exec_driver_sql('INSERT INTO stats VALUES (' + ','.join('?' * 20) + ')',
+                              [(rid, s, 0, m + 1, 0, 'weight_grad', 'weight', '[8, 8]', 'float32', 64, 0., 1., -1., 1., float(norms[k, m]), 0., 0, 0, None, 256)
+                               for k, s in enumerate(st) for m in range(n_modules)])
+            c.exec_driver_sql('INSERT INTO steps VALUES (?,?,?,?,?,?,?)', [(rid, s, 0, 0., n_modules, 0, 1) for s in st if s])
+    return load('big', db)
+
+def test_map_of_a_long_run_queries_only_what_it_draws(db):
+    import time
+    r = big_store(db)
+    seen = []
+    def spy(conn, cursor, statement, *a): seen.append(statement)
+    sa.event.listen(engine(db), 'before_cursor_execute', spy)
+    t0 = time.perf_counter()
+    m = module_map(r)
+    f = map_figure(m, r)
+    took = time.perf_counter() - t0
+    sa.event.remove(engine(db), 'before_cursor_execute', spy)
+    values, bad = [q for q in seen if 'FROM stats' in q]     # the values at the columns' steps, and the columns with NaN/Inf
+    assert set(re.findall(r'stats\.(\w+)', values)) == {'module_id', 'step', 'norm', 'run_id', 'rank', 'ttype'}
+    assert set(re.findall(r'stats\.(\w+)', bad)) == {'module_id', 'step', 'nan_count', 'inf_count', 'run_id', 'rank', 'ttype'}
+    assert 'GROUP BY' in bad and values.count('?') < 520           # 500 steps named, not 10,000
+    assert m['z'].shape == (200, 500) and m['width'] == 20 and len(f.data[0].y) == 200 and m['x'][:3] == [0, 20, 40]
+    np.testing.assert_allclose(m['z'][5, 3], r.df(step=60, module='5')['norm'].iloc[0])
+    assert not m['bad'].any()
+    print(f"\nmap of 10,000 steps x 200 modules: query + figure {took:.2f} s")
