@@ -285,8 +285,8 @@ def test_report_html(store, tmp_path):
     assert {'bar', 'scatter', 'heatmap'} <= set(types)
     assert sum(t.get('name') == 'NaN/Inf' for traces, _ in figs for t in traces) >= 3
     assert any(t.get('name') == 'mean ± std' and t.get('fill') == 'tonexty' for traces, _ in figs for t in traces)
-    bars = figs[0][0][0]
-    assert bars['type'] == 'bar' and bars['customdata'] == ['1.lin', '2', '4']
+    bars = next(traces[0] for traces, _ in figs if traces[0]['type'] == 'bar')   # after the map and the scalars
+    assert bars['customdata'] == ['1.lin', '2', '4']
     nf = nonfinite(load('bad', store))
     assert nf.iloc[0][['module', 'ttype', 'first_step']].tolist() == ['0', 'output', BAD_FROM]
     assert '<h2>NaN and Inf</h2>' in page and '<td>0</td>' in page

@@ -250,3 +250,24 @@ def test_map_of_a_long_run_queries_only_what_it_draws(db):
     np.testing.assert_allclose(m['z'][5, 3], r.df(step=60, module='5')['norm'].iloc[0])
     assert not m['bad'].any()
     print(f"\nmap of 10,000 steps x 200 modules: query + figure {took:.2f} s")
+
+# E, F. the report
+
+def test_report_layout(two, tmp_path):
+    from torchember.report import page_figures
+    page = torchember.report('nan', tmp_path/'r.html', two).read_text()
+    figs = page_figures(page)
+    assert figs[0][0][0]['type'] == 'heatmap' and figs[0][1]['shapes']                  # the map on top, first NaN outlined
+    assert [a['text'] for a in figs[1][1]['annotations']] == ['loss', 'lr', 'grad_norm', 'weight_norm']
+    for traces, layout in figs:
+        axes = {k: v for k, v in layout.items() if re.fullmatch(r'[xy]axis\d*', k)}
+        assert all(a.get('dtick') == 'D1' for a in axes.values() if a.get('type') == 'log'), axes
+        xs = [a for k, a in axes.items() if k.startswith('x')]
+        assert all(a.get('title', {}).get('text') == 'step' for a in xs), xs
+    assert page.count('plotly.js v') == 1 and not re.search(r'<script[^>]*\bsrc=', page)   # one copy, inlined: works offline
+    assert re.search(r'<td>0</td>\s*<td>output</td>\s*<td>output</td>\s*<td>6</td>\s*<td>4</td>\s*<td>\d+</td>', page)  # integer counts
+    assert '.0</td>' not in page.split('<h2>NaN and Inf</h2>')[1].split('</table>')[0]
+    assert '(Linear) output at step 6' in page and 'output output' not in page
+    opened, rest = page.split('<details>')
+    assert '(first NaN/Inf)' in opened and 'more figures of the other modules' in rest
+    print(f"\nreport of a 10-step 3-module run: {len(page) / 2**20:.2f} MiB")
