@@ -318,7 +318,7 @@ def _draw_overview(self:Explorer):
     at = (f"step {step}, the last before NaN/Inf (first at step {f['step']}: {module_label(f['module'])} {f['ttype']})"
           if getattr(self, '_ov_step', None) is not None else f"step {step}")
     _redraw(self.overview_fig, traces, title=f"{at}: {stat or '—'}{'' if tt == TIME else f' of {tt}'} per module (click a bar)",
-            yaxis_type='log' if self.log_toggle.value else 'linear', barmode='group', yaxis_dtick='D1' if self.log_toggle.value else None)
+            yaxis_type='log' if self.log_toggle.value else 'linear', barmode='group', yaxis_dtick=1 if self.log_toggle.value else None)
     for t in self.overview_fig.data:
         if t.type == 'bar': t.on_click(self._on_bar_click)
     return self

@@ -22,7 +22,7 @@ __all__ = ['BLUE', 'ORANGE', 'RED', 'RANK_COLORS', 'MAP_STATS', 'with_stats', 's
            'history', 'heat', 'nan_steps', 'nan_trace', 'history_traces', 'modules_in_order', 'latest_by_module',
            'module_label', 'overview_traces', 'latest_times', 'heatmap_traces', 'rank_traces', 'rank_spread',
            'spread_traces', 'tensor_image', 'tensor_figure', 'forward_order', 'module_map', 'finite_json', 'map_labels',
-           'map_figure', 'scalar_series', 'scalars_figure']
+           'map_figure', 'log_axis', 'scalar_series', 'scalars_figure']
 
 # %% ../nbs/05_figures.ipynb #f654825d
 _META = ('run', 'step', 'rank', 'call', 'module', 'mtype', 'ttype', 'tname', 'shape', 'dtype')
@@ -382,7 +382,7 @@ def module_map(run:Run,                  # the run to read
     mid, step, a, b, known, count = np.array([tuple(r) for r in vals], dtype=float).reshape(-1, 6).T
     with np.errstate(divide='ignore', invalid='ignore'):
         v = np.sqrt(a) if stat == 'norm' else np.sqrt(a / b) if stat == 'std' else a / b if stat in ('mean', 'zero_frac') else a
-    v = np.where(known == count, v, np.nan)       # a NULL (NaN) stat among the tensors: unknown
+    v = np.where((known == count) | ((known > 0) & (stat != 'norm')), v, np.nan)   # a NULL norm: unknown; a NULL std (one element): left out
     have = {names[int(i)] for i in np.unique(mid)} | {names[i] for i, _ in bad}
     order = [m for m in forward_order(run, rank=rank) if m in have]
     row_of = np.full(max(names) + 1, -1)
@@ -424,7 +424,7 @@ def map_figure(m:dict,               # a `module_map`
                     ygap=1, hoverongaps=False, hovertemplate='%{y}<br>' + at + '<br>log10 ' + stat + ' %{z:.3f}<extra></extra>')
     bad = go.Heatmap(x=m['x'], y=labels, z=np.where(m['bad'], 1., np.nan), colorscale=[[0, RED], [1, RED]], showscale=False,
                      name='NaN/Inf', hoverinfo='skip', ygap=1)
-    fig = go.Figure([hm, bad])
+    fig = go.Figure([hm, bad] if m['bad'].any() else [hm])
     ij = _first_cell(m, first)
     if ij is not None:
         i, j = ij
@@ -447,6 +447,13 @@ def _first_cell(m:dict, first:dict=None)->tuple|None:
 # %% ../nbs/05_figures.ipynb #758bfd19
 from plotly.subplots import make_subplots
 
+def log_axis(values)->dict:
+    "A log y axis for `values`: ticks at every power of ten where they span a decade or more, plotly's own finer ticks where they span less."
+    v = pd.to_numeric(pd.Series(list(values)), errors='coerce')
+    v = v[np.isfinite(v) & (v > 0)]
+    wide = len(v) and np.log10(v.max() / v.min()) >= 1
+    return dict(type='log', dtick=1) if wide else dict(type='log')
+
 def scalar_series(st:pd.DataFrame)->list:
     "The columns of `Run.steps` frame `st` to draw: the logged scalars, then the grad and weight norms, those with a value."
     fixed = ('step', 'rank', 'closed', 'training', 'n_records')
@@ -463,7 +470,7 @@ def scalars_figure(st:pd.DataFrame,        # `Run.steps()` of one rank
     "One small plot per logged scalar and global norm over steps, a second run overlaid."
     series = scalar_series(st) or ['grad_norm']
     rows = -(-len(series) // cols)
-    fig = make_subplots(rows=rows, cols=min(cols, len(series)), subplot_titles=series, horizontal_spacing=0.08, vertical_spacing=0.12 if rows > 1 else 0)
+    fig = make_subplots(rows=rows, cols=min(cols, len(series)), subplot_titles=series, horizontal_spacing=0.08, vertical_spacing=0.6 / rows if rows > 1 else 0)
     for k, (frame, name, color) in enumerate(((st, names[0], BLUE), (other, names[1], ORANGE))):
         if frame is None or frame.empty: continue
         f = frame[frame['step'].isin(thin(sorted(frame['step'].unique()), max_points))]
@@ -474,7 +481,8 @@ def scalars_figure(st:pd.DataFrame,        # `Run.steps()` of one rank
                                      hovertemplate=f'{s} %{{y:.4g}} at step %{{x}}<extra>{name}</extra>'), row=i // cols + 1, col=i % cols + 1)
     for i, s in enumerate(series):
         fig.update_xaxes(title_text='step', row=i // cols + 1, col=i % cols + 1)
-        if s.endswith('norm'): fig.update_yaxes(type='log', dtick='D1', row=i // cols + 1, col=i % cols + 1)
+        vals = [*st.get(s, [])] + ([*other[s]] if other is not None and s in other else [])
+        if s.endswith('norm'): fig.update_yaxes(**log_axis(vals), row=i // cols + 1, col=i % cols + 1)
     if first_bad is not None: fig.add_vline(x=first_bad, line=dict(color=RED, dash='dash', width=1))
     return fig.update_layout(height=230 * rows + 40, template='plotly_white', margin=dict(l=50, r=20, t=40, b=40),
-                             legend=dict(orientation='h', y=1.08), title='training scalars' + (f' · first NaN/Inf at step {first_bad}' if first_bad is not None else ''))
+                             legend=dict(orientation='h', x=1, xanchor='right', y=1.02, yanchor='bottom'), title='training scalars' + (f' · first NaN/Inf at step {first_bad}' if first_bad is not None else ''))

@@ -18,7 +18,7 @@ from .store import engine
 from .query import Run, load, flow_order
 from .figures import (BLUE, ORANGE, recorded_steps, thin, with_stats, combine, history_traces, heatmap_traces,
                                 latest_by_module, overview_traces, modules_in_order, module_label, module_map, map_figure,
-                                scalars_figure)
+                                scalars_figure, log_axis)
 
 # %% auto #0
 __all__ = ['TOP', 'nonfinite', 'report_figures', 'report_html', 'page_figures', 'report', 'main']
@@ -43,7 +43,7 @@ def _bars(run:Run, ttype:str, stat:str, rank:int, step:int=None)->go.Figure|None
     o = latest_by_module(run, ttype, step, rank=rank)
     tr = overview_traces(o, stat)
     if not tr: return None
-    return go.Figure(tr, layout=dict(height=340, title=f"step {o['step'].iloc[0]}", yaxis=dict(type='log', dtick='D1'), **_LAYOUT))
+    return go.Figure(tr, layout=dict(height=340, title=f"step {o['step'].iloc[0]}", yaxis=log_axis(o[stat]), **_LAYOUT))
 
 def _finite_step(run:Run, steps:list, first:dict|None)->int|None:
     "The step the bars show: None (the latest) unless the run blew up, then the last step before its first NaN/Inf."
@@ -82,7 +82,7 @@ def report_figures(run:Run, max_points:int=500, rank:int=None)->list:
             ht = combine(p[p['ttype'] == tt], ['step'])
             if len(ht): fig.add_trace(go.Scatter(x=ht['step'].tolist(), y=ht['norm'].tolist(), mode='lines', name=f'{tt} norm',
                                                  line=dict(color=color)), row=1, col=2)
-        if len(p): fig.update_yaxes(type='log', dtick='D1', row=1, col=2)
+        if len(p): fig.update_yaxes(**log_axis(p['norm']), row=1, col=2)
         head = f"{module_label(m)} · {types.get(m)}"
         why = ' (first NaN/Inf)' if first and m == first['module'] else f' (grad norm top {TOP})' if m in top else ''
         figs.append((head + why, fig.update_xaxes(title_text='step').update_layout(height=340, **_LAYOUT), m in opened))
