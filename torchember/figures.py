@@ -418,7 +418,8 @@ def map_figure(m:dict,               # a `module_map`
     types = dict(zip(run.modules()['module'], run.modules()['mtype']))
     labels = map_labels(m, run)
     with np.errstate(divide='ignore', invalid='ignore'): z = np.log10(np.abs(m['z']))
-    z = np.where(np.isfinite(z), z, np.nan)
+    floor = np.nanmin(np.where(np.isfinite(z), z, np.nan), initial=0) - 1 if np.isfinite(z).any() else 0
+    z = np.where(np.isfinite(z), z, np.where(m['z'] == 0, floor, np.nan))   # exact zeros (dead grads): a decade below the smallest value
     at = 'step %{x}' if m['width'] == 1 else f"steps %{{x}}–%{{x}}+{m['width'] - 1}"
     hm = go.Heatmap(x=m['x'], y=labels, z=z, colorscale='Viridis', name='map', colorbar=dict(title=f'log10 {stat}', len=0.9),
                     ygap=1, hoverongaps=False, hovertemplate='%{y}<br>' + at + '<br>log10 ' + stat + ' %{z:.3f}<extra></extra>')
