@@ -1,7 +1,8 @@
 """The explorer in a real browser: JupyterLab runs a notebook that trains a tiny model and opens the explorer; headless
 Chromium (the system's, driven by Playwright) must render its plotly figures with data, live mode must bring new steps
-to the page from its thread, and a click on a bar must reach Python and redraw the history. A screenshot goes to
-test-artifacts/explorer.png.
+to the page from its thread, a click on a bar must reach Python and redraw the history, and so must a click on a cell
+of the model map, the history then showing that module, ttype and stat with the cell's step marked. Screenshots go to
+test-artifacts/explorer.png (after the bar click) and test-artifacts/explorer-map-click.png.
 
 Needs `chromium` (Debian package, /usr/bin/chromium) and the `playwright` Python package; `.ci/browser-deps`
 installs both. Skipped, saying why, only when one of them is missing."""
@@ -37,8 +38,9 @@ with torchEmber(model, run='tiny', db='store.db') as te:
     te.how_record_out(hist_stats(16))
     for step in range(20):
         x = torch.rand(32, 8)
-        (model(x) - x.sum(1, keepdim=True)).pow(2).mean().backward()
-        opt.step(); opt.zero_grad()""",
+        loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
+        loss.backward(); opt.step(); opt.zero_grad()
+        te.log(loss=loss)""",
 """ex = explore(db='store.db', run='tiny', interval=0.2)
 ex.module_picker.value = '0'
 ex""",
@@ -107,6 +109,13 @@ def run_cells(page, upto:int=None, cell:int=None):
       await app.commands.execute(upto !== null ? 'notebook:run-all-above' : 'notebook:run-cell');
     }""", [upto, cell])
 
+MAP_CELL = """([j, i]) => {
+  const gd = [...document.querySelectorAll('.js-plotly-plot')].find(g => JSON.stringify(g.layout.title || '').includes('every module'));
+  gd.scrollIntoView({block: 'center'});
+  const L = gd._fullLayout, tr = gd._fullData[0], r = gd.getBoundingClientRect();
+  return [r.left + L.xaxis._offset + L.xaxis.l2p(tr.x[j]), r.top + L.yaxis._offset + L.yaxis.l2p(i), tr.y[i]];
+}"""
+STAT_PICKED = "[...document.querySelectorAll('.widget-select-multiple select option')].filter(o => o.selected).map(o => o.textContent)"
 STATUS = "[...document.querySelectorAll('.widget-label')].map(l => l.textContent).join('|')"
 TITLES = "[...document.querySelectorAll('.js-plotly-plot .gtitle')].map(t => t.textContent)"
 
@@ -145,11 +154,11 @@ def test_explorer_renders_in_jupyterlab(lab):
             page.get_by_role('button', name='stop').click()
             page.wait_for_function(f"() => /last updated \\d\\d:\\d\\d:\\d\\d · 30 steps($|\\|)/.test({STATUS})", timeout=30_000)
 
-            # a click on the second bar (module 2) goes through Python and redraws the history
+            # a click on the second bar (module 2) goes through Python and redraws the history, of the bars' ttype
             for attempt in range(3):
                 bars.nth(1).click(force=True)
                 try:
-                    page.wait_for_function(f"() => {TITLES}.some(t => t.includes('2 · output over steps'))", timeout=20_000)
+                    page.wait_for_function(f"() => {TITLES}.some(t => t.includes('2 · weight_grad weight over steps'))", timeout=20_000)
                     break
                 except Exception:
                     if attempt == 2: raise
@@ -157,6 +166,23 @@ def test_explorer_renders_in_jupyterlab(lab):
             if no_news.count(): no_news.first.click()
             page.wait_for_timeout(500)
             page.screenshot(path=str(ARTIFACTS/'explorer.png'))
+
+            # a click on a cell of the model map (module 2's weight grads at step 12): its history of that ttype and stat
+            page.select_option('.widget-dropdown:has(label:text-is("stat")) select', label='std')
+            page.wait_for_timeout(1500)
+            for attempt in range(3):
+                x, y, label = page.evaluate(MAP_CELL, [12, 1])
+                page.mouse.click(x, y)
+                try:
+                    page.wait_for_function(f"() => {TITLES}.some(t => t.includes('2 · weight_grad weight over steps · step 12 marked'))", timeout=20_000)
+                    break
+                except Exception:
+                    if attempt == 2: raise
+            assert label.strip().startswith('2 ·')
+            assert page.evaluate(STAT_PICKED) == ['std']
+            page.wait_for_timeout(500)
+            page.evaluate("() => window.scrollTo(0, 0)")
+            page.screenshot(path=str(ARTIFACTS/'explorer-map-click.png'), full_page=True)
             assert not [e for e in errors if 'plotly' in e.lower() or 'widget' in e.lower()], errors
         except Exception:
             page.screenshot(path=str(ARTIFACTS/'explorer-failed.png'))

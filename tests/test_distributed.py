@@ -184,7 +184,7 @@ def test_explorer_and_report_show_the_ranks(trained, tmp_path):
         e.rank_picker.value = 'all'
         assert [t.name for t in e.overview_fig.data if t.type == 'bar'] == ['rank 0: norm', 'rank 1: norm']
     finally: e.close()
-    assert 'figures of rank 0' in report('ddp', db, tmp_path/'ddp.html').read_text()
+    assert 'figures of rank 0' in report('ddp', tmp_path/'ddp.html', db).read_text()
 
 def test_a_second_job_of_the_same_name_is_refused(trained, tmp_path):
     db, _ = trained

@@ -180,8 +180,9 @@ def test_nan_markers(ex, store):
     marks = trace(ex.history_fig, 'NaN/Inf')
     assert list(marks.x) == bad and all(y is not None for y in marks.y)
     assert 'NaN/Inf' in names(ex.heatmap_fig)
-    bars = ex.overview_fig.data[0]                  # weight grads of the latest step are all NaN
-    assert set(bars.marker.color) == {'#d62728'} and 'NaN/Inf' in names(ex.overview_fig)
+    bars = ex.overview_fig.data[0]                  # weight grads of the latest step are all NaN: the last finite step is shown
+    assert all(y is not None and y > 0 for y in bars.y) and '#d62728' not in set(bars.marker.color)
+    assert ex.overview_fig.layout.title.text.startswith(f'step {BAD_FROM - 1}, the last before NaN/Inf (first at step {BAD_FROM}: 0 output)')
 
 def test_overlay(ex, store):
     ex.module_picker.value = '2'
@@ -273,7 +274,7 @@ def test_empty_store_and_unknown_run(tmp_path):
 # the report
 
 def test_report_html(store, tmp_path):
-    p = report('bad', store, tmp_path/'out'/'bad.html')
+    p = report('bad', tmp_path/'out'/'bad.html', store)
     assert p == (tmp_path/'out'/'bad.html').resolve() and p.exists()
     page = p.read_text()
     assert not re.search(r'<script[^>]*\bsrc\s*=\s*["\']?(https?:)?//', page)
@@ -284,8 +285,8 @@ def test_report_html(store, tmp_path):
     assert {'bar', 'scatter', 'heatmap'} <= set(types)
     assert sum(t.get('name') == 'NaN/Inf' for traces, _ in figs for t in traces) >= 3
     assert any(t.get('name') == 'mean ± std' and t.get('fill') == 'tonexty' for traces, _ in figs for t in traces)
-    bars = figs[0][0][0]
-    assert bars['type'] == 'bar' and bars['customdata'] == ['1.lin', '2', '4']
+    bars = next(traces[0] for traces, _ in figs if traces[0]['type'] == 'bar')   # after the map and the scalars
+    assert bars['customdata'] == ['1.lin', '2', '4']
     nf = nonfinite(load('bad', store))
     assert nf.iloc[0][['module', 'ttype', 'first_step']].tolist() == ['0', 'output', BAD_FROM]
     assert '<h2>NaN and Inf</h2>' in page and '<td>0</td>' in page
@@ -293,7 +294,7 @@ def test_report_html(store, tmp_path):
 def test_report_paths(store, tmp_path):
     r = load('good', store)
     assert r.report(tmp_path/'a'/'b'/'r.html') == (tmp_path/'a'/'b'/'r.html').resolve()
-    assert report('good', store, str(tmp_path/'dir') + '/').name == 'good.html'
+    assert report('good', str(tmp_path/'dir') + '/', store).name == 'good.html'
     (tmp_path/'dir'/'link.html').symlink_to(tmp_path/'outside.html')
     with pytest.raises(ValueError, match='outside'): r.report(tmp_path/'dir'/'link.html')
     assert not (tmp_path/'outside.html').exists()
@@ -306,4 +307,4 @@ def test_cli(store, tmp_path):
     assert res.stdout.strip() == str(out.resolve()) and out.exists()
     res = subprocess.run([sys.executable, '-m', 'torchember.cli', 'report', 'nope', '--db', store],
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert res.returncode == 1 and "no run named 'nope'" in res.stderr
+    assert res.returncode == 2 and "no run named 'nope'" in res.stderr

@@ -179,7 +179,7 @@ def test_explorer_and_report(both, tmp_path):
         assert len(e.overview_fig.data) and len(e.heatmap_fig.data)
         assert 'NaN/Inf' in [t.name for t in e.history_fig.data]
     finally: e.close()
-    p = report('cnn', url, tmp_path/'cnn.html')
+    p = report('cnn', tmp_path/'cnn.html', url)
     figs = page_figures(p.read_text())
     assert {'bar', 'scatter', 'heatmap'} <= {t['type'] for traces, _ in figs for t in traces}
     assert '<h2>NaN and Inf</h2>' in p.read_text()

@@ -5,8 +5,8 @@ from .stats import default_stats
 from .core import attach
 from .instruments import hist_stats
 from .ember import torchEmber
-from .query import runs, load, Run, summary
+from .query import runs, load, Run, summary, delete_run
 from .explore import explore
 from .report import report
 
-__all__ = ['torchEmber', 'runs', 'load', 'Run', 'default_stats', 'attach', 'summary', 'explore', 'hist_stats', 'report']
+__all__ = ['torchEmber', 'runs', 'load', 'Run', 'default_stats', 'attach', 'summary', 'explore', 'hist_stats', 'report', 'delete_run']

@@ -48,10 +48,14 @@ def main(steps:int=40,   # training steps
             xb, yb = x[i*16:(i+1)*16], y[i*16:(i+1)*16]
             loss = nn.functional.cross_entropy(model(xb), yb)
             loss.backward(); opt.step(); opt.zero_grad()
+            te.log(loss=loss, lr=opt.param_groups[0]['lr'])
     r = te.run
     print(f"store: {te.engine.url.database or te.engine.url}")
     print(f"run:   {r.name} ({r.model}, {r.n_steps} steps recorded, final loss {loss.item():.3f})")
     print(f"\nlatest step ({r.last_step}), one line per module call:")
     print(summary(r.latest()).to_string(index=False, float_format=lambda v: f"{v:.4g}"))
-    print(f"\nread it back:  from torchember import load; r = load({r.name!r}); r.df()")
+    store = f" --db {db}" if db else ''
+    print(f"\nread it back:  from torchember import load; r = load({r.name!r}{f', {db!r}' if db else ''}); r.df()")
+    print(f"look at it:    torchember report {r.name}{store} -o report.html   (then open report.html in a browser)")
+    print(f"               import torchember; torchember.explore({f'{db!r}' if db else ''})   (in Jupyter: the newest run)")
     return r

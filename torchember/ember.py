@@ -31,6 +31,7 @@ class torchEmber:
                  db=None,               # store path or SQLAlchemy URL; default `~/.torchember/torchember.db` or `$TORCHEMBER_DB`
                  every:int=1,           # record one step in `every`
                  resume:bool=False,     # continue the run of this name instead of refusing it
+                 overwrite:bool=False,  # replace a run of this name: its records are deleted
                  strict:bool=False,     # raise on failing stat functions and writes instead of warning
                  modules=None,          # which modules to record: globs on names, classes, or a predicate; default all
                  record_eval:bool=True, # record calls made in eval mode (the mode is stored either way)
@@ -83,7 +84,7 @@ class torchEmber:
             raise StoreError(f"store {self.engine.url.render_as_string(hide_password=True)} was made before torchember kept ranks "
                              f"apart: record the {writers} ranks of this job into a new store file, or only one of them (ranks=[0])")
         self.run_id, last = create_run(self.engine, self.run_name, type(model).__name__, mods, module_tree(model),
-                                       config=config, resume=resume, rank=self.rank, world_size=self.world_size)
+                                       config=config, resume=resume, rank=self.rank, world_size=self.world_size, overwrite=overwrite)
         if last is not None: self.capture.step = last
         self.arm()
 

@@ -17,7 +17,9 @@ from .query import runs, load
 from .ember import torchEmber
 from .figures import (ORANGE, RANK_COLORS, recorded_steps, history, stat_columns, module_label, history_traces,
                                 heatmap_traces, latest_times, latest_by_module, overview_traces, rank_traces, rank_spread,
-                                spread_traces)
+                                spread_traces, module_map, map_figure, map_labels, MAP_STATS, scalars_figure, finite_json)
+import math
+import numpy as np
 
 # %% auto #0
 __all__ = ['TIME', 'ALL', 'SPREAD', 'KINDS', 'tree_options', 'Explorer', 'explore']
@@ -39,6 +41,7 @@ _FIG = dict(margin=dict(l=50, r=20, t=40, b=40), template='plotly_white')
 
 def _redraw(fig:go.FigureWidget, traces:list, **layout):
     "Show `traces` in `fig` and update its layout; traces of the same names and types are updated in place, without a flicker."
+    traces = [go.Figure(finite_json(t.to_plotly_json())).data[0] if not isinstance(t, dict) else t for t in traces]
     with fig.batch_update():
         if [(t.type, t.name) for t in fig.data] == [(t.type, t.name) for t in traces]:
             for old, new in zip(fig.data, traces):
@@ -48,6 +51,14 @@ def _redraw(fig:go.FigureWidget, traces:list, **layout):
             fig.data = []
             if traces: fig.add_traces(traces)
         fig.update_layout(**layout)
+
+def _replace(fig:go.FigureWidget, new:go.Figure):
+    "Make widget `fig` show figure `new`: its traces and its whole layout (subplots, shapes), NaN and Inf left out."
+    j = finite_json(new.to_plotly_json())
+    with fig.batch_update():
+        fig.data = []
+        fig.layout = j.get('layout', {})
+        if j.get('data'): fig.add_traces(j['data'])
 
 def _set_options(w, options:list, prefer=()):
     "Give selector `w` new `options`, keeping its value if still offered, else the first of `prefer` offered, else the first."
@@ -94,18 +105,23 @@ class Explorer(W.VBox):
         self.tname_picker = W.Dropdown(description='name', layout=W.Layout(width='200px'))
         self.stat_picker = W.SelectMultiple(description='stats', rows=4, layout=W.Layout(width='220px'))
         self.log_toggle = W.Checkbox(description='log scale', indent=False, layout=W.Layout(width='100px'))
-        self.ov_ttype = W.Dropdown(description='latest', options=list(TTYPES), value='weight_grad', layout=W.Layout(width='220px'))
+        self.ov_ttype = W.Dropdown(description='ttype', options=list(TTYPES), value='weight_grad', layout=W.Layout(width='220px'))
         self.ov_stat = W.Dropdown(description='stat', layout=W.Layout(width='200px'))
         self.history_fig = go.FigureWidget(layout=dict(height=360, width=720, title='history', xaxis_title='step', **_FIG))
         self.heatmap_fig = go.FigureWidget(layout=dict(height=300, width=720, title='histogram over steps', xaxis_title='step',
                                                        yaxis_title='value', **_FIG))
         self.overview_fig = go.FigureWidget(layout=dict(height=340, width=980, title='latest step', **_FIG))
+        self.map_fig = go.FigureWidget(layout=dict(height=300, width=980, title='every module × step', **_FIG))
+        self.scalars_fig = go.FigureWidget(layout=dict(height=270, width=980, title='training scalars', **_FIG))
+        self._map_rows, self._mark = {}, None
         self.heatmap_box = W.Box([self.heatmap_fig], layout=W.Layout(display='none'))
         left = W.VBox([self.module_filter, self.module_picker], layout=W.Layout(width='260px'))
         right = W.VBox([W.HBox([self.ttype_picker, self.tname_picker, self.stat_picker, self.log_toggle]),
                         self.history_fig, self.heatmap_box], layout=W.Layout(flex='1 1 auto', width='100%'))
+        hint = W.HTML('<small>map and bars: click a cell or a bar for that module\'s history of this ttype and stat</small>')
         self.children = [W.HBox([self.run_picker, self.overlay_picker, self.rank_picker, self.live_toggle, self.stop_button, self.status]),
-                         W.HBox([left, right]), W.HBox([self.ov_ttype, self.ov_stat]), self.overview_fig]
+                         W.HBox([self.ov_ttype, self.ov_stat, hint]), self.map_fig, self.scalars_fig,
+                         W.HBox([left, right]), self.overview_fig]
         for w, fn in ((self.run_picker, 'show_run'), (self.overlay_picker, '_on_overlay'), (self.rank_picker, '_on_rank'), (self.module_filter, '_on_filter'),
                       (self.module_picker, '_on_module'), (self.ttype_picker, '_on_ttype'), (self.tname_picker, '_on_history'),
                       (self.stat_picker, '_on_history'), (self.log_toggle, '_on_log'), (self.ov_ttype, '_on_ov'),
@@ -114,7 +130,7 @@ class Explorer(W.VBox):
         self.stop_button.on_click(lambda _: self.stop())
         names = self._fill_runs()
         if run is not None and run not in names: load(run, db)   # raises, naming the runs there are
-        if names: self.show_run(run or names[0])
+        if names: self.show_run(run or self._newest())
         else: self.status.value = 'no runs in this store yet'
 
     def close(self):
@@ -147,7 +163,14 @@ def _fill_runs(self:Explorer)->list:
     with self._quiet():
         _set_options(self.run_picker, opts)
         _set_options(self.overlay_picker, [('(none)', ''), *opts])
+    self._runs = rs
     return rs['name'].tolist()
+
+@patch
+def _newest(self:Explorer)->str:
+    "The newest run that has steps (a run just created, not yet stepped, is passed over), else the newest."
+    rs = self._runs
+    return next(iter(rs.loc[rs['steps'] > 0, 'name']), rs['name'].iloc[0])
 
 @patch
 def show_run(self:Explorer, name:str):
@@ -200,6 +223,8 @@ def refresh(self:Explorer, seen:tuple=None):
         self._find_first_bad()
         self.refresh_history()
         self.refresh_overview()
+        self.refresh_map()
+        self.refresh_scalars()
         self._updated = time.strftime('%H:%M:%S')
         self._stamp()
     return self
@@ -257,7 +282,9 @@ def refresh_history(self:Explorer):
             traces += history_traces(self.overlay_df, stats, run=self.overlay.name, color=ORANGE)
         what = f"{module_label(module)} · {ttype or '—'}{f' {tname}' if tname and tname != ttype else ''}"
         if len(self._ranks) > 1: what += {ALL: ' · every rank', SPREAD: ' · all ranks (spread)'}.get(view, f' · rank {view}')
-        _redraw(self.history_fig, traces, title=f"{what} over steps", yaxis_type='log' if log else 'linear')
+        mark = [dict(type='line', x0=self._mark, x1=self._mark, yref='paper', y0=0, y1=1, line=dict(color='black', dash='dot', width=1))] if self._mark is not None else []
+        _redraw(self.history_fig, traces, title=f"{what} over steps{f' · step {self._mark} marked' if self._mark is not None else ''}",
+                yaxis_type='log' if log else 'linear', xaxis_title='step', shapes=mark)
         hm = heatmap_traces(h) if ttype and rank is not None else []
         self.heatmap_box.layout.display = None if hm else 'none'
         _redraw(self.heatmap_fig, hm, title=f"{what}: histogram over steps")
@@ -267,9 +294,11 @@ def refresh_history(self:Explorer):
 def refresh_overview(self:Explorer):
     "Read the latest step of every module for the chosen ttype and redraw its bars."
     with self._lock:
-        tt = self.ov_ttype.value
-        read = (lambda r, k: latest_times(r, rank=k)) if tt == TIME else (lambda r, k: latest_by_module(r, tt, rank=k))
-        self.overview_df = read(self.run, self._rank()) if self.run is not None else pd.DataFrame()
+        tt, f = self.ov_ttype.value, self._first_bad
+        before = [s for s in self._steps if f and s < f['step']]
+        self._ov_step = before[-1] if before and tt != TIME and self._steps[-1] >= f['step'] else None   # blown up: its last finite step
+        read = (lambda r, k, s=None: latest_times(r, s, rank=k)) if tt == TIME else (lambda r, k, s=None: latest_by_module(r, tt, s, rank=k))
+        self.overview_df = read(self.run, self._rank(), self._ov_step) if self.run is not None else pd.DataFrame()
         self._ov_overlay = read(self.overlay, self._overlay_rank()) if self.overlay is not None else None
         with self._quiet(): _set_options(self.ov_stat, stat_columns(self.overview_df), prefer=['norm', 'std'])
         return self._draw_overview()
@@ -285,27 +314,73 @@ def _draw_overview(self:Explorer):
     else: traces = overview_traces(o, stat, self.module_picker.value, flagged=flagged)
     if self._ov_overlay is not None: traces += overview_traces(self._ov_overlay, stat, run=self.overlay.name, color=ORANGE)
     step, tt = o['step'].iloc[0] if len(o) else '—', self.ov_ttype.value
-    _redraw(self.overview_fig, traces, title=f"step {step}: {stat or '—'}{'' if tt == TIME else f' of {tt}'} per module",
-            yaxis_type='log' if self.log_toggle.value else 'linear', barmode='group')
+    f = self._first_bad
+    at = (f"step {step}, the last before NaN/Inf (first at step {f['step']}: {module_label(f['module'])} {f['ttype']})"
+          if getattr(self, '_ov_step', None) is not None else f"step {step}")
+    _redraw(self.overview_fig, traces, title=f"{at}: {stat or '—'}{'' if tt == TIME else f' of {tt}'} per module (click a bar)",
+            yaxis_type='log' if self.log_toggle.value else 'linear', barmode='group', yaxis_dtick=1 if self.log_toggle.value else None)
     for t in self.overview_fig.data:
         if t.type == 'bar': t.on_click(self._on_bar_click)
     return self
 
 # %% ../nbs/05a_explore.ipynb #c3b0ee1f
 @patch
-def select(self:Explorer, module:str):
-    "Show the history of `module`, as a click on its bar does."
-    if module not in [v for _, v in self.module_picker.options]: self.module_filter.value = ''
-    self.module_picker.value = module
+def select(self:Explorer, module:str, ttype:str=None, stat:str=None, step:int=None):
+    "Show the history of `module` (of `ttype` and `stat` if it has them, `step` marked), as a click on its bar or map cell does."
+    with self._lock:
+        if module not in [v for _, v in self.module_picker.options]: self.module_filter.value = ''
+        self._mark = step
+        with self._quiet():
+            self.module_picker.value = module
+            self._fill_tensors()
+            if ttype in self.ttype_picker.options:
+                self.ttype_picker.value = ttype
+                self._fill_tensors()
+            if stat in self.stat_picker.options: self.stat_picker.value = (stat,)
+        self.refresh_history()
+        self._draw_overview()
     return self
 
 @patch
 def _on_bar_click(self:Explorer, trace, points, state=None):
-    if points.point_inds: self.select(trace.customdata[points.point_inds[0]])
+    tt = self.ov_ttype.value
+    if points.point_inds: self.select(trace.customdata[points.point_inds[0]], None if tt == TIME else tt, self.ov_stat.value)
+
+@patch
+def _on_map_click(self:Explorer, trace, points, state=None):
+    if points.ys and points.ys[0] in self._map_rows:
+        self.select(self._map_rows[points.ys[0]], self.ov_ttype.value, self._map_stat, int(points.xs[0]))
+
+@patch
+def refresh_map(self:Explorer):
+    "Redraw the map of every module over steps, for the chosen ttype and stat (norm where the map cannot show that stat)."
+    with self._lock:
+        tt, stat = self.ov_ttype.value, self.ov_stat.value
+        if self.run is None or tt == TIME: return self
+        self._map_stat = stat if stat in MAP_STATS else 'norm'
+        m = module_map(self.run, tt, self._map_stat, rank=self._rank())
+        self.map_data = m
+        self._map_rows = dict(zip(map_labels(m, self.run), m['modules']))
+        _replace(self.map_fig, map_figure(m, self.run, tt, self._map_stat, first=self._first_bad).update_layout(width=980))
+        for t in self.map_fig.data: t.on_click(self._on_map_click)
+    return self
+
+@patch
+def refresh_scalars(self:Explorer):
+    "Redraw the training scalars: what was logged with `te.log`, and the global grad and weight norms, the overlay's in orange."
+    with self._lock:
+        if self.run is None: return self
+        other = self.overlay.steps(self._overlay_rank()) if self.overlay is not None else None
+        f = self._first_bad
+        fig = scalars_figure(self.run.steps(self._ranks[0] if self._rank() is None else self._rank()), other,
+                             (self.run.name, self.overlay.name if self.overlay else ''), f and f['step'], self.max_points)
+        _replace(self.scalars_fig, fig.update_layout(width=980))
+    return self
 
 @patch
 def _on_module(self:Explorer, module):
     with self._lock:
+        self._mark = None
         self._fill_tensors()
         self.refresh_history()
         self._draw_overview()   # the selected bar is outlined
@@ -323,7 +398,8 @@ def _on_log(self:Explorer, _):
     with self._lock: self.refresh_history()._draw_overview()
 
 @patch
-def _on_ov(self:Explorer, _): self.refresh_overview()
+def _on_ov(self:Explorer, _):
+    with self._lock: self.refresh_overview().refresh_map()
 
 @patch
 def _on_rank(self:Explorer, _):
@@ -362,7 +438,7 @@ def poll(self:Explorer)->bool:
     with self._lock:
         names = self._fill_runs()
         if self.run is None:
-            if names: self.show_run(names[0])
+            if names: self.show_run(self._newest())
             return bool(names)
         seen = self._state()   # read before the steps: a step closed meanwhile is new to the next poll
         if seen == self._seen: return False

@@ -18,10 +18,11 @@ from .store import engine, steps_t
 from .query import Run
 
 # %% auto #0
-__all__ = ['BLUE', 'ORANGE', 'RED', 'RANK_COLORS', 'with_stats', 'stat_columns', 'combine', 'recorded_steps', 'thin', 'history',
-           'heat', 'nan_steps', 'nan_trace', 'history_traces', 'modules_in_order', 'latest_by_module', 'module_label',
-           'overview_traces', 'latest_times', 'heatmap_traces', 'rank_traces', 'rank_spread', 'spread_traces',
-           'tensor_image', 'tensor_figure']
+__all__ = ['BLUE', 'ORANGE', 'RED', 'RANK_COLORS', 'MAP_STATS', 'with_stats', 'stat_columns', 'combine', 'recorded_steps', 'thin',
+           'history', 'heat', 'nan_steps', 'nan_trace', 'history_traces', 'modules_in_order', 'latest_by_module',
+           'module_label', 'overview_traces', 'latest_times', 'heatmap_traces', 'rank_traces', 'rank_spread',
+           'spread_traces', 'tensor_image', 'tensor_figure', 'forward_order', 'module_map', 'finite_json', 'map_labels',
+           'map_figure', 'log_axis', 'scalar_series', 'scalars_figure']
 
 # %% ../nbs/05_figures.ipynb #f654825d
 _META = ('run', 'step', 'rank', 'call', 'module', 'mtype', 'ttype', 'tname', 'shape', 'dtype')
@@ -332,3 +333,157 @@ def picture(self:Run,
     t = self.snapshot(module, tname, step=step, ttype=ttype, call=call)
     at = self.last_step if step is None else step
     return tensor_figure(t, kind, bins, title=f"{self.name} · {module_label(module)} {tname} at step {at} · {tuple(t.shape)}")
+
+# %% ../nbs/05_figures.ipynb #b0b3dc59
+import sqlalchemy as sa
+from sqlalchemy import func
+from .store import stats_t, modules_t
+
+MAP_STATS = ('norm', 'std', 'mean', 'max', 'min', 'zero_frac')   # what a map can show, each taken over tensors and steps
+
+def _map_agg(stat:str, s)->list:
+    "SQL aggregates of `stat` over a module's tensors at one step: the value's parts, as `module_map` combines them."
+    col = s[stat]
+    if stat == 'norm': return [func.sum(col * col), func.count()]      # the tensors' norms together: sqrt of the sum of squares
+    if stat == 'std': return [func.sum(col * col * s.numel), func.sum(s.numel)]
+    if stat in ('mean', 'zero_frac'): return [func.sum(col * s.numel), func.sum(s.numel)]
+    return [(func.max if stat == 'max' else func.min)(col), func.count()]
+
+def forward_order(run:Run, step:int=None, rank:int=None)->list:
+    "Module names of `run` in the order `step`'s forward entered them (default: its newest closed step), the modules it did not call after, in tree order."
+    called = [m for k, m in zip(*run.events(step, rank)[['kind', 'module']].values.T) if k == 'enter'] if run.last_step is not None else []
+    return list(dict.fromkeys([*called, *modules_in_order(run.tree())]))
+
+def module_map(run:Run,                  # the run to read
+               ttype:str='weight_grad',  # which tensors
+               stat:str='norm',          # one of `MAP_STATS`
+               tname:str=None,           # one tensor name, e.g. 'weight'; None: all of the module's `ttype`, taken together
+               rank:int=None,            # the rank to read; default the run's first
+               bins:int=500,             # at most this many columns
+              )->dict:                   # modules, x (first step of each column), width (steps a column), z (values), bad (NaN/Inf in the column)
+    "Every module's `stat` of `ttype` at the first step of each of at most `bins` columns, and whether any step of a column held NaN/Inf."
+    if stat not in MAP_STATS: raise ValueError(f"a map shows one of {', '.join(MAP_STATS)}, not {stat!r}")
+    rank = run.ranks[0] if rank is None else rank
+    s, st = stats_t.c, steps_t.c
+    empty = dict(modules=[], x=[], width=1, z=np.zeros((0, 0)), bad=np.zeros((0, 0), bool))
+    with engine(run.db).connect() as c:
+        lo, hi = c.execute(select(func.min(st.step), func.max(st.step)).where(st.run_id == run.id, st.rank == rank)).one()
+        if lo is None: return empty
+        width = -(-(hi - lo + 1) // bins)          # steps a column, so that there are at most `bins`
+        cols = list(range(lo, hi + 1, width))
+        where = [s.run_id == run.id, s.rank == rank, s.ttype == ttype] + ([s.tname == tname] if tname is not None else [])
+        at = s.step.in_(cols) if width > 1 else s.step.between(lo, hi)   # named steps: one seek each on the key
+        vals = c.execute(select(s.module_id, s.step, *_map_agg(stat, s), func.count(s[stat]), func.count())
+                         .where(*where, at).group_by(s.step, s.module_id)).all()
+        bad = c.execute(select(s.module_id, ((s.step - lo) // width).label('col'))
+                        .where(*where, sa.or_(s.nan_count > 0, s.inf_count > 0)).group_by(s.module_id, 'col')).all()
+        names = dict(c.execute(select(modules_t.c.id, modules_t.c.name).where(modules_t.c.run_id == run.id)).all())
+    if not vals and not bad: return empty
+    mid, step, a, b, known, count = np.array([tuple(r) for r in vals], dtype=float).reshape(-1, 6).T
+    with np.errstate(divide='ignore', invalid='ignore'):
+        v = np.sqrt(a) if stat == 'norm' else np.sqrt(a / b) if stat == 'std' else a / b if stat in ('mean', 'zero_frac') else a
+    v = np.where((known == count) | ((known > 0) & (stat != 'norm')), v, np.nan)   # a NULL norm: unknown; a NULL std (one element): left out
+    have = {names[int(i)] for i in np.unique(mid)} | {names[i] for i, _ in bad}
+    order = [m for m in forward_order(run, rank=rank) if m in have]
+    row_of = np.full(max(names) + 1, -1)
+    for i, name in names.items(): row_of[i] = order.index(name) if name in have else -1
+    z, nf = np.full((len(order), len(cols)), np.nan), np.zeros((len(order), len(cols)), bool)
+    z[row_of[mid.astype(int)], ((step - lo) // width).astype(int)] = v
+    for i, j in bad: nf[row_of[i], j] = True
+    return dict(modules=order, x=cols, width=width, z=z, bad=nf)
+
+# %% ../nbs/05_figures.ipynb #3e417a5b
+def finite_json(x):
+    "`x` (a figure's, trace's or layout's plotly JSON) with every NaN and Inf made None: a kernel's JSON, and plain `json`, refuse them."
+    if isinstance(x, dict): return {k: finite_json(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)): return [finite_json(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return np.where(np.isfinite(x), x, None).tolist() if x.dtype.kind == 'f' else finite_json(x.tolist())
+    if isinstance(x, (float, np.floating)): return float(x) if math.isfinite(x) else None
+    return x.item() if isinstance(x, np.generic) else x
+
+def map_labels(m:dict, run:Run)->list:
+    "The row labels of `module_map` `m`: each module's full name indented by its depth in the tree, and its class (unique, as names are)."
+    mods = run.modules()
+    types, depth = dict(zip(mods['module'], mods['mtype'])), {}
+    for n, p in zip(mods['module'], mods['parent']): depth[n] = depth.get(p, -1) + 1 if n else 0
+    return ['\u00a0' * 2 * depth.get(n, 0) + f"{module_label(n)} · {types.get(n) or ''}" for n in m['modules']]
+
+def map_figure(m:dict,               # a `module_map`
+               run:Run,              # its run, for the module classes and the first NaN/Inf
+               ttype:str='weight_grad', stat:str='norm',
+               first:dict=None,      # `run.first_nonfinite()`, if known
+              )->go.Figure:
+    "The heatmap of `module_map` `m`: log10 |stat| per module and column, NaN/Inf cells red, the first one outlined."
+    types = dict(zip(run.modules()['module'], run.modules()['mtype']))
+    labels = map_labels(m, run)
+    with np.errstate(divide='ignore', invalid='ignore'): z = np.log10(np.abs(m['z']))
+    floor = np.nanmin(np.where(np.isfinite(z), z, np.nan), initial=0) - 1 if np.isfinite(z).any() else 0
+    z = np.where(np.isfinite(z), z, np.where(m['z'] == 0, floor, np.nan))   # exact zeros (dead grads): a decade below the smallest value
+    at = 'step %{x}' if m['width'] == 1 else f"steps %{{x}}–%{{x}}+{m['width'] - 1}"
+    hm = go.Heatmap(x=m['x'], y=labels, z=z, colorscale='Viridis', name='map', colorbar=dict(title=f'log10 {stat}', len=0.9),
+                    ygap=1, hoverongaps=False, hovertemplate='%{y}<br>' + at + '<br>log10 ' + stat + ' %{z:.3f}<extra></extra>')
+    bad = go.Heatmap(x=m['x'], y=labels, z=np.where(m['bad'], 1., np.nan), colorscale=[[0, RED], [1, RED]], showscale=False,
+                     name='NaN/Inf', hoverinfo='skip', ygap=1)
+    fig = go.Figure([hm, bad] if m['bad'].any() else [hm])
+    ij = _first_cell(m, first)
+    if ij is not None:
+        i, j = ij
+        fig.add_shape(type='rect', x0=m['x'][j] - m['width'] / 2, x1=m['x'][j] + m['width'] / 2, y0=i - 0.5, y1=i + 0.5,
+                      line=dict(color='black', width=3), name='first NaN/Inf')
+    span = f" · {m['width']} steps a column" if m['width'] > 1 else ''
+    fig.update_layout(title=f"{run.name}: log10 {stat} of {ttype}, every module × step{span} (click a cell for its history)",
+                      height=max(260, 60 + 18 * len(labels)), template='plotly_white', margin=dict(l=10, r=10, t=40, b=40),
+                      xaxis=dict(title='step'), yaxis=dict(autorange='reversed', automargin=True, type='category'))
+    return fig
+
+def _first_cell(m:dict, first:dict=None)->tuple|None:
+    "Row and column of the first NaN/Inf cell: the earliest column, and there `first`'s module if it is a row, else the first row."
+    if not m['bad'].any(): return None
+    j = int(np.argmax(m['bad'].any(0)))
+    rows = np.flatnonzero(m['bad'][:, j])
+    i = m['modules'].index(first['module']) if first and first['module'] in m['modules'] and m['bad'][m['modules'].index(first['module']), j] else int(rows[0])
+    return i, j
+
+# %% ../nbs/05_figures.ipynb #758bfd19
+from plotly.subplots import make_subplots
+
+def log_axis(values)->dict:
+    "A log y axis for `values`: ticks at every power of ten where they span a decade or more, plotly's own finer ticks where they span less."
+    v = pd.to_numeric(pd.Series(list(values)), errors='coerce')
+    v = v[np.isfinite(v) & (v > 0)]
+    wide = len(v) and np.log10(v.max() / v.min()) >= 1
+    return dict(type='log', dtick=1) if wide else dict(type='log')
+
+def scalar_series(st:pd.DataFrame)->list:
+    "The columns of `Run.steps` frame `st` to draw: the logged scalars, then the grad and weight norms, those with a value."
+    fixed = ('step', 'rank', 'closed', 'training', 'n_records')
+    logged = [c for c in st.columns if c not in (*fixed, 'grad_norm', 'weight_norm')]
+    return [c for c in (*logged, 'grad_norm', 'weight_norm') if c in st and pd.to_numeric(st[c], errors='coerce').notna().any()]
+
+def scalars_figure(st:pd.DataFrame,        # `Run.steps()` of one rank
+                   other:pd.DataFrame=None,  # a second run's, drawn in orange
+                   names:tuple=('', ''),   # the two runs' names, for the legend
+                   first_bad:int=None,     # the first step with NaN/Inf, marked
+                   max_points:int=2000,    # at most this many steps a line
+                   cols:int=2,             # plots side by side
+                  )->go.Figure:
+    "One small plot per logged scalar and global norm over steps, a second run overlaid."
+    series = scalar_series(st) or ['grad_norm']
+    rows = -(-len(series) // cols)
+    fig = make_subplots(rows=rows, cols=min(cols, len(series)), subplot_titles=series, horizontal_spacing=0.08, vertical_spacing=0.6 / rows if rows > 1 else 0)
+    for k, (frame, name, color) in enumerate(((st, names[0], BLUE), (other, names[1], ORANGE))):
+        if frame is None or frame.empty: continue
+        f = frame[frame['step'].isin(thin(sorted(frame['step'].unique()), max_points))]
+        for i, s in enumerate(series):
+            if s not in f: continue
+            fig.add_trace(go.Scatter(x=f['step'].tolist(), y=_list(pd.to_numeric(f[s], errors='coerce')), mode='lines', name=name or 'run',
+                                     legendgroup=name or 'run', showlegend=i == 0, line=dict(color=color, width=1.5),
+                                     hovertemplate=f'{s} %{{y:.4g}} at step %{{x}}<extra>{name}</extra>'), row=i // cols + 1, col=i % cols + 1)
+    for i, s in enumerate(series):
+        fig.update_xaxes(title_text='step', row=i // cols + 1, col=i % cols + 1)
+        vals = [*st.get(s, [])] + ([*other[s]] if other is not None and s in other else [])
+        if s.endswith('norm'): fig.update_yaxes(**log_axis(vals), row=i // cols + 1, col=i % cols + 1)
+    if first_bad is not None: fig.add_vline(x=first_bad, line=dict(color=RED, dash='dash', width=1))
+    return fig.update_layout(height=230 * rows + 40, template='plotly_white', margin=dict(l=50, r=20, t=40, b=40),
+                             legend=dict(orientation='h', x=1, xanchor='right', y=1.02, yanchor='bottom'), title='training scalars' + (f' · first NaN/Inf at step {first_bad}' if first_bad is not None else ''))

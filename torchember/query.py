@@ -12,11 +12,11 @@ import pandas as pd
 import sqlalchemy as sa
 import torch
 from sqlalchemy import select, func
-from .store import engine, runs_t, ranks_t, modules_t, steps_t, events_t, stats_t, calls_t, scalars_t, snapshots_t, STAT_COLS
+from .store import engine, drop_run, runs_t, ranks_t, modules_t, steps_t, events_t, stats_t, calls_t, scalars_t, snapshots_t, STAT_COLS
 
 # %% auto #0
-__all__ = ['FORWARD', 'BACKWARD', 'NONFINITE_KINDS', 'runs', 'run_ranks', 'records', 'Run', 'load', 'summary', 'flow_order',
-           'decode_snapshot']
+__all__ = ['FORWARD', 'BACKWARD', 'NONFINITE_KINDS', 'runs', 'delete_run', 'run_ranks', 'records', 'Run', 'load', 'summary',
+           'flow_order', 'decode_snapshot']
 
 # %% ../nbs/03_query.ipynb #1536ffaf
 def runs(db=None)->pd.DataFrame:
@@ -34,6 +34,22 @@ def runs(db=None)->pd.DataFrame:
     with eng.connect() as c: df = pd.DataFrame(c.execute(q).mappings().all(), columns=cols)
     df['started'] = pd.to_datetime(df['started'], unit='s')
     return df
+
+# %% ../nbs/03_query.ipynb #299c402b
+def _no_run(name:str, db)->str:
+    "The message for a run `name` that store `db` lacks, naming the runs it has."
+    names = runs(db)['name'].tolist()
+    hint = f"; runs there: {', '.join(map(repr, names[:10]))}{' …' if len(names) > 10 else ''}" if names else "; it holds no runs"
+    return f"no run named {name!r} in store {engine(db).url.render_as_string(hide_password=True)}{hint}"
+
+def delete_run(name:str,   # the run to delete
+               db=None,    # store path or URL; default the default store
+              )->dict:     # table -> rows deleted
+    "Delete run `name` and every row of it from store `db`, in one transaction; an unknown run is refused."
+    with engine(db, create=False).begin() as c:
+        rid = c.execute(select(runs_t.c.id).where(runs_t.c.name == name)).scalar()
+        if rid is not None: return drop_run(c, rid)
+    raise KeyError(_no_run(name, db))
 
 # %% ../nbs/03_query.ipynb #881f79f0
 _META = ['run', 'step', 'rank', 'call', 'module', 'mtype', 'ttype', 'tname', 'shape', 'dtype']
@@ -94,10 +110,7 @@ class Run:
         self.name, self.db = name, db
         with engine(db, create=False).connect() as c:
             row = c.execute(select(runs_t).where(runs_t.c.name == name)).mappings().first()
-        if row is None:
-            names = runs(db)['name'].tolist()
-            hint = f"; runs there: {', '.join(map(repr, names[:10]))}{' …' if len(names) > 10 else ''}" if names else "; it holds no runs"
-            raise KeyError(f"no run named {name!r} in store {engine(db).url.render_as_string(hide_password=True)}{hint}")
+        if row is None: raise KeyError(_no_run(name, db))
         self.id, self.model, self.config = row['id'], row['model'], json.loads(row['config'] or '{}')
         self.started, self._tree, self.world_size = row['started'], row['tree'], row['world_size'] or 1
 

@@ -7,6 +7,7 @@ Docs: https://torchember.github.io/torchember/report.html.md"""
 # %% ../nbs/06_report.ipynb #64c8751a
 from __future__ import annotations
 import html, json, re, time
+import numpy as np
 from pathlib import Path
 import pandas as pd
 import plotly.graph_objects as go
@@ -16,10 +17,11 @@ from sqlalchemy import text
 from .store import engine
 from .query import Run, load, flow_order
 from .figures import (BLUE, ORANGE, recorded_steps, thin, with_stats, combine, history_traces, heatmap_traces,
-                                latest_by_module, overview_traces, modules_in_order, module_label)
+                                latest_by_module, overview_traces, modules_in_order, module_label, module_map, map_figure,
+                                scalars_figure, log_axis)
 
 # %% auto #0
-__all__ = ['nonfinite', 'report_figures', 'report_html', 'page_figures', 'report', 'main']
+__all__ = ['TOP', 'nonfinite', 'report_figures', 'report_html', 'page_figures', 'report', 'main']
 
 # %% ../nbs/06_report.ipynb #6c2a1f3c
 def nonfinite(run:Run)->pd.DataFrame:
@@ -35,23 +37,41 @@ def nonfinite(run:Run)->pd.DataFrame:
 
 # %% ../nbs/06_report.ipynb #8d559344
 _LAYOUT = dict(template='plotly_white', margin=dict(l=50, r=20, t=50, b=40))
+TOP = 5   # modules with the largest grad norms whose sections are open
 
-def _bars(run:Run, ttype:str, stat:str, rank:int)->go.Figure|None:
-    o = latest_by_module(run, ttype, rank=rank)
+def _bars(run:Run, ttype:str, stat:str, rank:int, step:int=None)->go.Figure|None:
+    o = latest_by_module(run, ttype, step, rank=rank)
     tr = overview_traces(o, stat)
     if not tr: return None
-    return go.Figure(tr, layout=dict(height=340, title=f"step {o['step'].iloc[0]}", **_LAYOUT))
+    return go.Figure(tr, layout=dict(height=340, title=f"step {o['step'].iloc[0]}", yaxis=log_axis(o[stat]), **_LAYOUT))
+
+def _finite_step(run:Run, steps:list, first:dict|None)->int|None:
+    "The step the bars show: None (the latest) unless the run blew up, then the last step before its first NaN/Inf."
+    before = [s for s in steps if first and s < first['step']]
+    return before[-1] if before else None
 
 def report_figures(run:Run, max_points:int=500, rank:int=None)->list:
-    "The figures of `run`'s report (of `rank`, default its first), as `(heading, figure)` pairs; each line has at most `max_points` steps."
+    "The figures of `run`'s report (of `rank`, default its first), as `(heading, figure, open)`; each line has at most `max_points` steps."
     rank = run.ranks[0] if rank is None else rank
-    figs = [(f'Latest step: {tt} {st}', f) for tt, st in (('weight_grad', 'norm'), ('output', 'std')) if (f := _bars(run, tt, st, rank))]
-    steps = recorded_steps(run)
+    steps, first = recorded_steps(run), run.first_nonfinite(rank=rank)
+    figs = []
+    if (m := module_map(run, rank=rank))['modules']:
+        figs.append(('Every module: weight_grad norm over steps', map_figure(m, run, first=first).update_layout(title=None), True))
+    if steps:
+        figs.append(('Training scalars', scalars_figure(run.steps(rank), first_bad=first and first['step'], max_points=max_points)
+                                           .update_layout(title=None), True))
+    at = _finite_step(run, steps, first)
+    when = f"Step {at}, the last before NaN/Inf" if at is not None else 'Latest step'
+    figs += [(f'{when}: {tt} {st} per module', f, True) for tt, st in (('weight_grad', 'norm'), ('output', 'std'))
+             if (f := _bars(run, tt, st, rank, at))]
     if not steps: return figs
     sel = thin(steps, max_points)
     where = dict(step=sel) if len(sel) < len(steps) else dict(steps=(steps[0], steps[-1]))
     out, par = (with_stats(run.df(ttype=tt, rank=rank, **where)) for tt in ('output', ['weight', 'weight_grad']))
     types = dict(zip(out['module'], out['mtype'])) | dict(zip(par['module'], par['mtype']))
+    g = combine(par[par['ttype'] == 'weight_grad'], ['module', 'step'])
+    top = g[np.isfinite(g['norm'].astype(float))].groupby('module')['norm'].max().nlargest(TOP).index.tolist()
+    opened = set(top) | ({first['module']} if first else set())
     for m in modules_in_order(run.tree()):
         o, p = out[out['module'] == m], par[par['module'] == m]
         if o.empty and p.empty: continue
@@ -62,11 +82,12 @@ def report_figures(run:Run, max_points:int=500, rank:int=None)->list:
             ht = combine(p[p['ttype'] == tt], ['step'])
             if len(ht): fig.add_trace(go.Scatter(x=ht['step'].tolist(), y=ht['norm'].tolist(), mode='lines', name=f'{tt} norm',
                                                  line=dict(color=color)), row=1, col=2)
-        if len(p): fig.update_yaxes(type='log', row=1, col=2)
+        if len(p): fig.update_yaxes(**log_axis(p['norm']), row=1, col=2)
         head = f"{module_label(m)} · {types.get(m)}"
-        figs.append((head, fig.update_layout(height=340, **_LAYOUT)))
+        why = ' (first NaN/Inf)' if first and m == first['module'] else f' (grad norm top {TOP})' if m in top else ''
+        figs.append((head + why, fig.update_xaxes(title_text='step').update_layout(height=340, **_LAYOUT), m in opened))
         if hm := heatmap_traces(h):
-            figs.append((f'{head}: output histogram over steps', go.Figure(hm, layout=dict(height=300, xaxis_title='step', **_LAYOUT))))
+            figs.append((f'{head}: output histogram over steps', go.Figure(hm, layout=dict(height=300, xaxis_title='step', **_LAYOUT)), m in opened))
     return figs
 
 # %% ../nbs/06_report.ipynb #df0b628b
@@ -86,14 +107,20 @@ def report_html(run:Run, max_points:int=500, rank:int=None)->str:
              *[f"<tr><td>{e(k)}</td><td>{e(str(v))}</td></tr>" for k, v in meta.items()], '</table>', '<h2>NaN and Inf</h2>']
     if f := run.first_nonfinite():
         on = f", rank {f['rank']}" if len(ranks) > 1 else ''
-        parts.append(f"<p>First NaN/Inf: <b>{e(module_label(f['module']))}</b> ({e(str(f['mtype']))}) {e(f['ttype'])} "
-                     f"{e(f['tname'])} at step {f['step']}, call {f['call']}{on}</p>")
+        what = f['ttype'] if f['tname'] == f['ttype'] else f"{f['ttype']} {f['tname']}"
+        parts.append(f"<p>First NaN/Inf: <b>{e(module_label(f['module']))}</b> ({e(str(f['mtype']))}) {e(what)} "
+                     f"at step {f['step']}, call {f['call']}{on}</p>")
     nf = nonfinite(run)
-    parts.append(nf.assign(module=nf['module'].map(module_label)).to_html(index=False, border=0) if len(nf)
-                 else '<p class="ok">No NaN or Inf in any recorded tensor.</p>')
+    nf = nf.assign(module=nf['module'].map(module_label), nan=nf['nan'].astype('Int64'), inf=nf['inf'].astype('Int64'))
+    parts.append(nf.to_html(index=False, border=0) if len(nf) else '<p class="ok">No NaN or Inf in any recorded tensor.</p>')
     config = dict(displaylogo=False, responsive=True)
-    for i, (head, fig) in enumerate(report_figures(run, max_points, rank)):
+    figs = report_figures(run, max_points, rank)
+    rest = [(h, f) for h, f, shown in figs if not shown]
+    for i, (head, fig) in enumerate([(h, f) for h, f, shown in figs if shown] + rest):
+        if rest and i == len(figs) - len(rest):
+            parts.append(f'<details><summary>{len(rest)} more figures of the other modules</summary>')
         parts += [f"<h2>{e(head)}</h2>", fig.to_html(full_html=False, include_plotlyjs=i == 0, config=config)]
+    if rest: parts.append('</details>')
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>torchember: {e(run.name)}</title>'
             f'<style>{_CSS}</style></head>\n<body>\n' + '\n'.join(parts) + '\n</body></html>\n')
 
@@ -121,8 +148,8 @@ def _target(path, run:str)->Path:
     return target
 
 def report(run,                  # a run name, or a `Run`
-           db=None,              # the store, when `run` is a name
            path='report.html',   # the file to write, or a folder for `<run>.html`
+           db=None,              # the store, when `run` is a name
            max_points:int=500,   # at most this many steps per line
            rank:int=None,        # in a run of several ranks, the one to draw; default the first
           )->Path:               # the file written
@@ -138,19 +165,52 @@ def report(self:Run, path='report.html', max_points:int=500, rank:int=None)->Pat
     return report(self, path=path, max_points=max_points, rank=rank)
 
 # %% ../nbs/06_report.ipynb #266641d5
+import sys
 from typing import Annotated
+import sqlalchemy as sa
 from fastcore.script import call_parse, is_cli, CliError
+from . import __version__
+from .store import StoreError
+from .query import runs, delete_run
 
 # %% ../nbs/06_report.ipynb #f4fa2d59
-@call_parse
-def main(command:Annotated[str, "what to do: `report` writes a run's HTML report", {'choices': ['report']}],
-         run:str,                     # the run's name
+def _fail(msg:str):
+    "Stop the command: one line on stderr and exit status 2 from a shell, a `CliError` from Python."
+    if not is_cli(main): raise CliError(msg)   # is_cli(main): not another command (nbdev-test) running this one
+    print(msg, file=sys.stderr)
+    raise SystemExit(2)
+
+def _ls(db)->pd.DataFrame:
+    rs = runs(db)
+    if is_cli(main):
+        where = engine(db).url.database or engine(db).url.render_as_string(hide_password=True)
+        shown = rs.assign(started=rs['started'].dt.strftime('%Y-%m-%d %H:%M'), last_step=rs['last_step'].astype('Int64'))
+        print(shown[['name', 'model', 'steps', 'last_step', 'started']].to_string(index=False) if len(rs) else f"no runs in {where}")
+    return rs
+
+def _rm(run, db)->dict:
+    gone = delete_run(run, db)
+    if is_cli(main): print(f"deleted run {run!r}: {gone.get('steps', 0)} step rows, {sum(gone.values())} rows in all")
+    return gone
+
+@call_parse(pos=['command', 'run'])
+def main(command:Annotated[str, "report: write RUN's HTML report; ls: list the store's runs; rm: delete RUN", {'choices': ['report', 'ls', 'rm']}]=None,
+         run:str=None,                # the run's name (report, rm)
          db:str=None,                 # store path or URL (default: ~/.torchember/torchember.db or $TORCHEMBER_DB)
          Output:str='report.html',    # the HTML file to write, or a folder for RUN.html
          max_points:int=500,          # at most this many steps per line
+         rank:int=None,               # in a run of several ranks, the one to draw (default: the first)
+         version:Annotated[str, "print torchember's version", {'action': 'version'}]=f'torchember {__version__}',
         ):
-    "torchember's command line: `torchember report RUN [--db DB] -o report.html` writes a run's self-contained HTML report."
-    try: p = report(run, db=db, path=Output, max_points=max_points)
-    except (KeyError, ValueError) as e: raise CliError(f"torchember {command}: {e.args[0] if e.args else e}") from None
-    if is_cli(): print(p)
+    "torchember's command line: `report RUN -o report.html` writes a run's self-contained HTML report; `ls` lists the runs; `rm RUN` deletes one."
+    if command is None: _fail("torchember: give a command: report RUN, ls, or rm RUN (torchember --help says more)")
+    if command in ('report', 'rm') and not run: _fail(f"torchember {command}: give the run's name (torchember ls lists them)")
+    try:
+        if command == 'ls': return _ls(db)
+        if command == 'rm': return _rm(run, db)
+        p = report(run, path=Output, db=db, max_points=max_points, rank=rank)
+    except (KeyError, ValueError, StoreError, OSError, sa.exc.SQLAlchemyError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else getattr(e, 'orig', None) or e
+        _fail(f"torchember {command}: {str(msg).strip().splitlines()[0]}")
+    if is_cli(main): print(p)
     return p

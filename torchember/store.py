@@ -19,8 +19,8 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 __all__ = ['SCHEMA_VERSION', 'MEMORY', 'metadata', 'STAT_COLS', 'Str', 'Size', 'meta_t', 'runs_t', 'ranks_t', 'modules_t',
            'steps_t', 'events_t', 'stats_t', 'calls_t', 'scalars_t', 'snapshots_t', 'VIEWS', 'ROWS_PER_INSERT',
            'LINGER_S', 'PENDING_STEPS', 'PENDING_BYTES', 'RETRY_S', 'EXIT_WAIT_S', 'default_db', 'db_url', 'check_name',
-           'escaped', 'StoreError', 'engine', 'keyed_by_rank', 'create_run', 'claim', 'release', 'write_step',
-           'idle_priority', 'store_busy', 'Writer']
+           'escaped', 'StoreError', 'engine', 'keyed_by_rank', 'create_run', 'drop_run', 'claim', 'release',
+           'write_step', 'idle_priority', 'store_busy', 'Writer']
 
 # %% ../nbs/02_store.ipynb #2b4773a6
 SCHEMA_VERSION = 2
@@ -295,23 +295,25 @@ def _stored_version(c, eng)->int|None:
 
 # %% ../nbs/02_store.ipynb #cd2f66e7
 def create_run(eng, name:str, model:str, modules:list, tree:dict, config:dict=None, resume:bool=False,
-               rank:int=0, world_size:int=1)->tuple:
-    "Create run `name`, join it as another `rank` of its world, or find it with `resume`; `modules` as `(name, mtype, parent[, n_params, n_learnable, param_bytes])`. Its id, and with `resume` the last step this rank closed. This process then holds the rank (see `claim`)."
+               rank:int=0, world_size:int=1, overwrite:bool=False)->tuple:
+    "Create run `name`, join it as another `rank` of its world, or find it with `resume`; `modules` as `(name, mtype, parent[, n_params, n_learnable, param_bytes])`. Its id, and with `resume` the last step this rank closed; `overwrite` replaces a run of that name. This process then holds the rank (see `claim`)."
     check_name(name, 'run name')
+    if overwrite and (resume or world_size > 1): raise ValueError("overwrite=True replaces a single process's run and cannot resume it; delete a run of several ranks with torchember.delete_run")
     model, modules = escaped(model), [(escaped(n), escaped(t), *rest) for n, t, *rest in modules]   # names the model gave
     for attempt in range(3):
-        try: return _create_run(eng, name, model, modules, tree, config, resume, rank, world_size)
+        try: return _create_run(eng, name, model, modules, tree, config, resume, rank, world_size, overwrite)
         except sa.exc.IntegrityError:   # another rank created the run (or claimed the rank) at the same moment
             if attempt == 2: raise
         except sa.exc.OperationalError as e:
             raise StoreError(f"cannot write run {name!r} to store {eng.url.render_as_string(hide_password=True)}: {e.orig} "
                              "(is the file or its folder read-only, the disk full, or the store locked?)") from None
 
-def _create_run(eng, name, model, modules, tree, config, resume, rank, world_size):
+def _create_run(eng, name, model, modules, tree, config, resume, rank, world_size, overwrite=False):
     with eng.begin() as c:
         if c.dialect.name == 'sqlite':   # take the write lock first: two processes that resume at once claim the rank in turn
             c.execute(update(meta_t).where(meta_t.c.key == 'schema_version').values(value=meta_t.c.value))
         row = c.execute(select(runs_t.c.id, runs_t.c.world_size).where(runs_t.c.name == name)).first()
+        if row is not None and overwrite: row = drop_run(c, row.id) and None
         if row is None:
             rid = c.execute(insert(runs_t).values(
                 name=name, model=model, started=time.time(), user=_user(), host=socket.gethostname(), torch=_torch_version(),
@@ -333,6 +335,11 @@ def _create_run(eng, name, model, modules, tree, config, resume, rank, world_siz
         if not resume: return row.id, None
         last = c.execute(select(func.max(steps_t.c.step)).where(steps_t.c.run_id == row.id, steps_t.c.rank == rank)).scalar()
         return row.id, last
+
+def drop_run(c, run_id:int)->dict:
+    "Delete run `run_id`'s rows from every table, in the open transaction of connection `c`: table -> rows deleted."
+    return {t.name: c.execute(t.delete().where((t.c.id if t is runs_t else t.c.run_id) == run_id)).rowcount
+            for t in reversed(metadata.sorted_tables) if t is runs_t or 'run_id' in t.c}
 
 def _user():
     try: return getpass.getuser()
