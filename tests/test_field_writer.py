@@ -271,7 +271,7 @@ BAD = [
     (dict(every=True), TypeError, 'every'), (dict(resume='yes'), TypeError, 'resume'), (dict(strict=1), TypeError, 'strict'),
     (dict(record_eval='no'), TypeError, 'record_eval'), (dict(timing=None), TypeError, 'timing'),
     (dict(io_grad='y'), TypeError, 'io_grad'), (dict(track_updates=0), TypeError, 'track_updates'),
-    (dict(hist=-1), ValueError, 'hist'), (dict(hist=5000), ValueError, 'hist'), (dict(hist=2.5), TypeError, 'hist'), (dict(hist=8, sample_n=0), ValueError, 'sample_n'),
+    (dict(hist=-1), ValueError, 'hist'), (dict(hist=5000), ValueError, 'hist'), (dict(overwrite='yes'), TypeError, 'overwrite'), (dict(hist=2.5), TypeError, 'hist'), (dict(hist=8, sample_n=0), ValueError, 'sample_n'),
     (dict(hist=8, sample_n=1.5), TypeError, 'sample_n'), (dict(hist=8, outliers=-1), ValueError, 'outliers'),
     (dict(hist=8, outliers=0), ValueError, 'outliers'), (dict(hist=8, outliers='3'), TypeError, 'outliers'),
     (dict(hist=8, outliers=float('nan')), ValueError, 'outliers'),

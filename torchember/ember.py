@@ -46,7 +46,7 @@ class torchEmber:
                  ranks=None,            # which ranks of a distributed job record: a list of ranks or a predicate `rank -> bool`; default all
                 ):
         _check_args(run, db, every, hist, sample_n, outliers, snapshot, snapshot_fn, resume=resume, strict=strict,
-                    record_eval=record_eval, timing=timing, io_grad=io_grad, track_updates=track_updates)
+                    record_eval=record_eval, timing=timing, io_grad=io_grad, track_updates=track_updates, overwrite=overwrite)
         if not isinstance(model, nn.Module):
             raise TypeError(f"torchEmber arms an nn.Module, not {type(model).__name__}")
         model = unwrap(model)
