@@ -13,3 +13,16 @@ def db(tmp_path):
 def _private_default_store(tmp_path_factory):
     "Never write the user's default store from tests."
     os.environ['TORCHEMBER_DB'] = str(tmp_path_factory.mktemp('default')/'default.db')
+
+from test_postgres import server, new_database, drop_database   # noqa: F401 (server is a fixture)
+
+@pytest.fixture(params=['sqlite', 'postgresql'])
+def store(request, tmp_path):
+    "A fresh store: a SQLite file, or a new database on the PostgreSQL server of `$TORCHEMBER_PG_URL` (skipped without one)."
+    if request.param == 'sqlite':
+        yield str(tmp_path/'store.db')
+        return
+    srv = request.getfixturevalue('server')
+    url = new_database(srv)
+    yield url
+    drop_database(srv, url)

@@ -16,16 +16,6 @@ from torchember.store import StoreError, engine, db_url, _engines
 from test_postgres import server, new_database, drop_database, forget   # the PostgreSQL fixtures
 
 
-@pytest.fixture(params=['sqlite', 'postgresql'])
-def store(request, tmp_path):
-    "A fresh store: a SQLite file, or a new PostgreSQL database (dropped after the test)."
-    if request.param == 'sqlite':
-        yield str(tmp_path/'store.db')
-        return
-    srv = request.getfixturevalue('server')
-    url = new_database(srv)
-    yield url
-    drop_database(srv, url)
 
 def train(te, model, steps=3):
     for _ in range(steps): model(torch.randn(2, 4)).sum().backward()

@@ -5,18 +5,6 @@ from torch import nn
 from sqlalchemy import event
 import torchember.ember as ember
 from torchember import torchEmber
-from test_postgres import server, new_database, drop_database   # noqa: F401 (server is a fixture)
-
-@pytest.fixture(params=['sqlite', 'postgresql'])
-def store(request, tmp_path):
-    "A fresh store: a SQLite file, or a new database on the PostgreSQL server of `$TORCHEMBER_PG_URL` (skipped without one)."
-    if request.param == 'sqlite':
-        yield str(tmp_path/'store.db')
-        return
-    srv = request.getfixturevalue('server')
-    url = new_database(srv)
-    yield url
-    drop_database(srv, url)
 
 
 class Branchy(nn.Module):
