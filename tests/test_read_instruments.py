@@ -335,7 +335,7 @@ def test_explorer_offers_new_tensors_and_timings(run, db):
         bars = ex.overview_fig.data[0]
         assert ex.ov_stat.options == ('fwd_ms', 'bwd_ms', 'n_calls') and ex.ov_stat.value == 'fwd_ms'
         assert list(bars.customdata) == ['', 'block', 'block.0', 'act', 'head'] and list(bars.y) == [4., 8., 12., 16., 20.]
-        assert ex.overview_fig.layout.title.text == 'step 3: fwd_ms per module'
+        assert ex.overview_fig.layout.title.text == 'step 3: fwd_ms per module (click a bar)'
     finally: ex.close()
 
 def test_explorer_names_and_flags_the_first_nonfinite(run, db):

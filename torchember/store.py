@@ -226,6 +226,7 @@ def _init_schema(eng, tries:int=3):
     try:
         with eng.begin() as c:
             if c.dialect.name == 'postgresql': c.exec_driver_sql('SELECT pg_advisory_xact_lock(7461)')  # one creator at a time, till commit
+            else: _begin_immediate(c)   # Python's sqlite3 begins no transaction before DDL: each CREATE would commit alone
             insp = sa.inspect(c)
             tables = set(insp.get_table_names())
             ours = 'meta' in tables and {'key', 'value'} <= {col['name'] for col in insp.get_columns('meta')}
@@ -244,6 +245,12 @@ def _init_schema(eng, tries:int=3):
         if tries <= 1 or not _lost_race(e.orig): raise
         time.sleep(0.05)
         _init_schema(eng, tries - 1)
+
+def _begin_immediate(c):
+    "Open the SQLite transaction now, with the write lock, so the whole schema commits at once and creators take turns (a read-only file: nothing to lock)."
+    try: c.exec_driver_sql('BEGIN IMMEDIATE')
+    except sa.exc.OperationalError as e:
+        if 'readonly' not in str(e.orig) and 'read-only' not in str(e.orig): raise
 
 def _lost_race(err)->bool:
     "Whether `err` says another process created the schema at the same moment (SQLite's messages, PostgreSQL's SQLSTATEs)."
