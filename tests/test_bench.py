@@ -55,3 +55,14 @@ def test_each_switch_leaves_out_what_it_names(tmp_path, switch, ttypes):
     df = te.df()
     assert set(df.ttype) == ttypes
     te.disarm()
+
+GPU = Path(__file__).resolve().parent.parent/'bench'/'gpu.py'
+
+def test_gpu_benchmark_runs_as_is():
+    "The GPU benchmark's script runs end to end (on the CPU, tiny models, where no GPU is lent); its figures are not checked."
+    r = subprocess.run([sys.executable, str(GPU), '--device', 'cpu', '--tiny', '--blocks', '1', '--steps', '10'],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [l.split() for l in r.stdout.splitlines() if l.startswith(('gpt2-small', 'resnet18-b256'))]
+    assert [r[:2] for r in rows] == [['gpt2-small', 'every=1'], ['gpt2-small', 'every=10'],
+                                     ['resnet18-b256', 'every=1'], ['resnet18-b256', 'every=10']]

@@ -1,0 +1,158 @@
+#!/usr/bin/env python
+"""GPU benchmark for torchember: training steps armed vs bare on the accelerator, and host syncs per step.
+
+Two models, as issue 18 asks: a GPT-2-small-sized decoder built from config (12 layers, 768 wide, 12 heads, sequence
+512, batch 8, bf16 autocast, AdamW) and the ResNet-18 layout of `tests/corpus.py` at batch 256 (SGD). For each, blocks
+of K steps alternate bare, armed every step and armed `every=10`, each block closed by `flush()` and a device
+synchronize inside the clock; the table gives the median ms a step, the ratio of medians and the median of paired
+ratios. Then it counts host syncs a step with `torch.cuda.set_sync_debug_mode('warn')`: the syncs that torch's
+own ops make on the training thread (torchember's copies to the host wait on the writer thread, which must not
+show up here), split into recorded and unrecorded steps.
+
+    python bench/gpu.py                       # on a CUDA machine
+    python bench/gpu.py --device cpu --tiny   # a smoke test of the script itself, anywhere
+"""
+import argparse, statistics, sys, tempfile, time, warnings
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / 'tests'))
+sys.path.insert(0, str(HERE.parent))
+
+import torch
+from torch import nn
+import corpus
+from torchember import torchEmber
+
+
+class Block(nn.Module):
+    "A GPT-2 block: pre-norm causal self-attention and a 4x GELU MLP."
+    def __init__(self, d, heads):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x, mask):
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    "A GPT-2-shaped decoder built from its sizes (no download)."
+    def __init__(self, layers=12, d=768, heads=12, vocab=50257, seq=512):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+        self.register_buffer('mask', torch.triu(torch.full((seq, seq), float('-inf')), 1), persistent=False)
+
+    def forward(self, ids):
+        n = ids.shape[1]
+        x = self.tok(ids) + self.pos(torch.arange(n, device=ids.device))
+        for b in self.blocks: x = b(x, self.mask[:n, :n])
+        return self.head(self.ln(x))
+
+
+def gpt_setup(device, tiny):
+    cfg = dict(layers=2, d=64, heads=4, vocab=1000, seq=32) if tiny else dict()
+    model = GPT(**cfg).to(device)
+    seq, batch = (32, 2) if tiny else (512, 8)
+    vocab = model.head.out_features
+    ids = torch.randint(0, vocab, (batch, seq), device=device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    amp = torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    def step():
+        with amp: logits = model(ids[:, :-1])
+        loss = nn.functional.cross_entropy(logits.float().reshape(-1, vocab), ids[:, 1:].reshape(-1))
+        loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+    return model, step
+
+
+def resnet_setup(device, tiny):
+    model, make_batch = corpus.resnet_like(depth=18, tiny=tiny, batch=4 if tiny else 256)
+    model = model.to(device)
+    args, kwargs = make_batch(0)
+    args = [a.to(device) for a in args]
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    def step():
+        corpus.loss_of(model(*args, **kwargs)).backward(); opt.step(); opt.zero_grad(set_to_none=True)
+    return model, step
+
+
+MODELS = {'gpt2-small': gpt_setup, 'resnet18-b256': resnet_setup}
+
+
+def sync(device):
+    if device.type == 'cuda': torch.cuda.synchronize(device)
+
+
+def block(model, step, k, device, every, db):
+    "Seconds a step over `k` steps; armed with `every` (None: bare), flush and synchronize inside the clock."
+    te = torchEmber(model, db=db, every=every) if every else None
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(k): step()
+    if te is not None: te.flush()
+    sync(device)
+    dt = (time.perf_counter() - t0) / k
+    if te is not None: te.disarm()
+    return dt
+
+
+def _syncs(step)->int:
+    "Host syncs torch reports on this thread during one `step` (its sync debug mode)."
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        torch.cuda.set_sync_debug_mode('warn')
+        try: step()
+        finally: torch.cuda.set_sync_debug_mode(0)
+    return sum('synchroniz' in str(x.message) for x in w)
+
+
+def syncs_per_step(model, step, device, db, steps=20, every=10):
+    "The most host syncs in a bare step, a recorded step and an unrecorded one (`every` steps armed)."
+    if device.type != 'cuda': return None
+    bare = max(_syncs(step) for _ in range(3))
+    te = torchEmber(model, db=db, every=every)
+    step(); sync(device)                                # the first recorded step warms up
+    counts = {True: [], False: []}
+    for i in range(1, steps + 1): counts[i % every == 0].append(_syncs(step))
+    te.disarm()
+    return bare, max(counts[True]), max(counts[False])
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    p.add_argument('--device', default='cuda')
+    p.add_argument('--models', default=','.join(MODELS))
+    p.add_argument('--blocks', type=int, default=7)
+    p.add_argument('--steps', type=int, default=20, help="steps a block (a multiple of 10)")
+    p.add_argument('--tiny', action='store_true', help="small models: a smoke test of the script")
+    a = p.parse_args(argv)
+    device = torch.device(a.device)
+    if device.type == 'cuda' and not torch.cuda.is_available(): sys.exit("no CUDA device here: run with --device cpu --tiny to check the script")
+    name = torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'
+    print(f"device: {name}; torch {torch.__version__}")
+    db = str(Path(tempfile.mkdtemp(prefix='torchember-gpu-')) / 'bench.db')
+    print(f"{'model':<14} {'config':<12} {'bare ms':>9} {'armed ms':>9} {'ratio':>7} {'paired':>7}")
+    for m in a.models.split(','):
+        model, step = MODELS[m](device, a.tiny)
+        for _ in range(3): step()
+        times = {None: [], 1: [], 10: []}
+        for r in range(a.blocks):
+            for every in ((None, 1, 10) if r % 2 == 0 else (10, 1, None)):
+                times[every].append(block(model, step, a.steps, device, every, db))
+        bare = statistics.median(times[None])
+        for every in (1, 10):
+            med = statistics.median(times[every])
+            paired = statistics.median(x / y for x, y in zip(times[every], times[None]))
+            print(f"{m:<14} {'every=' + str(every):<12} {bare * 1e3:9.2f} {med * 1e3:9.2f} {med / bare:6.2f}x {paired:6.2f}x", flush=True)
+        s = syncs_per_step(model, step, device, db)
+        if s is not None:
+            print(f"{m:<14} host syncs a step (torch's sync debug mode, most seen): bare {s[0]}, recorded {s[1]}, unrecorded {s[2]}")
+
+
+if __name__ == '__main__':
+    main()
