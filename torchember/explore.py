@@ -38,7 +38,7 @@ def tree_options(tree:dict, filter:str='')->list:
 
 # %% ../nbs/05a_explore.ipynb #08c2c7d3
 PLOTS = ('map', 'scalars', 'history', 'histogram', 'bars')   # the explorer's plots, top to bottom
-_TOP, _GAP, _BOTTOM, _WIDTH = 60, 100, 90, 980   # px: above the first plot, between two (a title, the x axis above), below the last
+_TOP, _GAP, _BOTTOM, _WIDTH = 60, 110, 90, 980   # px: above the first plot, between two (a title, the x axis above), below the last
 
 def _ref(ref:str, axes:list)->str:
     "Axis reference `ref` of a plot's own figure ('x2', 'y domain', 'paper') as it reads in the explorer's figure, whose axes `axes` the plot has."
@@ -107,7 +107,7 @@ def _layout(plots:list, n_axes:int)->dict:
                                        yref='paper', y=hi, yanchor='bottom', yshift=30, showarrow=False, font=dict(size=15, weight='bold')))
         for key, named in (('annotations', p.name), ('shapes', None)):
             for o in src.get(key, []):
-                o = {**o, 'xref': _ref(o.get('xref', 'paper'), p.axes), 'yref': _ref(o.get('yref', 'paper'), p.axes)}
+                o = {**o, 'xref': _ref(o.get('xref', 'x'), p.axes), 'yref': _ref(o.get('yref', 'y'), p.axes)}   # plotly's default: the first axes
                 if o['yref'] == 'paper': o.update({c: band(o[c]) for c in ('y', 'y0', 'y1') if c in o})
                 o['name'] = named or f"{p.name}:{o.get('name', '')}"
                 lay[key].append(o)
