@@ -110,14 +110,14 @@ def run_cells(page, upto:int=None, cell:int=None):
     }""", [upto, cell])
 
 MAP_CELL = """([j, i]) => {
-  const gd = [...document.querySelectorAll('.js-plotly-plot')].find(g => JSON.stringify(g.layout.title || '').includes('every module'));
+  const gd = [...document.querySelectorAll('.js-plotly-plot')].find(g => (g.layout.annotations || []).some(a => (a.text || '').includes('every module')));
   gd.scrollIntoView({block: 'center'});
   const L = gd._fullLayout, tr = gd._fullData[0], r = gd.getBoundingClientRect();
   return [r.left + L.xaxis._offset + L.xaxis.l2p(tr.x[j]), r.top + L.yaxis._offset + L.yaxis.l2p(i), tr.y[i]];
 }"""
 STAT_PICKED = "[...document.querySelectorAll('.widget-select-multiple select option')].filter(o => o.selected).map(o => o.textContent)"
 STATUS = "[...document.querySelectorAll('.widget-label')].map(l => l.textContent).join('|')"
-TITLES = "[...document.querySelectorAll('.js-plotly-plot .gtitle')].map(t => t.textContent)"
+TITLES = "[...document.querySelectorAll('.js-plotly-plot .gtitle, .js-plotly-plot .annotation-text')].map(t => t.textContent)"
 
 def test_explorer_renders_in_jupyterlab(lab):
     ARTIFACTS.mkdir(exist_ok=True)
@@ -132,8 +132,8 @@ def test_explorer_renders_in_jupyterlab(lab):
             page.evaluate("() => window.jupyterapp.commands.execute('application:toggle-left-area')")
             run_cells(page, upto=2)                                     # train, open the explorer
 
-            # three figures (history, heatmap, overview), each with drawn data
-            page.wait_for_function("() => document.querySelectorAll('.js-plotly-plot svg.main-svg').length >= 3", timeout=WAIT_MS)
+            # one figure (one copy of plotly.js) with every plot drawn: the map and the histogram, the history's lines, the bars
+            page.wait_for_function("() => document.querySelectorAll('.js-plotly-plot').length == 1", timeout=WAIT_MS)
             page.wait_for_function("() => document.querySelectorAll('.js-plotly-plot .barlayer .point path').length > 0"
                                    " && document.querySelectorAll('.js-plotly-plot .scatterlayer path.js-line').length > 0"
                                    " && document.querySelectorAll('.js-plotly-plot .heatmaplayer image').length > 0", timeout=WAIT_MS)

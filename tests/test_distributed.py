@@ -176,13 +176,13 @@ def test_explorer_and_report_show_the_ranks(trained, tmp_path):
         e.module_picker.value = '0'
         e.ttype_picker.value = 'weight_grad'
         e.rank_picker.value = 'spread'
-        band = {t.name: list(t.y) for t in e.history_fig.data}
+        band = {t.name: list(t.y) for t in e.plots['history'].data}
         assert band['mean: lowest rank'] == band['mean: range over ranks']        # averaged grads: no spread at all
         e.ttype_picker.value = 'input'
-        band = {t.name: list(t.y) for t in e.history_fig.data}
+        band = {t.name: list(t.y) for t in e.plots['history'].data}
         assert all(lo < hi for lo, hi in zip(band['mean: lowest rank'], band['mean: range over ranks']))   # each rank its data
         e.rank_picker.value = 'all'
-        assert [t.name for t in e.overview_fig.data if t.type == 'bar'] == ['rank 0: norm', 'rank 1: norm']
+        assert [t.name for t in e.plots['bars'].data if t.type == 'bar'] == ['rank 0: norm', 'rank 1: norm']
     finally: e.close()
     assert 'figures of rank 0' in report('ddp', tmp_path/'ddp.html', db).read_text()
 

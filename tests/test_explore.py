@@ -117,42 +117,42 @@ def test_history_follows_selectors(ex, store):
     df = load('good', store).df(module='2', ttype='output')
     ex.module_picker.value = '2'
     assert ex.ttype_picker.value == 'output' and ex.tname_picker.value == 'output'
-    mean = trace(ex.history_fig, 'mean')
+    mean = trace(ex.plots['history'], 'mean')
     assert list(mean.x) == df['step'].tolist() == list(range(STEPS))
     np.testing.assert_allclose(mean.y, df['mean'])
-    np.testing.assert_allclose(trace(ex.history_fig, 'mean ± std').y, df['mean'] + df['std'])
-    np.testing.assert_allclose(trace(ex.history_fig, 'min–max').y, df['max'])
-    assert 'NaN/Inf' not in names(ex.history_fig)
+    np.testing.assert_allclose(trace(ex.plots['history'], 'mean ± std').y, df['mean'] + df['std'])
+    np.testing.assert_allclose(trace(ex.plots['history'], 'min–max').y, df['max'])
+    assert 'NaN/Inf' not in names(ex.plots['history'])
 
     ex.ttype_picker.value = 'weight_grad'
     assert ex.tname_picker.options == ('bias', 'weight') and ex.tname_picker.value == 'weight'
     g = load('good', store).df(module='2', ttype='weight_grad', tname='weight')
-    np.testing.assert_allclose(trace(ex.history_fig, 'mean').y, g['mean'])
+    np.testing.assert_allclose(trace(ex.plots['history'], 'mean').y, g['mean'])
     ex.tname_picker.value = 'bias'
     assert ex.history_df['tname'].unique().tolist() == ['bias']
 
     ex.stat_picker.value = ('norm', 'zero_frac')
-    assert names(ex.history_fig) == ['norm', 'zero_frac']
+    assert names(ex.plots['history']) == ['norm', 'zero_frac']
     b = load('good', store).df(module='2', ttype='weight_grad', tname='bias')
-    np.testing.assert_allclose(trace(ex.history_fig, 'norm').y, b['norm'])
-    assert ex.history_fig.layout.yaxis.type == 'linear'
+    np.testing.assert_allclose(trace(ex.plots['history'], 'norm').y, b['norm'])
+    assert ex.plots['history'].yaxis.type == 'linear'
     ex.log_toggle.value = True
-    assert ex.history_fig.layout.yaxis.type == 'log' and ex.overview_fig.layout.yaxis.type == 'log'
+    assert ex.plots['history'].yaxis.type == 'log' and ex.plots['bars'].yaxis.type == 'log'
 
 def test_heatmap(ex):
     ex.module_picker.value = '2'
-    assert ex.heatmap_box.layout.display is None
-    hm = ex.heatmap_fig.data[0]
+    assert ex.plots['histogram'].shown
+    hm = ex.plots['histogram'].data[0]
     assert hm.type == 'heatmap' and list(hm.x) == list(range(STEPS))
     np.testing.assert_allclose(np.nansum(np.array(hm.z, dtype=float), axis=0), 1)
     lo, hi = ex.history_df['hist_lo'].min(), ex.history_df['hist_hi'].max()
     assert lo < hm.y[0] < hm.y[-1] < hi
     ex.ttype_picker.value = 'weight'
-    assert ex.heatmap_box.layout.display == 'none' and len(ex.heatmap_fig.data) == 0
+    assert not ex.plots['histogram'].shown and len(ex.plots['histogram'].data) == 0
 
 def test_overview_and_click(ex, store):
     r = load('good', store)
-    bars = ex.overview_fig.data[0]
+    bars = ex.plots['bars'].data[0]
     assert ex.ov_ttype.value == 'weight_grad' and ex.ov_stat.value == 'norm'
     assert list(bars.customdata) == ['1.lin', '2', '4']
     g = r.df(step=r.last_step, ttype='weight_grad', module='2')
@@ -160,7 +160,7 @@ def test_overview_and_click(ex, store):
 
     ex.ov_ttype.value = 'output'
     ex.ov_stat.value = 'std'
-    bars = ex.overview_fig.data[0]
+    bars = ex.plots['bars'].data[0]
     latest = r.df(step=r.last_step, ttype='output', module='3')
     assert list(bars.customdata) == ['', '0', '1', '1.lin', '2', '3', '4']
     np.testing.assert_allclose(bars.y[5], latest['std'].iloc[0])
@@ -169,7 +169,7 @@ def test_overview_and_click(ex, store):
                             InputDeviceState())
     assert ex.module_picker.value == '3'
     assert ex.history_df['module'].unique().tolist() == ['3']
-    assert ex.overview_fig.data[0].marker.line.width[5] == 2   # the selected bar is outlined
+    assert ex.plots['bars'].data[0].marker.line.width[5] == 2   # the selected bar is outlined
 
 def test_nan_markers(ex, store):
     ex.run_picker.value = 'bad'
@@ -177,34 +177,34 @@ def test_nan_markers(ex, store):
     df = load('bad', store).df(module='1.lin', ttype='output')
     bad = sorted(df.loc[df['nan_count'] > 0, 'step'].unique())
     assert bad == list(range(BAD_FROM, STEPS))
-    marks = trace(ex.history_fig, 'NaN/Inf')
+    marks = trace(ex.plots['history'], 'NaN/Inf')
     assert list(marks.x) == bad and all(y is not None for y in marks.y)
-    assert 'NaN/Inf' in names(ex.heatmap_fig)
-    bars = ex.overview_fig.data[0]                  # weight grads of the latest step are all NaN: the last finite step is shown
+    assert 'NaN/Inf' in names(ex.plots['histogram'])
+    bars = ex.plots['bars'].data[0]                  # weight grads of the latest step are all NaN: the last finite step is shown
     assert all(y is not None and y > 0 for y in bars.y) and '#d62728' not in set(bars.marker.color)
-    assert ex.overview_fig.layout.title.text.startswith(f'step {BAD_FROM - 1}, the last before NaN/Inf (first at step {BAD_FROM}: 0 output)')
+    assert ex.plots['bars'].title.startswith(f'step {BAD_FROM - 1}, the last before NaN/Inf (first at step {BAD_FROM}: 0 output)')
 
 def test_overlay(ex, store):
     ex.module_picker.value = '2'
-    before = names(ex.history_fig)
+    before = names(ex.plots['history'])
     ex.overlay_picker.value = 'bad'
-    after = names(ex.history_fig)
+    after = names(ex.plots['history'])
     assert after[:len(before)] == before
     added = after[len(before):]
     assert added == [f'bad: {n}' for n in before] + ['bad: NaN/Inf']
     o = load('bad', store).df(module='2', ttype='output')
-    ys = trace(ex.history_fig, 'bad: mean').y
+    ys = trace(ex.plots['history'], 'bad: mean').y
     np.testing.assert_allclose([np.nan if y is None else y for y in ys], o['mean'].astype(float))
-    assert [t.name for t in ex.overview_fig.data if t.type == 'bar'] == ['norm', 'bad: norm']
+    assert [t.name for t in ex.plots['bars'].data if t.type == 'bar'] == ['norm', 'bad: norm']
     ex.overlay_picker.value = ''
-    assert names(ex.history_fig) == before
+    assert names(ex.plots['history']) == before
 
 def test_downsampled_explorer(store):
     e = explore(store, run='good', max_points=8)
     e.module_picker.value = '2'
-    x = list(trace(e.history_fig, 'mean').x)
+    x = list(trace(e.plots['history'], 'mean').x)
     assert len(x) == 8 and x[0] == 0 and x[-1] == STEPS - 1
-    assert list(e.heatmap_fig.data[0].x) == x
+    assert list(e.plots['histogram'].data[0].x) == x
     e.close()
 
 def test_live_mode_follows_new_steps(store, tmp_path):
@@ -218,7 +218,7 @@ def test_live_mode_follows_new_steps(store, tmp_path):
     deadline = time.monotonic() + 30
     while not re.search(r' 7 steps', e.status.value) and time.monotonic() < deadline: time.sleep(0.05)
     assert re.fullmatch(r'last updated \d\d:\d\d:\d\d · 7 steps · live', e.status.value)
-    assert len(trace(e.history_fig, 'mean').x) == 7
+    assert len(trace(e.plots['history'], 'mean').x) == 7
     e.stop_button.click()
     e._thread.join(10)
     assert not e._thread.is_alive() and e.live_toggle.value is False
@@ -242,25 +242,25 @@ def test_poll_never_settles_behind(tmp_path, monkeypatch):
     assert e.poll() is True and len(e._steps) == 4
     monkeypatch.setattr(E, 'recorded_steps', orig)
     assert e.poll() is True and len(e._steps) == 5
-    assert e.poll() is False and len(trace(e.history_fig, 'mean').x) == 5
+    assert e.poll() is False and len(trace(e.plots['history'], 'mean').x) == 5
     e.close()
 
 def test_redraw_updates_in_place(ex):
     "Same trace names and types: the figure's traces are updated, not replaced, so the browser does not flash empty."
     ex.module_picker.value = '2'
-    uids = [t.uid for t in ex.history_fig.data]
-    y2 = list(trace(ex.history_fig, 'mean').y)
+    uids = [t.uid for t in ex.plots['history'].data]
+    y2 = list(trace(ex.plots['history'], 'mean').y)
     ex.module_picker.value = '4'
-    assert [t.uid for t in ex.history_fig.data] == uids
-    assert list(trace(ex.history_fig, 'mean').y) != y2
-    np.testing.assert_allclose(trace(ex.history_fig, 'mean').y, ex.history_df['mean'])
+    assert [t.uid for t in ex.plots['history'].data] == uids
+    assert list(trace(ex.plots['history'], 'mean').y) != y2
+    np.testing.assert_allclose(trace(ex.plots['history'], 'mean').y, ex.history_df['mean'])
 
 def test_te_explore(tmp_path):
     model = make_model()
     with torchEmber(model, run='te', db=str(tmp_path/'te.db')) as te:
         for _ in range(3): model(torch.rand(4, 8) + 0.1).sum().backward()
         e = te.explore()          # flushes: the open step is in the store
-    assert e.run.name == 'te' and len(trace(e.history_fig, 'mean').x) == 3
+    assert e.run.name == 'te' and len(trace(e.plots['history'], 'mean').x) == 3
     e.close()
 
 def test_empty_store_and_unknown_run(tmp_path):

@@ -160,33 +160,31 @@ def two(tmp_path_factory):
 
 def test_scalars_in_the_explorer_with_overlay(two):
     e = explore(two, run='ok')
-    titles = [a.text for a in e.scalars_fig.layout.annotations]
+    titles = [a.text for a in e.plots['scalars'].annotations]
     assert titles == ['loss', 'lr', 'grad_norm', 'weight_norm']
     st = load('ok', two).steps()
-    loss = [t for t in e.scalars_fig.data if t.name == 'ok' and t.xaxis in ('x', None)][0]
+    loss = [t for t in e.plots['scalars'].data if t.name == 'ok' and t.xaxis == f"x{e.plots['scalars'].axes[0]}"][0]   # on its first subplot
     np.testing.assert_allclose(loss.y, st['loss']) and list(loss.x) == list(range(10))
     e.overlay_picker.value = 'nan'
-    assert sorted({t.name for t in e.scalars_fig.data}) == ['nan', 'ok'] and len(e.scalars_fig.data) == 8
-    assert {t.line.color for t in e.scalars_fig.data if t.name == 'nan'} == {'#ff7f0e'}
+    assert sorted({t.name for t in e.plots['scalars'].data}) == ['nan', 'ok'] and len(e.plots['scalars'].data) == 8
+    assert {t.line.color for t in e.plots['scalars'].data if t.name == 'nan'} == {'#ff7f0e'}
     e.close()
 
 def test_bar_click_keeps_ttype_and_stat(two):
     e = explore(two, run='ok')
     e.ov_ttype.value, e.ov_stat.value = 'weight_grad', 'norm'
-    bars = e.overview_fig.data[0]
+    bars = e.plots['bars'].data[0]
     click(bars, 1)
     assert (e.module_picker.value, e.ttype_picker.value, e.stat_picker.value) == (bars.customdata[1], 'weight_grad', ('norm',))
-    assert e.history_df['ttype'].unique().tolist() == ['weight_grad'] and [t.name for t in e.history_fig.data] == ['norm']
+    assert e.history_df['ttype'].unique().tolist() == ['weight_grad'] and [t.name for t in e.plots['history'].data] == ['norm']
     e.close()
 
 def test_nan_never_reaches_the_widgets_json(two):
     "Every figure the explorer builds on a run that blew up is valid JSON (jupyter refuses NaN: 'Out of range float values')."
     e = explore(two, run='nan')
-    figs = ('map_fig', 'scalars_fig', 'history_fig', 'heatmap_fig', 'overview_fig')
-    def check():
-        for f in figs: json.dumps(getattr(e, f).to_plotly_json(), allow_nan=False)
+    def check(): json.dumps(e.fig.to_plotly_json(), allow_nan=False)   # the one figure holds every plot
     check()
-    assert 'first NaN/Inf' in e.status.value and 'last before NaN/Inf (first at step 6' in e.overview_fig.layout.title.text
+    assert 'first NaN/Inf' in e.status.value and 'last before NaN/Inf (first at step 6' in e.plots['bars'].title
     for module in ('0', '2'):
         for tt in ('output', 'weight_grad', 'input'):
             e.select(module, tt, 'mean')
@@ -200,15 +198,16 @@ def test_nan_never_reaches_the_widgets_json(two):
 
 def test_map_click_opens_that_modules_history(two):
     e = explore(two, run='nan')
-    assert e.children[1].children[0] is e.ov_ttype and e.children[2] is e.map_fig   # the map is on top
-    hm = e.map_fig.data[0]
+    assert e.children[1].children[0] is e.ov_ttype and e.children[2].children[1] is e.fig
+    assert e.plots['map'].yaxis.domain[1] == max(p.yaxis.domain[1] for p in e.plots.values())   # the map is on top
+    hm = e.plots['map'].data[0]
     assert hm.type == 'heatmap' and list(hm.y) == ['\u00a0\u00a00 · Linear', '\u00a0\u00a02 · Linear'] and list(hm.x) == list(range(10))
-    assert e.map_fig.layout.shapes[0].x0 == 5.5                                # the first NaN/Inf cell, step 6, outlined
+    assert e.plots['map'].shapes[0].x0 == 5.5                                # the first NaN/Inf cell, step 6, outlined
     e.ov_stat.value = 'std'
-    click(e.map_fig.data[0], x=3, y=hm.y[1])
+    click(e.plots['map'].data[0], x=3, y=hm.y[1])
     assert (e.module_picker.value, e.ttype_picker.value, e.stat_picker.value) == ('2', 'weight_grad', ('std',))
-    assert e.history_df['module'].unique().tolist() == ['2'] and [t.name for t in e.history_fig.data] == ['std', 'NaN/Inf']
-    assert e.history_fig.layout.shapes[0].x0 == 3 and 'step 3 marked' in e.history_fig.layout.title.text
+    assert e.history_df['module'].unique().tolist() == ['2'] and [t.name for t in e.plots['history'].data] == ['std', 'NaN/Inf']
+    assert e.plots['history'].shapes[0].x0 == 3 and 'step 3 marked' in e.plots['history'].title
     e.close()
 
 def big_store(db, steps=10_000, n_modules=200):

@@ -174,10 +174,10 @@ def test_explorer_and_report(both, tmp_path):
     try:
         assert e.run.name == 'cnn' and e.status.value.endswith(f' {STEPS} steps · first NaN/Inf: 0 (Conv2d) output at step {BAD_AT}')
         e.module_picker.value = '2'
-        mean = next(t for t in e.history_fig.data if t.name == 'mean')
+        mean = next(t for t in e.plots['history'].data if t.name == 'mean')
         assert list(mean.x) == list(range(STEPS))
-        assert len(e.overview_fig.data) and len(e.heatmap_fig.data)
-        assert 'NaN/Inf' in [t.name for t in e.history_fig.data]
+        assert len(e.plots['bars'].data) and len(e.plots['histogram'].data)
+        assert 'NaN/Inf' in [t.name for t in e.plots['history'].data]
     finally: e.close()
     p = report('cnn', tmp_path/'cnn.html', url)
     figs = page_figures(p.read_text())

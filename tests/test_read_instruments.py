@@ -332,10 +332,10 @@ def test_explorer_offers_new_tensors_and_timings(run, db):
         assert [v for _, v in ex.ov_ttype.options] == ['input', 'output', 'attached', 'weight', 'weight_grad', 'output_grad', 'input_grad', 'time']
         assert ex.ov_ttype.value == 'weight_grad'
         ex.ov_ttype.value = 'time'
-        bars = ex.overview_fig.data[0]
+        bars = ex.plots['bars'].data[0]
         assert ex.ov_stat.options == ('fwd_ms', 'bwd_ms', 'n_calls') and ex.ov_stat.value == 'fwd_ms'
         assert list(bars.customdata) == ['', 'block', 'block.0', 'act', 'head'] and list(bars.y) == [4., 8., 12., 16., 20.]
-        assert ex.overview_fig.layout.title.text == 'step 3: fwd_ms per module (click a bar)'
+        assert ex.plots['bars'].title.startswith('step 3: fwd_ms per module')
     finally: ex.close()
 
 def test_explorer_names_and_flags_the_first_nonfinite(run, db):
@@ -343,13 +343,13 @@ def test_explorer_names_and_flags_the_first_nonfinite(run, db):
     try:
         assert ex.status.value.endswith(' · 4 steps · first NaN/Inf: head (Linear) input_grad at step 1')
         ex.ov_ttype.value = 'output'                       # step 3 is clean: only the flagged module is red
-        colors = list(ex.overview_fig.data[0].marker.color)
+        colors = list(ex.plots['bars'].data[0].marker.color)
         assert [c == RED for c in colors] == [False, False, False, False, True]
         ex.ov_ttype.value = 'weight'                       # the flagged module has weights: in view, red
-        bars = ex.overview_fig.data[0]
+        bars = ex.plots['bars'].data[0]
         assert list(bars.customdata) == ['block.0', 'head'] and [c == RED for c in bars.marker.color] == [False, True]
         ex.ov_ttype.value = 'attached'                     # not in view: nothing red
-        assert list(ex.overview_fig.data[0].customdata) == ['act'] and ex.overview_fig.data[0].marker.color[0] != RED
+        assert list(ex.plots['bars'].data[0].customdata) == ['act'] and ex.plots['bars'].data[0].marker.color[0] != RED
     finally: ex.close()
 
 def test_explorer_finds_nonfinite_in_new_steps(db):

@@ -6,7 +6,7 @@ Docs: https://torchember.github.io/torchember/explore.html.md"""
 
 # %% ../nbs/05a_explore.ipynb #f53175b4
 from __future__ import annotations
-import threading, time
+import re, threading, time
 from contextlib import contextmanager
 import pandas as pd
 import ipywidgets as W
@@ -22,7 +22,7 @@ import math
 import numpy as np
 
 # %% auto #0
-__all__ = ['TIME', 'ALL', 'SPREAD', 'KINDS', 'tree_options', 'Explorer', 'explore']
+__all__ = ['PLOTS', 'TIME', 'ALL', 'SPREAD', 'KINDS', 'tree_options', 'Plot', 'Explorer', 'explore']
 
 # %% ../nbs/05a_explore.ipynb #fb5ede98
 def tree_options(tree:dict, filter:str='')->list:
@@ -37,28 +37,83 @@ def tree_options(tree:dict, filter:str='')->list:
     return walk(tree, 0)
 
 # %% ../nbs/05a_explore.ipynb #08c2c7d3
-_FIG = dict(margin=dict(l=50, r=20, t=40, b=40), template='plotly_white')
+PLOTS = ('map', 'scalars', 'history', 'histogram', 'bars')   # the explorer's plots, top to bottom
+_TOP, _GAP, _BOTTOM, _WIDTH = 60, 110, 90, 980   # px: above the first plot, between two (a title, the x axis above), below the last
 
-def _redraw(fig:go.FigureWidget, traces:list, **layout):
-    "Show `traces` in `fig` and update its layout; traces of the same names and types are updated in place, without a flicker."
-    traces = [go.Figure(finite_json(t.to_plotly_json())).data[0] if not isinstance(t, dict) else t for t in traces]
-    with fig.batch_update():
-        if [(t.type, t.name) for t in fig.data] == [(t.type, t.name) for t in traces]:
-            for old, new in zip(fig.data, traces):
-                j = {k: v for k, v in new.to_plotly_json().items() if k not in ('type', 'uid')}
-                old.update({**{k: None for k in old.to_plotly_json() if k not in j and k not in ('type', 'uid')}, **j})
-        else:
-            fig.data = []
-            if traces: fig.add_traces(traces)
-        fig.update_layout(**layout)
+def _ref(ref:str, axes:list)->str:
+    "Axis reference `ref` of a plot's own figure ('x2', 'y domain', 'paper') as it reads in the explorer's figure, whose axes `axes` the plot has."
+    xy, n, dom = re.fullmatch(r'([xy])(\d*)( domain)?', ref).groups() if ref and ref != 'paper' else (None, None, None)
+    if xy is None: return ref
+    k = axes[int(n or 1) - 1]
+    return f"{xy}{k if k > 1 else ''}{dom or ''}"
 
-def _replace(fig:go.FigureWidget, new:go.Figure):
-    "Make widget `fig` show figure `new`: its traces and its whole layout (subplots, shapes), NaN and Inf left out."
-    j = finite_json(new.to_plotly_json())
-    with fig.batch_update():
-        fig.data = []
-        fig.layout = j.get('layout', {})
-        if j.get('data'): fig.add_traces(j['data'])
+class Plot:
+    "One plot of the explorer's figure: its traces, its title and its axes, read from the figure."
+    def __init__(self, fig:go.FigureWidget, name:str):
+        self.fig, self.name, self.axes, self.height, self.src = fig, name, [PLOTS.index(name) + 1], 0, {}
+    def __repr__(self): return f"Plot({self.name!r}, {len(self.data)} traces, title={self.title!r})"
+    @property
+    def refs(self)->set: return {f"y{k if k > 1 else ''}" for k in self.axes}
+    @property
+    def data(self)->tuple: return tuple(t for t in self.fig.data if (t.yaxis or 'y') in self.refs)
+    @property
+    def shown(self)->bool: return self.height > 0
+    @property
+    def title(self)->str: return next((a.text for a in self.fig.layout.annotations if a.name == f'{self.name} title'), '')
+    @property
+    def annotations(self)->tuple:
+        "The plot's other annotations, e.g. the titles of its subplots."
+        return tuple(a for a in self.fig.layout.annotations if a.name == self.name)
+    @property
+    def shapes(self)->tuple: return tuple(s for s in self.fig.layout.shapes if s.name and s.name.startswith(self.name + ':'))
+    @property
+    def xaxis(self): return self.fig.layout[f"xaxis{self.axes[0] if self.axes[0] > 1 else ''}"]
+    @property
+    def yaxis(self): return self.fig.layout[f"yaxis{self.axes[0] if self.axes[0] > 1 else ''}"]
+
+def _traces(p:Plot, f:go.Figure)->list:
+    "The traces of figure `f`, drawn by plot `p`, as dicts on the explorer figure's axes and legend, NaN and Inf left out."
+    out = []
+    for t in finite_json(f.to_plotly_json()).get('data', []):
+        t = {k: v for k, v in t.items() if k != 'uid'}
+        t.update(xaxis=_ref(t.get('xaxis') or 'x', p.axes), yaxis=_ref(t.get('yaxis') or 'y', p.axes), legend=f'legend{PLOTS.index(p.name) + 2}')
+        out.append(t)
+    return out
+
+def _layout(plots:list, n_axes:int)->dict:
+    "The explorer figure's layout: `plots` stacked, each in a band as tall as its `height`, with its axes, title, legend, shapes and annotations."
+    shown = [p for p in plots if p.shown]
+    inner = max(sum(p.height for p in shown) + _GAP * (len(shown) - 1), 1)
+    lay = dict(height=_TOP + inner + _BOTTOM, width=_WIDTH, template='plotly_white', barmode='group', hovermode='closest',
+               margin=dict(l=60, r=150, t=_TOP, b=_BOTTOM), annotations=[], shapes=[], showlegend=True)
+    top, used = 0, set()
+    for p in plots:
+        hi = 1 - top / inner
+        lo = hi - p.height / inner
+        if p.shown: top += p.height + _GAP
+        band = lambda y: min(max(lo + y * (hi - lo), 0), 1)
+        src, used = p.src, used | set(p.axes)
+        for i, k in enumerate(p.axes, 1):
+            for xy in 'xy':
+                a = dict(src.get(f"{xy}axis{i if i > 1 else ''}", {}))
+                a['anchor'] = _ref(a.get('anchor') or ('y' if xy == 'x' else 'x'), p.axes)
+                if xy == 'y': a['domain'] = [band(d) for d in a.get('domain', [0, 1])] if p.shown else [0, 0.001]
+                a['visible'] = p.shown and a.get('visible', True)
+                lay[f"{xy}axis{k if k > 1 else ''}"] = a
+        if not p.shown: continue
+        lay[f'legend{PLOTS.index(p.name) + 2}'] = dict(x=1.02, xanchor='left', y=hi, yanchor='top', bgcolor='rgba(255,255,255,0.8)')
+        title = src.get('title', {}).get('text', '')
+        lay['annotations'].append(dict(text=title, name=f'{p.name} title', xref='paper', x=0, xanchor='left',
+                                       yref='paper', y=hi, yanchor='bottom', yshift=30, showarrow=False, font=dict(size=15, weight='bold')))
+        for key, named in (('annotations', p.name), ('shapes', None)):
+            for o in src.get(key, []):
+                o = {**o, 'xref': _ref(o.get('xref', 'x'), p.axes), 'yref': _ref(o.get('yref', 'y'), p.axes)}   # plotly's default: the first axes
+                if o['yref'] == 'paper': o.update({c: band(o[c]) for c in ('y', 'y0', 'y1') if c in o})
+                o['name'] = named or f"{p.name}:{o.get('name', '')}"
+                lay[key].append(o)
+    for k in range(1, n_axes + 1):   # the axes of subplots gone (fewer scalars) stay, hidden
+        if k not in used: lay[f"xaxis{k if k > 1 else ''}"] = lay[f"yaxis{k if k > 1 else ''}"] = dict(visible=False)
+    return lay
 
 def _set_options(w, options:list, prefer=()):
     "Give selector `w` new `options`, keeping its value if still offered, else the first of `prefer` offered, else the first."
@@ -100,28 +155,21 @@ class Explorer(W.VBox):
         self.stop_button = W.Button(description='stop', icon='stop', layout=W.Layout(width='80px'))
         self.status = W.Label()
         self.module_filter = W.Text(placeholder='filter modules', layout=wide)
-        self.module_picker = W.Select(rows=16, layout=W.Layout(width='auto', height='100%'))
-        self.ttype_picker = W.Dropdown(description='tensor', layout=W.Layout(width='200px'))
-        self.tname_picker = W.Dropdown(description='name', layout=W.Layout(width='200px'))
-        self.stat_picker = W.SelectMultiple(description='stats', rows=4, layout=W.Layout(width='220px'))
+        self.module_picker = W.Select(rows=16, layout=W.Layout(width='auto'))
+        self.ttype_picker = W.Dropdown(description='tensor', layout=W.Layout(width='250px'))
+        self.tname_picker = W.Dropdown(description='name', layout=W.Layout(width='250px'))
+        self.stat_picker = W.SelectMultiple(description='stats', rows=6, layout=W.Layout(width='250px'))
         self.log_toggle = W.Checkbox(description='log scale', indent=False, layout=W.Layout(width='100px'))
         self.ov_ttype = W.Dropdown(description='ttype', options=list(TTYPES), value='weight_grad', layout=W.Layout(width='220px'))
         self.ov_stat = W.Dropdown(description='stat', layout=W.Layout(width='200px'))
-        self.history_fig = go.FigureWidget(layout=dict(height=360, width=720, title='history', xaxis_title='step', **_FIG))
-        self.heatmap_fig = go.FigureWidget(layout=dict(height=300, width=720, title='histogram over steps', xaxis_title='step',
-                                                       yaxis_title='value', **_FIG))
-        self.overview_fig = go.FigureWidget(layout=dict(height=340, width=980, title='latest step', **_FIG))
-        self.map_fig = go.FigureWidget(layout=dict(height=300, width=980, title='every module × step', **_FIG))
-        self.scalars_fig = go.FigureWidget(layout=dict(height=270, width=980, title='training scalars', **_FIG))
-        self._map_rows, self._mark = {}, None
-        self.heatmap_box = W.Box([self.heatmap_fig], layout=W.Layout(display='none'))
-        left = W.VBox([self.module_filter, self.module_picker], layout=W.Layout(width='260px'))
-        right = W.VBox([W.HBox([self.ttype_picker, self.tname_picker, self.stat_picker, self.log_toggle]),
-                        self.history_fig, self.heatmap_box], layout=W.Layout(flex='1 1 auto', width='100%'))
+        self.fig = go.FigureWidget(layout=dict(width=_WIDTH, height=_TOP + _BOTTOM, template='plotly_white'))   # one figure: one copy of plotly.js
+        self.plots = {n: Plot(self.fig, n) for n in PLOTS}
+        self._n_axes, self._map_rows, self._mark = len(PLOTS), {}, None
+        side = W.VBox([self.module_filter, self.module_picker, self.ttype_picker, self.tname_picker, self.stat_picker, self.log_toggle],
+                      layout=W.Layout(width='260px', flex='0 0 260px'))
         hint = W.HTML('<small>map and bars: click a cell or a bar for that module\'s history of this ttype and stat</small>')
         self.children = [W.HBox([self.run_picker, self.overlay_picker, self.rank_picker, self.live_toggle, self.stop_button, self.status]),
-                         W.HBox([self.ov_ttype, self.ov_stat, hint]), self.map_fig, self.scalars_fig,
-                         W.HBox([left, right]), self.overview_fig]
+                         W.HBox([self.ov_ttype, self.ov_stat, hint]), W.HBox([side, self.fig])]
         for w, fn in ((self.run_picker, 'show_run'), (self.overlay_picker, '_on_overlay'), (self.rank_picker, '_on_rank'), (self.module_filter, '_on_filter'),
                       (self.module_picker, '_on_module'), (self.ttype_picker, '_on_ttype'), (self.tname_picker, '_on_history'),
                       (self.stat_picker, '_on_history'), (self.log_toggle, '_on_log'), (self.ov_ttype, '_on_ov'),
@@ -230,6 +278,36 @@ def refresh(self:Explorer, seen:tuple=None):
     return self
 
 @patch
+def _draw(self:Explorer,
+          name:str,           # one of `PLOTS`
+          f:go.Figure=None,   # what the plot shows: traces and layout of a figure of its own; None hides the plot
+         ):
+    "Show figure `f` as plot `name` of the explorer's figure, as tall as `f`; its traces update in place where names, types and axes match."
+    p = self.plots[name]
+    if f is not None and name == 'scalars':   # its subplots take the axes after the other plots'
+        n = sum(1 for k in f.layout.to_plotly_json() if re.fullmatch(r'xaxis\d*', k))
+        p.axes = list(range(len(PLOTS) + 1, len(PLOTS) + 1 + max(n, 1)))
+        self._n_axes = max(self._n_axes, p.axes[-1])
+    p.src, p.height = (finite_json(f.layout.to_plotly_json()), (f.layout.height or 300) - 70) if f is not None else ({}, 0)
+    new, old = _traces(p, f) if f is not None else [], p.data
+    lay = _layout(list(self.plots.values()), self._n_axes)
+    with self.fig.batch_update():
+        if [(t.type, t.name, t.xaxis) for t in old] == [(t['type'], t.get('name'), t['xaxis']) for t in new]:
+            for o, t in zip(old, new):
+                o.update({**{k: None for k in o.to_plotly_json() if k not in t and k not in ('type', 'uid')}, **{k: v for k, v in t.items() if k != 'type'}})
+        else:
+            gone = {id(t) for t in old}
+            self.fig.data = [t for t in self.fig.data if id(t) not in gone]
+            if new: self.fig.add_traces(new)
+        self.fig.layout = lay
+        for q in self.plots.values():   # the colour bars follow their plots' bands
+            d = self.fig.layout[f"yaxis{q.axes[0] if q.axes[0] > 1 else ''}"].domain
+            for t in q.data:
+                if t.type == 'heatmap' and t.showscale is not False:
+                    t.colorbar.update(y=d[0], yanchor='bottom', len=(d[1] - d[0]) * 0.75, lenmode='fraction', x=1.02)
+    return self
+
+@patch
 def _stamp(self:Explorer):
     "Write the status line: when the figures were last read from the store, how many steps, whether live."
     n, f, many = len(self._steps), self._first_bad, len(self._ranks) > 1
@@ -283,11 +361,12 @@ def refresh_history(self:Explorer):
         what = f"{module_label(module)} · {ttype or '—'}{f' {tname}' if tname and tname != ttype else ''}"
         if len(self._ranks) > 1: what += {ALL: ' · every rank', SPREAD: ' · all ranks (spread)'}.get(view, f' · rank {view}')
         mark = [dict(type='line', x0=self._mark, x1=self._mark, yref='paper', y0=0, y1=1, line=dict(color='black', dash='dot', width=1))] if self._mark is not None else []
-        _redraw(self.history_fig, traces, title=f"{what} over steps{f' · step {self._mark} marked' if self._mark is not None else ''}",
-                yaxis_type='log' if log else 'linear', xaxis_title='step', shapes=mark)
+        marked = f" · step {self._mark} marked" if self._mark is not None else ''
+        self._draw('history', go.Figure(traces, layout=dict(title=f"{what} over steps{marked}", height=360, xaxis_title='step', shapes=mark,
+                                                           yaxis_type='log' if log else 'linear', yaxis_title=', '.join(stats))))
         hm = heatmap_traces(h) if ttype and rank is not None else []
-        self.heatmap_box.layout.display = None if hm else 'none'
-        _redraw(self.heatmap_fig, hm, title=f"{what}: histogram over steps")
+        self._draw('histogram', go.Figure(hm, layout=dict(title=f"{what}: histogram over steps", height=300, xaxis_title='step',
+                                                          yaxis_title='value')) if hm else None)
     return self
 
 @patch
@@ -317,9 +396,10 @@ def _draw_overview(self:Explorer):
     f = self._first_bad
     at = (f"step {step}, the last before NaN/Inf (first at step {f['step']}: {module_label(f['module'])} {f['ttype']})"
           if getattr(self, '_ov_step', None) is not None else f"step {step}")
-    _redraw(self.overview_fig, traces, title=f"{at}: {stat or '—'}{'' if tt == TIME else f' of {tt}'} per module (click a bar)",
-            yaxis_type='log' if self.log_toggle.value else 'linear', barmode='group', yaxis_dtick=1 if self.log_toggle.value else None)
-    for t in self.overview_fig.data:
+    log = self.log_toggle.value
+    self._draw('bars', go.Figure(traces, layout=dict(title=f"{at}: {stat or '—'}{'' if tt == TIME else f' of {tt}'} per module (click a bar)",
+                                                     height=340, yaxis_type='log' if log else 'linear', yaxis_dtick=1 if log else None)))
+    for t in self.plots['bars'].data:
         if t.type == 'bar': t.on_click(self._on_bar_click)
     return self
 
@@ -361,8 +441,8 @@ def refresh_map(self:Explorer):
         m = module_map(self.run, tt, self._map_stat, rank=self._rank())
         self.map_data = m
         self._map_rows = dict(zip(map_labels(m, self.run), m['modules']))
-        _replace(self.map_fig, map_figure(m, self.run, tt, self._map_stat, first=self._first_bad).update_layout(width=980))
-        for t in self.map_fig.data: t.on_click(self._on_map_click)
+        self._draw('map', map_figure(m, self.run, tt, self._map_stat, first=self._first_bad))
+        for t in self.plots['map'].data: t.on_click(self._on_map_click)
     return self
 
 @patch
@@ -374,7 +454,7 @@ def refresh_scalars(self:Explorer):
         f = self._first_bad
         fig = scalars_figure(self.run.steps(self._ranks[0] if self._rank() is None else self._rank()), other,
                              (self.run.name, self.overlay.name if self.overlay else ''), f and f['step'], self.max_points)
-        _replace(self.scalars_fig, fig.update_layout(width=980))
+        self._draw('scalars', fig)
     return self
 
 @patch
