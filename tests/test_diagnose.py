@@ -73,7 +73,7 @@ def test_nonfinite_is_an_error_first(db):
     f = train(mlp(), 'nan', db, steps=20, tweak=poison).diagnose()
     assert f.iloc[0][['kind', 'severity', 'step', 'module']].tolist() == ['nonfinite', 'error', 12, '2']
 
-@pytest.mark.parametrize('name', ['alexnet', 'resnet', 'lstm', 'transformer', 'shared_twice'])
+@pytest.mark.parametrize('name', list(CORPUS))
 def test_healthy_corpus_run_has_no_errors(name, db):
     model, make_batch = CORPUS[name]()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -87,6 +87,15 @@ def test_healthy_corpus_run_has_no_errors(name, db):
     print(f"{name}: {len(f)} findings: {f['kind'].value_counts().to_dict()}")
     assert not (f['severity'] == 'error').any()
     assert (f['severity'] == 'warning').sum() <= 3, f[['kind', 'step', 'module', 'message']].to_string()
+
+def test_runs_without_grads_or_steps(db):
+    m = mlp()
+    with torchEmber(m, run='eval', db=db), torch.no_grad():
+        for _ in range(5): m(torch.randn(4, 16))
+    f = load('eval', db).diagnose()
+    assert list(f.columns)[:3] == ['kind', 'severity', 'step'] and not (f['severity'] == 'error').any()
+    torchEmber(mlp(), run='empty', db=db).disarm()
+    assert load('empty', db).diagnose().empty
 
 def test_diff_first_divergence(store):
     for run, tweak in (('base', None), ('same', None), ('nudged', nudge)): train(mlp(), run, store, steps=25, tweak=tweak)
