@@ -8,5 +8,6 @@ from .ember import torchEmber
 from .query import runs, load, Run, summary, delete_run
 from .explore import explore
 from .report import report
+from .diagnose import diff
 
-__all__ = ['torchEmber', 'runs', 'load', 'Run', 'default_stats', 'attach', 'summary', 'explore', 'hist_stats', 'report', 'delete_run']
+__all__ = ['torchEmber', 'runs', 'load', 'Run', 'default_stats', 'attach', 'summary', 'explore', 'hist_stats', 'report', 'delete_run', 'diff']

@@ -172,6 +172,7 @@ from fastcore.script import call_parse, is_cli, CliError
 from . import __version__
 from .store import StoreError
 from .query import runs, delete_run
+from .diagnose import diff
 
 # %% ../nbs/06_report.ipynb #f4fa2d59
 def _fail(msg:str):
@@ -193,21 +194,38 @@ def _rm(run, db)->dict:
     if is_cli(main): print(f"deleted run {run!r}: {gone.get('steps', 0)} step rows, {sum(gone.values())} rows in all")
     return gone
 
-@call_parse(pos=['command', 'run'])
-def main(command:Annotated[str, "report: write RUN's HTML report; ls: list the store's runs; rm: delete RUN", {'choices': ['report', 'ls', 'rm']}]=None,
-         run:str=None,                # the run's name (report, rm)
+def _doctor(run, db, rank)->pd.DataFrame:
+    f = load(run, db).diagnose(rank=rank)
+    if is_cli(main):
+        print(f[['severity', 'kind', 'step', 'module', 'message']].to_string(index=False, max_colwidth=200) if len(f) else f"run {run!r}: no findings")
+        if (f['severity'] == 'error').any(): raise SystemExit(1)   # a CI gate: errors fail it
+    return f
+
+def _diff(a, b, db, rtol)->pd.DataFrame:
+    d = diff(a, b, db=db, rtol=rtol)
+    if is_cli(main): print(d.head(20).to_string(index=False) if len(d) else f"runs {a!r} and {b!r} agree" + (f" within rtol={rtol:g}" if rtol else " bit for bit"))
+    return d
+
+@call_parse(pos=['command', 'run', 'other'])
+def main(command:Annotated[str, "report: write RUN's HTML report; ls: list the store's runs; rm: delete RUN; doctor: RUN's findings (exit 1 on an error); diff: where RUN and OTHER part", {'choices': ['report', 'ls', 'rm', 'doctor', 'diff']}]=None,
+         run:str=None,                # the run's name (report, rm, doctor, diff)
+         other:str=None,              # diff: the run to compare RUN with
+         rtol:float=0.0,              # diff: relative tolerance (0: bit for bit)
          db:str=None,                 # store path or URL (default: ~/.torchember/torchember.db or $TORCHEMBER_DB)
          Output:str='report.html',    # the HTML file to write, or a folder for RUN.html
          max_points:int=500,          # at most this many steps per line
          rank:int=None,               # in a run of several ranks, the one to draw (default: the first)
          version:Annotated[str, "print torchember's version", {'action': 'version'}]=f'torchember {__version__}',
         ):
-    "torchember's command line: `report RUN -o report.html` writes a run's self-contained HTML report; `ls` lists the runs; `rm RUN` deletes one."
+    "torchember's command line: `report RUN -o report.html` writes a run's self-contained HTML report; `ls` lists the runs; `rm RUN` deletes one; `doctor RUN` prints its findings; `diff A B` where two runs part."
     if command is None: _fail("torchember: give a command: report RUN, ls, or rm RUN (torchember --help says more)")
-    if command in ('report', 'rm') and not run: _fail(f"torchember {command}: give the run's name (torchember ls lists them)")
+    if command in ('report', 'rm', 'doctor', 'diff') and not run: _fail(f"torchember {command}: give the run's name (torchember ls lists them)")
+    if command == 'diff' and not other: _fail("torchember diff: give two runs: diff A B")
     try:
         if command == 'ls': return _ls(db)
         if command == 'rm': return _rm(run, db)
+        if command == 'doctor': return _doctor(run, db, rank)
+        if command == 'diff': return _diff(run, other, db, rtol)
         p = report(run, path=Output, db=db, max_points=max_points, rank=rank)
     except (KeyError, ValueError, StoreError, OSError, sa.exc.SQLAlchemyError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else getattr(e, 'orig', None) or e

@@ -1,0 +1,139 @@
+"Issue 20: `Run.diagnose` names the culprit of models made to misbehave; `diff` finds where two runs part; the `doctor` and `diff` commands."
+import subprocess, sys
+import pytest, torch
+from torch import nn
+from corpus import CORPUS, loss_of
+import torchember as te
+from torchember import torchEmber, load, diff
+
+def mlp(depth=4, width=16, act=nn.ReLU):
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), act())], nn.Linear(width, 1))
+
+def train(model, run, db, steps=60, opt=None, tweak=None, **kw):
+    "Fit a fixed random linear map for `steps` steps, recorded as `run` with the loss logged; `tweak(step, model)` runs before each forward."
+    g = torch.Generator().manual_seed(1)
+    target = torch.randn(model[0].in_features, 1, generator=g) / model[0].in_features ** .5
+    opt = opt or torch.optim.Adam(model.parameters(), lr=3e-3)
+    with torchEmber(model, run=run, db=db, overwrite=True, **kw) as e:
+        for s in range(steps):
+            if tweak: tweak(s, model)
+            x = torch.randn(32, model[0].in_features, generator=g)
+            loss = nn.functional.mse_loss(model(x), x @ target)
+            opt.zero_grad(); loss.backward(); opt.step()
+            e.log(loss=loss)
+    return load(run, db)
+
+def scale_up(s, m):
+    if s == 40:
+        with torch.no_grad(): m[6].weight.mul_(10)
+
+def nudge(s, m):
+    if s == 15:
+        with torch.no_grad(): m[2].weight.add_(1e-3)
+
+def poison(s, m):
+    if s == 12:
+        with torch.no_grad(): m[2].weight.fill_(float('nan'))
+
+def test_spike_names_the_scaled_layer_and_step(store):
+    f = train(mlp(), 'scaled', store, tweak=scale_up).diagnose()
+    loss = f[(f['kind'] == 'spike') & (f['stat'] == 'loss')].iloc[0]
+    assert (loss['step'], loss['module'], loss['ttype'], loss['severity']) == (40, '6', 'output', 'warning')
+    assert "module '6' (Linear) left its band first" in loss['message'] and 'at the same step' in loss['message']
+    own = f[(f['kind'] == 'spike') & (f['stat'] == 'norm')].iloc[0]
+    assert (own['step'], own['module']) == (40, '6')
+    assert list(f.columns) == ['kind', 'severity', 'step', 'module', 'mtype', 'ttype', 'tname', 'stat', 'value', 'expected', 'message']
+
+def test_spike_window_ending_before_it_sees_none(db):
+    r = train(mlp(), 'scaled', db, tweak=scale_up)
+    assert not (r.diagnose(step=39)['kind'] == 'spike').any()
+
+def test_dead_relu_behind_negative_bias(db):
+    def neg_bias(s, m):
+        if s == 0:
+            with torch.no_grad(): m[0].bias.fill_(-100)
+    f = train(mlp(), 'dead', db, steps=30, tweak=neg_bias).diagnose()
+    assert f.loc[f['kind'] == 'dead', ['module', 'mtype', 'step']].values.tolist() == [['1', 'ReLU', 0]]
+
+def test_vanishing_in_deep_sigmoid_stack(db):
+    f = train(mlp(depth=12, act=nn.Sigmoid), 'sigmoid', db, steps=20).diagnose()
+    v = f[f['kind'] == 'vanishing']
+    assert len(v) == 1 and v['mtype'].iloc[0] == 'Linear' and v['module'].iloc[0] in {str(i) for i in range(0, 24, 2)}
+    assert not (f['kind'] == 'exploding').any()
+
+def test_update_ratio_names_the_hot_param_group(db):
+    m = mlp()
+    opt = torch.optim.Adam([{'params': m[0].parameters(), 'lr': 0.5}, {'params': m[2:].parameters(), 'lr': 1e-3}])
+    f = train(m, 'hot-lr', db, steps=30, opt=opt, track_updates=True).diagnose()
+    assert f.loc[f['kind'] == 'update_ratio', 'module'].tolist() == ['0']
+    assert (f.loc[f['kind'] == 'update_ratio', 'value'] > 0.03).all()
+
+def test_nonfinite_is_an_error_first(db):
+    f = train(mlp(), 'nan', db, steps=20, tweak=poison).diagnose()
+    assert f.iloc[0][['kind', 'severity', 'step', 'module']].tolist() == ['nonfinite', 'error', 12, '2']
+
+@pytest.mark.parametrize('name', list(CORPUS))
+def test_healthy_corpus_run_has_no_errors(name, db):
+    model, make_batch = CORPUS[name]()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with torchEmber(model, run=name, db=db, track_updates=True) as e:
+        for s in range(30):
+            args, kwargs = make_batch(s)
+            loss = loss_of(model(*args, **kwargs))
+            opt.zero_grad(); loss.backward(); opt.step()
+            e.log(loss=loss)
+    f = load(name, db).diagnose()
+    print(f"{name}: {len(f)} findings: {f['kind'].value_counts().to_dict()}")
+    assert not (f['severity'] == 'error').any()
+    assert (f['severity'] == 'warning').sum() <= 3, f[['kind', 'step', 'module', 'message']].to_string()
+
+def test_runs_without_grads_or_steps(db):
+    m = mlp()
+    with torchEmber(m, run='eval', db=db), torch.no_grad():
+        for _ in range(5): m(torch.randn(4, 16))
+    f = load('eval', db).diagnose()
+    assert list(f.columns)[:3] == ['kind', 'severity', 'step'] and not (f['severity'] == 'error').any()
+    torchEmber(mlp(), run='empty', db=db).disarm()
+    assert load('empty', db).diagnose().empty
+
+def test_diff_first_divergence(store):
+    for run, tweak in (('base', None), ('same', None), ('nudged', nudge)): train(mlp(), run, store, steps=25, tweak=tweak)
+    d = diff('base', 'nudged', store)
+    assert d.iloc[0][['step', 'module', 'ttype']].tolist() == [15, '2', 'output']
+    assert d['step'].min() == 15 and list(d.columns) == ['step', 'module', 'mtype', 'ttype', 'tname', 'stat', 'a', 'b']
+    assert diff('base', 'same', store).empty
+
+def test_diff_rtol(db):
+    for run, tweak in (('base', None), ('nudged', nudge)): train(mlp(), run, db, steps=25, tweak=tweak)
+    assert diff('base', 'nudged', db, rtol=0.5).empty          # the nudge stays small
+    loose = diff('base', 'nudged', db, rtol=1e-3)
+    assert len(loose) and loose['step'].min() >= 15 and len(loose) < len(diff('base', 'nudged', db))
+
+def test_diff_across_stores_and_max_steps(tmp_path):
+    a, b = str(tmp_path/'a.db'), str(tmp_path/'b.db')
+    train(mlp(), 'r', a, steps=25); train(mlp(), 'r', b, steps=25, tweak=nudge)
+    d = diff('r', 'r', db=a, db_b=b, max_steps=2)
+    assert sorted(d['step'].unique()) == [15, 16] and d.iloc[0]['module'] == '2'
+    assert diff('r', 'r', db=a, db_b=a).empty
+
+def test_diff_refuses_unknown_run(db):
+    train(mlp(), 'base', db, steps=3)
+    with pytest.raises(KeyError, match="no run named 'nope'"): diff('base', 'nope', db)
+
+def cli(*args):
+    return subprocess.run([sys.executable, '-m', 'torchember.cli', *args], capture_output=True, text=True, timeout=300)
+
+def test_cli_doctor_exit_codes(db):
+    train(mlp(), 'ok', db, steps=20); train(mlp(), 'nan', db, steps=20, tweak=poison)
+    ok, bad = cli('doctor', 'ok', '--db', db), cli('doctor', 'nan', '--db', db)
+    assert ok.returncode == 0, ok.stderr
+    assert bad.returncode == 1 and 'nonfinite' in bad.stdout and "module '2'" in bad.stdout
+    assert cli('doctor', 'nope', '--db', db).returncode == 2
+
+def test_cli_diff(db):
+    for run, tweak in (('base', None), ('nudged', nudge)): train(mlp(), run, db, steps=20, tweak=tweak)
+    p = cli('diff', 'base', 'nudged', '--db', db)
+    assert p.returncode == 0 and p.stdout.splitlines()[1].split()[:2] == ['15', '2']
+    same = cli('diff', 'base', 'base', '--db', db, '--rtol', '0.1')
+    assert 'agree within rtol=0.1' in same.stdout
