@@ -219,3 +219,13 @@ def test_disarm_gives_the_rank_back_and_arm_claims_it_again(store, tmp_path):
     holder = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
     assert 'being recorded by another live process' in holder.stderr, holder.stderr[-2000:]
     te.disarm()
+
+
+def test_reading_a_name_no_store_can_hold_is_an_unknown_run(store):
+    "Reading a run under a name with a lone surrogate says there is no such run, not a raw UnicodeEncodeError."
+    from torchember import load
+    model = nn.Linear(4, 1)
+    te = torchEmber(model, run='fine', db=store)
+    train(te, model)
+    te.disarm()
+    with pytest.raises(KeyError, match='fine'): load('loss\ud800', store)   # the message lists the runs there

@@ -12,7 +12,7 @@ import pandas as pd
 import sqlalchemy as sa
 import torch
 from sqlalchemy import select, func
-from .store import engine, drop_run, runs_t, ranks_t, modules_t, steps_t, events_t, stats_t, calls_t, scalars_t, snapshots_t, STAT_COLS
+from .store import engine, escaped, drop_run, runs_t, ranks_t, modules_t, steps_t, events_t, stats_t, calls_t, scalars_t, snapshots_t, STAT_COLS
 
 # %% auto #0
 __all__ = ['FORWARD', 'BACKWARD', 'NONFINITE_KINDS', 'runs', 'delete_run', 'run_ranks', 'records', 'Run', 'load', 'summary',
@@ -109,7 +109,7 @@ class Run:
     def __init__(self, name:str, db=None):
         self.name, self.db = name, db
         with engine(db, create=False).connect() as c:
-            row = c.execute(select(runs_t).where(runs_t.c.name == name)).mappings().first()
+            row = c.execute(select(runs_t).where(runs_t.c.name == escaped(name))).mappings().first()   # a name no store holds: not found
         if row is None: raise KeyError(_no_run(name, db))
         self.id, self.model, self.config = row['id'], row['model'], json.loads(row['config'] or '{}')
         self.started, self._tree, self.world_size = row['started'], row['tree'], row['world_size'] or 1
