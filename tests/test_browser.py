@@ -1,8 +1,11 @@
 """The explorer in a real browser: JupyterLab runs a notebook that trains a tiny model and opens the explorer; headless
 Chromium (the system's, driven by Playwright) must render its plotly figures with data, live mode must bring new steps
 to the page from its thread, a click on a bar must reach Python and redraw the history, and so must a click on a cell
-of the model map, the history then showing that module, ttype and stat with the cell's step marked. Screenshots go to
-test-artifacts/explorer.png (after the bar click) and test-artifacts/explorer-map-click.png.
+of the model map, the history then showing that module, ttype and stat with the cell's step marked; and a click on a
+finding of the list at the top (the notebook's model has a known culprit: its last layer's weights are multiplied by 4
+before step 15) must open its evidence on top and that module's history below, the step marked. Screenshots go to
+test-artifacts/explorer.png (after the bar click), test-artifacts/explorer-map-click.png and
+test-artifacts/explorer-finding.png.
 
 Needs `chromium` (Debian package, /usr/bin/chromium) and the `playwright` Python package; `.ci/browser-deps`
 installs both. Skipped, saying why, only when one of them is missing."""
@@ -37,6 +40,8 @@ opt = torch.optim.SGD(model.parameters(), lr=0.05)
 with torchEmber(model, run='tiny', db='store.db') as te:
     te.how_record_out(hist_stats(16))
     for step in range(20):
+        if step == 15:
+            with torch.no_grad(): model[2].weight *= 4   # the culprit the findings must name
         x = torch.rand(32, 8)
         loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
         loss.backward(); opt.step(); opt.zero_grad()
@@ -183,6 +188,22 @@ def test_explorer_renders_in_jupyterlab(lab):
             page.wait_for_timeout(500)
             page.evaluate("() => window.scrollTo(0, 0)")
             page.screenshot(path=str(ARTIFACTS/'explorer-map-click.png'), full_page=True)
+
+            # a click on a finding in the list: its evidence on top, its module's history below with its step marked
+            option = page.locator('.widget-select select option', has_text='· spike · 2 (Linear) output')
+            assert option.count() == 1, page.evaluate("() => [...document.querySelectorAll('.widget-select select option')].map(o => o.textContent)")
+            for attempt in range(3):
+                option.click()
+                try:
+                    page.wait_for_function(f"() => {TITLES}.some(t => t.includes('spike at step 15: 2 (Linear), output norm over steps'))"
+                                           f" && {TITLES}.some(t => t.includes('2 · output over steps · step 15 marked'))", timeout=20_000)
+                    break
+                except Exception:
+                    if attempt == 2: raise
+            assert 'left' in page.locator('.widget-html', has_text="module '2' (Linear)").first.text_content()
+            page.wait_for_timeout(500)
+            page.evaluate("() => window.scrollTo(0, 0)")
+            page.screenshot(path=str(ARTIFACTS/'explorer-finding.png'), full_page=True)
             assert not [e for e in errors if 'plotly' in e.lower() or 'widget' in e.lower()], errors
         except Exception:
             page.screenshot(path=str(ARTIFACTS/'explorer-failed.png'))

@@ -198,7 +198,7 @@ def test_nan_never_reaches_the_widgets_json(two):
 
 def test_map_click_opens_that_modules_history(two):
     e = explore(two, run='nan')
-    assert e.children[1].children[0] is e.ov_ttype and e.children[2].children[1] is e.fig
+    assert e.children[2].children[0] is e.ov_ttype and e.children[3].children[1] is e.fig   # under the findings list
     assert e.plots['map'].yaxis.domain[1] == max(p.yaxis.domain[1] for p in e.plots.values())   # the map is on top
     hm = e.plots['map'].data[0]
     assert hm.type == 'heatmap' and list(hm.y) == ['\u00a0\u00a00 · Linear', '\u00a0\u00a02 · Linear'] and list(hm.x) == list(range(10))

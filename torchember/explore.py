@@ -6,7 +6,7 @@ Docs: https://torchember.github.io/torchember/explore.html.md"""
 
 # %% ../nbs/05a_explore.ipynb #f53175b4
 from __future__ import annotations
-import re, threading, time
+import html, re, threading, time
 from contextlib import contextmanager
 import pandas as pd
 import ipywidgets as W
@@ -14,6 +14,8 @@ import plotly.graph_objects as go
 from fastcore.basics import patch
 from .stats import TTYPES
 from .query import runs, load
+from .diagnose import findings as _findings
+from .findings import finding_label, evidence, evidence_figure
 from .ember import torchEmber
 from .figures import (ORANGE, RANK_COLORS, recorded_steps, history, stat_columns, module_label, history_traces,
                                 heatmap_traces, latest_times, latest_by_module, overview_traces, rank_traces, rank_spread,
@@ -22,7 +24,7 @@ import math
 import numpy as np
 
 # %% auto #0
-__all__ = ['PLOTS', 'TIME', 'ALL', 'SPREAD', 'KINDS', 'tree_options', 'Plot', 'Explorer', 'explore']
+__all__ = ['PLOTS', 'ORDER', 'TIME', 'ALL', 'SPREAD', 'KINDS', 'DIAGNOSE_EVERY', 'tree_options', 'Plot', 'Explorer', 'explore']
 
 # %% ../nbs/05a_explore.ipynb #fb5ede98
 def tree_options(tree:dict, filter:str='')->list:
@@ -37,7 +39,8 @@ def tree_options(tree:dict, filter:str='')->list:
     return walk(tree, 0)
 
 # %% ../nbs/05a_explore.ipynb #08c2c7d3
-PLOTS = ('map', 'scalars', 'history', 'histogram', 'bars')   # the explorer's plots, top to bottom
+PLOTS = ('map', 'scalars', 'history', 'histogram', 'bars', 'evidence')   # the explorer's plots; each takes the axes of its place here
+ORDER = ('evidence', *PLOTS[:-1])   # top to bottom: a finding's evidence (when one is open) above the map
 _TOP, _GAP, _BOTTOM, _WIDTH = 60, 110, 90, 980   # px: above the first plot, between two (a title, the x axis above), below the last
 
 def _ref(ref:str, axes:list)->str:
@@ -162,6 +165,10 @@ class Explorer(W.VBox):
         self.log_toggle = W.Checkbox(description='log scale', indent=False, layout=W.Layout(width='100px'))
         self.ov_ttype = W.Dropdown(description='ttype', options=list(TTYPES), value='weight_grad', layout=W.Layout(width='220px'))
         self.ov_stat = W.Dropdown(description='stat', layout=W.Layout(width='200px'))
+        self.findings, self._finding, self._diag_at = _findings([]), None, -math.inf
+        self.findings_head = W.HTML()
+        self.findings_picker = W.Select(rows=5, layout=W.Layout(width='1240px', display='none'))
+        self.finding_text = W.HTML()
         self.fig = go.FigureWidget(layout=dict(width=_WIDTH, height=_TOP + _BOTTOM, template='plotly_white'))   # one figure: one copy of plotly.js
         self.plots = {n: Plot(self.fig, n) for n in PLOTS}
         self._n_axes, self._map_rows, self._mark = len(PLOTS), {}, None
@@ -169,11 +176,12 @@ class Explorer(W.VBox):
                       layout=W.Layout(width='260px', flex='0 0 260px'))
         hint = W.HTML('<small>map and bars: click a cell or a bar for that module\'s history of this ttype and stat</small>')
         self.children = [W.HBox([self.run_picker, self.overlay_picker, self.rank_picker, self.live_toggle, self.stop_button, self.status]),
+                         W.VBox([self.findings_head, self.findings_picker, self.finding_text]),
                          W.HBox([self.ov_ttype, self.ov_stat, hint]), W.HBox([side, self.fig])]
         for w, fn in ((self.run_picker, 'show_run'), (self.overlay_picker, '_on_overlay'), (self.rank_picker, '_on_rank'), (self.module_filter, '_on_filter'),
                       (self.module_picker, '_on_module'), (self.ttype_picker, '_on_ttype'), (self.tname_picker, '_on_history'),
                       (self.stat_picker, '_on_history'), (self.log_toggle, '_on_log'), (self.ov_ttype, '_on_ov'),
-                      (self.ov_stat, '_on_ov'), (self.live_toggle, '_on_live')):
+                      (self.ov_stat, '_on_ov'), (self.live_toggle, '_on_live'), (self.findings_picker, 'show_finding')):
             w.observe(self._guard(fn), 'value')
         self.stop_button.on_click(lambda _: self.stop())
         names = self._fill_runs()
@@ -269,6 +277,7 @@ def refresh(self:Explorer, seen:tuple=None):
     with self._lock:
         if seen is not None: self._seen = seen
         self._find_first_bad()
+        self.refresh_findings()
         self.refresh_history()
         self.refresh_overview()
         self.refresh_map()
@@ -290,7 +299,7 @@ def _draw(self:Explorer,
         self._n_axes = max(self._n_axes, p.axes[-1])
     p.src, p.height = (finite_json(f.layout.to_plotly_json()), (f.layout.height or 300) - 70) if f is not None else ({}, 0)
     new, old = _traces(p, f) if f is not None else [], p.data
-    lay = _layout(list(self.plots.values()), self._n_axes)
+    lay = _layout([self.plots[n] for n in ORDER], self._n_axes)
     with self.fig.batch_update():
         if [(t.type, t.name, t.xaxis) for t in old] == [(t['type'], t.get('name'), t['xaxis']) for t in new]:
             for o, t in zip(old, new):
@@ -496,6 +505,50 @@ def _on_overlay(self:Explorer, name):
     with self._lock:
         self.overlay = load(name, self.db) if name else None
         self.refresh()
+
+# %% ../nbs/05a_explore.ipynb #6613c3c7
+DIAGNOSE_EVERY = 30.0   # seconds between two diagnoses of a run followed live
+
+@patch
+def refresh_findings(self:Explorer, force:bool=False):
+    "List what `diagnose` finds in the run shown; while live, at most every `DIAGNOSE_EVERY` seconds. The finding open stays open if still found."
+    with self._lock:
+        if self.run is None: return self
+        if not force and self.live_toggle.value and time.monotonic() - self._diag_at < DIAGNOSE_EVERY: return self
+        self._diag_at = time.monotonic()
+        was = finding_label(self.findings.iloc[self._finding]) if self._finding is not None else None
+        try: self.findings, failed = self.run.diagnose(rank=self._rank()), None
+        except Exception as e: self.findings, failed = _findings([]), f"{type(e).__name__}: {e}"
+        f, labels = self.findings, [finding_label(r) for _, r in self.findings.iterrows()]
+        counts = ' · '.join(f"{n} {s}{'s' if n > 1 else ''}" for s in ('error', 'warning', 'info') if (n := int((f['severity'] == s).sum())))
+        self.findings_head.value = ("<b>Findings</b> · " + (f"diagnose failed: {html.escape(failed)}" if failed else
+                                    f"{counts} · pick one to see its evidence" if len(f) else "none: diagnose() found nothing wrong in the last steps"))
+        keep = labels.index(was) if was in labels else None
+        with self._quiet():
+            self.findings_picker.options = [(l, i) for i, l in enumerate(labels)]
+            self.findings_picker.value = keep
+            self.findings_picker.rows = min(max(len(labels), 1), 5)
+            self.findings_picker.layout.display = None if labels else 'none'
+        self.show_finding(keep, select=False)
+    return self
+
+@patch
+def show_finding(self:Explorer, i:int|None, select:bool=True):
+    "Open finding `i` of `findings`: its evidence on top, its message beside the list and (if `select`) its module's history with its step marked."
+    with self._lock:
+        self._finding = i
+        if i is None:
+            self.finding_text.value = ''
+            return self._draw('evidence', None)
+        f = self.findings.iloc[i]
+        esc = lambda s: html.escape(s, quote=False)
+        self.finding_text.value = (f"<div style='max-width:1200px'>{esc(f['message'])}"
+                                   + (f" <small style='color:#666'>(expected: {esc(f['expected'])})</small>" if f['expected'] else '') + '</div>')
+        try: fig = evidence_figure(evidence(self.run, f, rank=self._rank()), f)
+        except Exception as e: fig, self.finding_text.value = None, self.finding_text.value + f"<small>no evidence: {html.escape(f'{type(e).__name__}: {e}')}</small>"
+        self._draw('evidence', fig)
+        if select and isinstance(f['module'], str): self.select(f['module'], f['ttype'] if isinstance(f['ttype'], str) else None, f['stat'], int(f['step']))
+    return self
 
 # %% ../nbs/05a_explore.ipynb #68f5ae43
 def explore(db=None,      # store path or URL; default the default store

@@ -16,12 +16,13 @@ from fastcore.basics import patch
 from sqlalchemy import text
 from .store import engine
 from .query import Run, load, flow_order
+from .findings import finding_label, evidence, evidence_figure
 from .figures import (BLUE, ORANGE, recorded_steps, thin, with_stats, combine, history_traces, heatmap_traces,
                                 latest_by_module, overview_traces, modules_in_order, module_label, module_map, map_figure,
                                 scalars_figure, log_axis)
 
 # %% auto #0
-__all__ = ['TOP', 'nonfinite', 'report_figures', 'report_html', 'page_figures', 'report', 'main']
+__all__ = ['TOP', 'FINDINGS_DRAWN', 'nonfinite', 'report_figures', 'report_html', 'page_figures', 'report', 'main']
 
 # %% ../nbs/06_report.ipynb #6c2a1f3c
 def nonfinite(run:Run)->pd.DataFrame:
@@ -93,7 +94,32 @@ def report_figures(run:Run, max_points:int=500, rank:int=None)->list:
 # %% ../nbs/06_report.ipynb #df0b628b
 _CSS = """body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2em auto;max-width:1200px;color:#222}
 h1{font-size:1.6em}h2{font-size:1.2em;margin-top:2em;border-bottom:1px solid #ddd}table{border-collapse:collapse;font-size:.9em}
-td,th{border:1px solid #ddd;padding:.25em .6em;text-align:left}.meta td:first-child{color:#666}.ok{color:#2a7}"""
+td,th{border:1px solid #ddd;padding:.25em .6em;text-align:left}.meta td:first-child{color:#666}.ok{color:#2a7}
+.error{color:#c22;font-weight:bold}.warning{color:#b60}.info{color:#666}"""
+FINDINGS_DRAWN = 8   # findings whose evidence the report draws; the others are listed only
+
+def _evidence(run:Run, fs:pd.DataFrame, rank:int)->tuple:
+    "The evidence figures of the first `FINDINGS_DRAWN` findings as `(heading, figure, anchor)`, one per distinct figure; and each finding's anchor."
+    drawn, anchors = {}, {}
+    for i, (_, f) in enumerate(fs.head(FINDINGS_DRAWN).iterrows()):
+        fig = evidence_figure(evidence(run, f, rank=rank), f)
+        key = fig.layout.title.text   # a scalar's spike and its culprit's own spike share their evidence: drawn once
+        if key not in drawn: drawn[key] = ([], fig, f'finding-{i + 1}', finding_label(f))
+        drawn[key][0].append(str(i + 1))
+        anchors[i] = drawn[key][2]
+    figs = [(f"Finding{'s' if len(ns) > 1 else ''} {', '.join(ns)}: {label}", fig, a) for ns, fig, a, label in drawn.values()]
+    return figs, anchors
+
+def _findings_table(fs:pd.DataFrame, anchors:dict)->str:
+    "The findings `fs` as an HTML table, those in `anchors` (row -> anchor) linked to their evidence."
+    e, rows = html.escape, []
+    for i, (_, f) in enumerate(fs.iterrows()):
+        link = f'<a href="#{anchors[i]}">evidence</a>' if i in anchors else ''
+        module = e(module_label(f['module'])) if isinstance(f['module'], str) else ''
+        rows.append(f"<tr><td class='{e(f['severity'])}'>{e(f['severity'])}</td><td>{f['step']}</td><td>{e(f['kind'])}</td>"
+                    f"<td>{module}</td><td>{e(f['message'])}</td><td>{link}</td></tr>")
+    return ('<table class="findings"><tr><th>severity</th><th>step</th><th>kind</th><th>module</th><th>what</th><th></th></tr>'
+            + ''.join(rows) + '</table>')
 
 def report_html(run:Run, max_points:int=500, rank:int=None)->str:
     "The report of `run` (its figures of `rank`, default the first) as one self-contained HTML page."
@@ -104,7 +130,13 @@ def report_html(run:Run, max_points:int=500, rank:int=None)->str:
             'started': time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(run.started)) if run.started else None,
             'store': engine(run.db).url.database or str(engine(run.db).url), 'report written': time.strftime('%Y-%m-%d %H:%M:%S')}
     parts = [f"<h1>torchember report: {e(run.name)}</h1>", '<table class="meta">',
-             *[f"<tr><td>{e(k)}</td><td>{e(str(v))}</td></tr>" for k, v in meta.items()], '</table>', '<h2>NaN and Inf</h2>']
+             *[f"<tr><td>{e(k)}</td><td>{e(str(v))}</td></tr>" for k, v in meta.items()], '</table>', '<h2>Findings</h2>']
+    try: fs, failed = run.diagnose(rank=rank), None
+    except Exception as ex: fs, failed = None, f"{type(ex).__name__}: {ex}"
+    ev, anchors = ([], {}) if failed else _evidence(run, fs, rank)
+    parts.append(f"<p>diagnose() failed: {e(failed)}</p>" if failed else _findings_table(fs, anchors) if len(fs) else
+                 '<p class="ok">diagnose() found nothing wrong: no NaN or Inf, spike, dead output, vanishing or exploding grads.</p>')
+    parts.append('<h2>NaN and Inf</h2>')
     if f := run.first_nonfinite():
         on = f", rank {f['rank']}" if len(ranks) > 1 else ''
         what = f['ttype'] if f['tname'] == f['ttype'] else f"{f['ttype']} {f['tname']}"
@@ -115,11 +147,12 @@ def report_html(run:Run, max_points:int=500, rank:int=None)->str:
     parts.append(nf.to_html(index=False, border=0) if len(nf) else '<p class="ok">No NaN or Inf in any recorded tensor.</p>')
     config = dict(displaylogo=False, responsive=True)
     figs = report_figures(run, max_points, rank)
-    rest = [(h, f) for h, f, shown in figs if not shown]
-    for i, (head, fig) in enumerate([(h, f) for h, f, shown in figs if shown] + rest):
-        if rest and i == len(figs) - len(rest):
-            parts.append(f'<details><summary>{len(rest)} more figures of the other modules</summary>')
-        parts += [f"<h2>{e(head)}</h2>", fig.to_html(full_html=False, include_plotlyjs=i == 0, config=config)]
+    top = [(h, f, None) for h, f, shown in figs if shown] + ev
+    rest = [(h, f, None) for h, f, shown in figs if not shown]
+    for i, (head, fig, anchor) in enumerate(top + rest):
+        if rest and i == len(top): parts.append(f'<details><summary>{len(rest)} more figures of the other modules</summary>')
+        at = f' id="{anchor}"' if anchor else ''
+        parts += [f"<h2{at}>{e(head)}</h2>", fig.to_html(full_html=False, include_plotlyjs=i == 0, config=config)]
     if rest: parts.append('</details>')
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>torchember: {e(run.name)}</title>'
             f'<style>{_CSS}</style></head>\n<body>\n' + '\n'.join(parts) + '\n</body></html>\n')
