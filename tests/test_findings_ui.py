@@ -74,7 +74,7 @@ def test_explorer_says_when_nothing_is_wrong_and_survives_a_failing_diagnosis(db
         assert ex.findings.empty and 'none' in ex.findings_head.value and ex.findings_picker.layout.display == 'none'
         def broken(self, **kw): raise RuntimeError('store went away')
         monkeypatch.setattr(Run, 'diagnose', broken)
-        ex.refresh()
+        ex.refresh_findings(force=True).refresh()
         assert 'diagnose failed: RuntimeError: store went away' in ex.findings_head.value
         assert ex.plots['history'].shown and ex.plots['map'].shown    # the rest still draws
         page = report_html(load('calm', db))
@@ -87,17 +87,21 @@ def test_live_explorer_diagnoses_at_most_every_few_seconds(scaled, store, monkey
     real = Run.diagnose
     monkeypatch.setattr(Run, 'diagnose', lambda self, **kw: calls.append(1) or real(self, **kw))
     try:
+        ex.refresh(); ex.overlay_picker.value = 'scaled'; ex.overlay_picker.value = ''
+        assert len(calls) == 0                                       # no new step: the findings stand
+        ex._steps.append(ex._steps[-1] + 1)                          # as if a step had come
         ex.refresh()
-        assert len(calls) == 1                                       # a run shown still: every refresh
+        assert len(calls) == 1
         ex.live_toggle.value = True
         ex.stop_button.click(); ex._thread.join(5)
         with ex._quiet(): ex.live_toggle.value = True                 # live, without its thread: refreshes by hand
-        ex._diag_at = -math.inf
-        ex.refresh(); ex.refresh(); ex.refresh()
-        assert len(calls) == 2                                       # once, then not again within DIAGNOSE_EVERY
+        for _ in range(3):
+            ex._steps.append(ex._steps[-1] + 1)
+            ex.refresh()
+        assert len(calls) == 1                                       # new steps, but within DIAGNOSE_EVERY of the last diagnosis
         ex._diag_at -= tx.DIAGNOSE_EVERY
         ex.refresh()
-        assert len(calls) == 3
+        assert len(calls) == 2
     finally:
         ex._stop.set(); ex.close()
 

@@ -165,7 +165,7 @@ class Explorer(W.VBox):
         self.log_toggle = W.Checkbox(description='log scale', indent=False, layout=W.Layout(width='100px'))
         self.ov_ttype = W.Dropdown(description='ttype', options=list(TTYPES), value='weight_grad', layout=W.Layout(width='220px'))
         self.ov_stat = W.Dropdown(description='stat', layout=W.Layout(width='200px'))
-        self.findings, self._finding, self._diag_at = _findings([]), None, -math.inf
+        self.findings, self._finding, self._diag_at, self._diag_key = _findings([]), None, -math.inf, None
         self.findings_head = W.HTML()
         self.findings_picker = W.Select(rows=5, layout=W.Layout(width='1240px', display='none'))
         self.finding_text = W.HTML()
@@ -492,7 +492,7 @@ def _on_ov(self:Explorer, _):
 
 @patch
 def _on_rank(self:Explorer, _):
-    with self._lock: self.refresh_history().refresh_overview()
+    with self._lock: self.refresh_findings().refresh_history().refresh_overview()
 
 @patch
 def _on_filter(self:Explorer, _):
@@ -511,11 +511,12 @@ DIAGNOSE_EVERY = 30.0   # seconds between two diagnoses of a run followed live
 
 @patch
 def refresh_findings(self:Explorer, force:bool=False):
-    "List what `diagnose` finds in the run shown; while live, at most every `DIAGNOSE_EVERY` seconds. The finding open stays open if still found."
+    "List what `diagnose` finds in the run shown, of the rank shown, once per new step (while live, at most every `DIAGNOSE_EVERY` seconds). The finding open stays open if still found."
     with self._lock:
         if self.run is None: return self
-        if not force and self.live_toggle.value and time.monotonic() - self._diag_at < DIAGNOSE_EVERY: return self
-        self._diag_at = time.monotonic()
+        key = (self.run.id, self._rank(), len(self._steps), self._steps[-1] if self._steps else None)
+        if not force and (key == self._diag_key or self.live_toggle.value and time.monotonic() - self._diag_at < DIAGNOSE_EVERY): return self
+        self._diag_at, self._diag_key = time.monotonic(), key
         was = finding_label(self.findings.iloc[self._finding]) if self._finding is not None else None
         try: self.findings, failed = self.run.diagnose(rank=self._rank()), None
         except Exception as e: self.findings, failed = _findings([]), f"{type(e).__name__}: {e}"
