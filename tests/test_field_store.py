@@ -229,3 +229,16 @@ def test_reading_a_name_no_store_can_hold_is_an_unknown_run(store):
     train(te, model)
     te.disarm()
     with pytest.raises(KeyError, match='fine'): load('loss\ud800', store)   # the message lists the runs there
+
+def test_a_deleted_runs_id_is_never_given_again(store):
+    "SQLite gives the largest id plus one: a run read before its delete would read the next run's rows as its own."
+    from torchember import delete_run
+    m = nn.Linear(2, 2)
+    with torchEmber(m, run='old', db=store): m(torch.randn(1, 2)).sum().backward()
+    stale = load('old', store)
+    delete_run('old', db=store)
+    with torchEmber(m, run='new', db=store): m(torch.randn(1, 2)).sum().backward()
+    assert load('new', store).id != stale.id and stale.df().empty
+    with torchEmber(m, run='new', db=store, overwrite=True): m(torch.randn(1, 2)).sum().backward()
+    ids = [stale.id, load('new', store).id]
+    assert ids[1] > ids[0] + 1

@@ -17,10 +17,10 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 # %% auto #0
 __all__ = ['SCHEMA_VERSION', 'MEMORY', 'metadata', 'STAT_COLS', 'Str', 'Size', 'meta_t', 'runs_t', 'ranks_t', 'modules_t',
-           'steps_t', 'events_t', 'stats_t', 'calls_t', 'scalars_t', 'snapshots_t', 'VIEWS', 'ROWS_PER_INSERT',
-           'LINGER_S', 'PENDING_STEPS', 'PENDING_BYTES', 'RETRY_S', 'EXIT_WAIT_S', 'default_db', 'db_url', 'check_name',
-           'escaped', 'StoreError', 'engine', 'keyed_by_rank', 'create_run', 'drop_run', 'claim', 'release',
-           'write_step', 'idle_priority', 'store_busy', 'Writer']
+           'steps_t', 'events_t', 'stats_t', 'calls_t', 'scalars_t', 'snapshots_t', 'VIEWS', 'RETIRED_RUN_ID',
+           'ROWS_PER_INSERT', 'LINGER_S', 'PENDING_STEPS', 'PENDING_BYTES', 'RETRY_S', 'EXIT_WAIT_S', 'default_db',
+           'db_url', 'check_name', 'escaped', 'StoreError', 'engine', 'keyed_by_rank', 'create_run', 'drop_run',
+           'claim', 'release', 'write_step', 'idle_priority', 'store_busy', 'Writer']
 
 # %% ../nbs/02_store.ipynb #2b4773a6
 SCHEMA_VERSION = 2
@@ -322,7 +322,7 @@ def _create_run(eng, name, model, modules, tree, config, resume, rank, world_siz
         row = c.execute(select(runs_t.c.id, runs_t.c.world_size).where(runs_t.c.name == name)).first()
         if row is not None and overwrite: row = drop_run(c, row.id) and None
         if row is None:
-            rid = c.execute(insert(runs_t).values(
+            rid = c.execute(insert(runs_t).values(**_fresh_id(c),
                 name=name, model=model, started=time.time(), user=_user(), host=socket.gethostname(), torch=_torch_version(),
                 tree=json.dumps(tree), config=json.dumps(config or {}), last_step=None, world_size=world_size)).inserted_primary_key[0]
             info = ('n_params', 'n_learnable', 'param_bytes')
@@ -344,9 +344,22 @@ def _create_run(eng, name, model, modules, tree, config, resume, rank, world_siz
         return row.id, last
 
 def drop_run(c, run_id:int)->dict:
-    "Delete run `run_id`'s rows from every table, in the open transaction of connection `c`: table -> rows deleted."
-    return {t.name: c.execute(t.delete().where((t.c.id if t is runs_t else t.c.run_id) == run_id)).rowcount
-            for t in reversed(metadata.sorted_tables) if t is runs_t or 'run_id' in t.c}
+    "Delete run `run_id`'s rows from every table, in the open transaction of connection `c`, its id never to be given again: table -> rows deleted."
+    out = {t.name: c.execute(t.delete().where((t.c.id if t is runs_t else t.c.run_id) == run_id)).rowcount
+           for t in reversed(metadata.sorted_tables) if t is runs_t or 'run_id' in t.c}
+    retired = c.execute(select(meta_t.c.value).where(meta_t.c.key == RETIRED_RUN_ID)).scalar()
+    if retired is None: c.execute(insert(meta_t).values(key=RETIRED_RUN_ID, value=str(run_id)))
+    elif int(retired) < run_id: c.execute(update(meta_t).where(meta_t.c.key == RETIRED_RUN_ID).values(value=str(run_id)))
+    return out
+
+RETIRED_RUN_ID = 'retired_run_id'   # meta key: the largest id of a deleted run
+
+def _fresh_id(c)->dict:
+    "The id for a new run, where the store would give a deleted run's id again (SQLite): one above every id it gave; else nothing."
+    if c.dialect.name != 'sqlite': return {}
+    retired = c.execute(select(meta_t.c.value).where(meta_t.c.key == RETIRED_RUN_ID)).scalar()
+    top = c.execute(select(func.max(runs_t.c.id))).scalar() or 0
+    return dict(id=int(retired) + 1) if retired is not None and int(retired) >= top else {}
 
 def _user():
     try: return getpass.getuser()
