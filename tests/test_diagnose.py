@@ -1,6 +1,7 @@
 "Issue 20: `Run.diagnose` names the culprit of models made to misbehave; `diff` finds where two runs part; the `doctor` and `diff` commands."
 import subprocess, sys
 import pytest, torch
+import pandas as pd
 from torch import nn
 from corpus import CORPUS, loss_of
 import torchember as te
@@ -137,3 +138,58 @@ def test_cli_diff(db):
     assert p.returncode == 0 and p.stdout.splitlines()[1].split()[:2] == ['15', '2']
     same = cli('diff', 'base', 'base', '--db', db, '--rtol', '0.1')
     assert 'agree within rtol=0.1' in same.stdout
+
+def crafted(db, name, modules, change=None, steps=range(6), skip=()):
+    "Write run `name` of `modules` (names, in id order) to store `db`: each module's output, weight and bias rows, edited by `change(step, module, tname, stats)`; rows `(step, module, tname)` in `skip` left out."
+    from torchember.store import engine, create_run, write_step
+    eng = engine(db)
+    rid, _ = create_run(eng, name, 'Sequential', [(n, 'Sequential' if n == '' else 'Linear', None if n == '' else 0) for n in modules], {}, overwrite=True)
+    ev = [e for i in range(len(modules)) for e in (('enter', i, 0), ('exit', i, 0))]
+    for s in steps:
+        rows = []
+        for i, m in enumerate(modules):
+            for tt, tn in (('output', 'output'), ('weight', 'weight'), ('weight', 'bias')):
+                if (s, m, tn) in skip: continue
+                k = sum(map(ord, m + tn)) + s
+                st = dict(numel=64.0, mean=0.01 * (k % 7 - 3), std=1.0 + 0.1 * (k % 5), min=-3.0, max=3.0 + s, norm=8.0 + k % 11,
+                          zero_frac=0.0, nan_count=0.0, inf_count=0.0)
+                if change: change(s, m, tn, st)
+                rows.append((i, 0, tt, tn, '[8, 8]', 'float32', *st.values(), None, 256))
+        write_step(eng, rid, s, rows, ev, events_step=None if s == steps[0] else steps[0])
+
+def nan_std(s, m, tn, st):
+    if (s, m, tn) == (1, '1', 'output'): st['std'] = float('nan')      # in both runs: NaN equals NaN
+
+def edits(s, m, tn, st):
+    "Run b's changes: a mean 30% off, a NaN against a number, an Inf, a mean near 0 that stays within its std."
+    nan_std(s, m, tn, st)
+    if (s, m, tn) == (2, '0', 'output'): st['mean'] *= 1.3
+    if (s, m, tn) == (3, '2', 'weight'): st['norm'] = float('nan')
+    if (s, m, tn) == (4, '0', 'bias'): st['max'] = float('inf')
+    if (s, m, tn) == (4, '2', 'output'): st['mean'] = 1e-3
+
+def test_diff_in_store_equals_across_stores(store, tmp_path):
+    "One store: the database compares the rows; two stores: pandas does. Same answers, NaN, Inf and one-sided rows included."
+    two, three = str(tmp_path/'two.db'), str(tmp_path/'three.db')
+    mods = ['', '0', '1', '2']
+    for db in (store, two): crafted(db, 'x', mods, nan_std)
+    for db in (store, three):
+        crafted(db, 'y', ['', '2', '1', '0', '3'], edits, skip={(5, '1', 'bias')})           # other module ids, one more module, a row less
+        crafted(db, 'z', mods, edits, steps=range(1, 7), skip={(3, '2', 'bias')})           # the same ids; no step 0, a step 6
+    for other in ('y', 'z'):
+        for rtol in (0.0, 0.1, 0.5, 2.0):
+            for max_steps in (None, 2):
+                one, apart = diff('x', other, store, rtol=rtol, max_steps=max_steps), diff('x', other, two, rtol=rtol, db_b=three, max_steps=max_steps)
+                pd.testing.assert_frame_equal(one, apart)
+    d = diff('x', 'z', store, max_steps=None)
+    rows = lambda d, step: d.loc[d['step'] == step, ['module', 'tname', 'stat', 'a', 'b']].values.tolist()
+    assert rows(d, 0)[0][2:] == ['row', 1.0, 0.0] and len(rows(d, 0)) == 12 and len(rows(d, 6)) == 12   # steps one run lacks
+    assert 1 not in set(d['step'])                                                                      # NaN equals NaN
+    assert rows(d, 3)[0] == ['2', 'bias', 'row', 1.0, 0.0] and rows(d, 3)[1][:3] == ['2', 'weight', 'norm'] and pd.isna(rows(d, 3)[1][4])
+    loose = diff('x', 'z', store, rtol=0.5, max_steps=None)
+    assert set(loose['step']) == {0, 3, 6}   # the 30% mean, the Inf and the mean within its std pass rtol=0.5
+    (m, tn, stat, a, b), = rows(d, 2)
+    assert (m, tn, stat, b) == ('0', 'output', 'mean', a * 1.3)
+    y = diff('x', 'y', store, rtol=0.1, max_steps=None)   # the 30% are within 0.1 of the std; module '3' is y's only
+    assert set(y.loc[y['module'] == '3', 'stat']) == {'row'} and ['1', 'bias', 'row', 1.0, 0.0] in rows(y, 5)
+    assert 2 not in set(y.loc[y['module'] != '3', 'step'])

@@ -10,16 +10,17 @@ import json, math
 from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pandas as pd
-from sqlalchemy import select, func
+import sqlalchemy as sa
+from sqlalchemy import select, func, Float
 from fastcore.basics import patch
-from .store import engine, modules_t, stats_t, scalars_t, STAT_COLS
+from .store import engine, db_url, modules_t, stats_t, scalars_t, STAT_COLS
 from .query import Run, flow_order, _one_rank
 
 # %% auto #0
 __all__ = ['COLUMNS', 'SEVERITIES', 'KINDS', 'MAD_SIGMA', 'WATCHED', 'GRAD_NORM', 'MIN_BAND', 'DIFF_COLUMNS', 'COMPARED',
            'finding', 'findings', 'bands', 'left_band', 'module_norms', 'signals', 'departures', 'first_departure',
            'signal_spikes', 'module_spikes', 'dead_modules', 'across_depth', 'over_steps', 'update_ratios',
-           'nonfinite_finding', 'fingerprints', 'stat_rows', 'diff']
+           'nonfinite_finding', 'fingerprints', 'module_prints', 'stat_rows', 'diff']
 
 # %% ../nbs/03a_diagnose.ipynb #3281537f
 COLUMNS = ['kind', 'severity', 'step', 'module', 'mtype', 'ttype', 'tname', 'stat', 'value', 'expected', 'message']
@@ -330,36 +331,68 @@ _KEY = ['step', 'rank', 'module', 'call', 'ttype', 'tname']
 
 def _as_run(run, db)->Run: return run if isinstance(run, Run) else Run(run, db)
 
+def _fetch(c, q)->list:
+    "The rows of `q` as the driver's tuples (no SQLAlchemy `Row` made per row: a third quicker on many rows)."
+    return c.execute(q).cursor.fetchall()
+
+def _plain(c):
+    "Connection `c`, on PostgreSQL set for this transaction to sum in one order (no parallel workers) and to compile no query (no JIT: on these it costs more than it saves, seconds on the bench)."
+    if c.dialect.name == 'postgresql':
+        c.exec_driver_sql('SET LOCAL max_parallel_workers_per_gather = 0')
+        c.exec_driver_sql('SET LOCAL jit = off')
+    return c
+
+def _sums(run:Run, keys:list, *where)->pd.DataFrame:
+    "Row count and the sums of norm, mean and std of `run`'s stats rows by `keys` (indexed by them) where `where`."
+    s = stats_t.c
+    q = (select(*[s[k] for k in keys], func.count(), func.sum(s.norm), func.sum(s.mean), func.sum(s.std))
+         .where(s.run_id == run.id, *where).group_by(*[s[k] for k in keys]))
+    with engine(run.db).connect() as c: rows = _fetch(_plain(c), q)
+    return pd.DataFrame(rows, columns=[*keys, 'n', 'norm', 'mean', 'std']).set_index(keys).astype(float)
+
 def fingerprints(run:Run, lo:int, hi:int)->pd.DataFrame:
     "Per step of `lo..hi`: row count and the sums of norm, mean and std; runs whose rows are equal have equal fingerprints."
-    s = stats_t.c
-    q = (select(s.step, func.count(), func.sum(s.norm), func.sum(s.mean), func.sum(s.std))
-         .where(s.run_id == run.id, s.step.between(lo, hi)).group_by(s.step))
-    with engine(run.db).connect() as c:
-        if c.dialect.name == 'postgresql': c.exec_driver_sql('SET LOCAL max_parallel_workers_per_gather = 0')  # sums in one order
-        rows = c.execute(q).all()
-    return pd.DataFrame([tuple(r) for r in rows], columns=['step', 'n', 'norm', 'mean', 'std']).set_index('step').astype(float)
+    return _sums(run, ['step'], stats_t.c.step.between(lo, hi))
 
-def _suspects(ra:Run, rb:Run, lo:int, hi:int)->list:
-    "The steps of `lo..hi` whose fingerprints differ between runs `ra` and `rb`."
-    with ThreadPoolExecutor(2) as pool: fa, fb = pool.map(fingerprints, (ra, rb), (lo, lo), (hi, hi))   # SQL runs without the GIL
+def module_prints(run:Run, steps:list)->pd.DataFrame:
+    "The fingerprints of `steps` one level down: per step, rank and module id."
+    return _sums(run, ['step', 'rank', 'module_id'], stats_t.c.step.in_(steps))
+
+def _suspects(fa:pd.DataFrame,  # `fingerprints` (or `module_prints`) of run a
+              fb:pd.DataFrame,  # ... and of run b, over the same steps
+             )->pd.DataFrame:   # n_a, n_b, indexed as `fa`
+    "Where the fingerprints differ, with each run's row count there (0 where a run has no rows)."
     j = fa.add_suffix('_a').join(fb.add_suffix('_b'), how='outer')
     eq = np.ones(len(j), bool)
-    for c in fa.columns: eq &= ((j[f'{c}_a'] == j[f'{c}_b']) | (j[f'{c}_a'].isna() & j[f'{c}_b'].isna())).to_numpy()
-    return sorted(int(s) for s in j.index[~eq])
+    for c in fa.columns:
+        x, y = j[f'{c}_a'].to_numpy(), j[f'{c}_b'].to_numpy()
+        eq &= (x == y) | (np.isnan(x) & np.isnan(y))
+    return j.loc[~eq, ['n_a', 'n_b']].fillna(0).astype(int)
 
-def stat_rows(run:Run, steps:list, names:pd.DataFrame)->pd.DataFrame:
-    "The stat rows of `steps`, keyed by module name: step, rank, module, mtype, call, ttype, tname and the compared stats."
+# %% ../nbs/03a_diagnose.ipynb #1f9cd82b
+_STR = pd.Series(['']).dtype   # the dtype pandas gives strings (`str` from pandas 3), also for no rows
+_ROW = ['step', 'rank', 'module_id', 'call', 'ttype', 'tname', *COMPARED]
+
+def _frame(rows:list, names:pd.DataFrame)->pd.DataFrame:
+    "Stats rows (tuples in `_ROW` order) keyed by module name, as `stat_rows` returns them."
+    df = pd.DataFrame.from_records(rows, columns=_ROW, coerce_float=True)
+    types = {'step': int, 'rank': int, 'call': int, 'ttype': _STR, 'tname': _STR, **{c: float for c in COMPARED}}
+    return df.astype(types).join(names, on='module_id').drop(columns='module_id')
+
+def stat_rows(run:Run, steps:list, names:pd.DataFrame, modules:list=None)->pd.DataFrame:
+    "The stat rows of `steps` (of the modules with ids `modules`, default all), keyed by module name: step, rank, module, mtype, call, ttype, tname and the compared stats."
     s = stats_t.c
-    q = select(s.step, s.rank, s.module_id, s.call, s.ttype, s.tname, *[s[c] for c in COMPARED]).where(s.run_id == run.id, s.step.in_(steps))
-    with engine(run.db).connect() as c: rows = c.execute(q).all()
-    df = pd.DataFrame([tuple(r) for r in rows], columns=['step', 'rank', 'module_id', 'call', 'ttype', 'tname', *COMPARED])
-    return df.join(names, on='module_id').drop(columns='module_id').astype({c: float for c in COMPARED})
+    only = [] if modules is None else [s.module_id.in_(modules)]
+    with engine(run.db).connect() as c: rows = _fetch(c, select(*[s[c] for c in _ROW]).where(s.run_id == run.id, s.step.in_(steps), *only))
+    return _frame(rows, names)
 
-def _differing(a:pd.DataFrame, b:pd.DataFrame, rtol:float)->pd.DataFrame:
-    "The (row, stat) pairs where `a` and `b` differ by more than `rtol` of the larger (of a mean: or of the std); NaN equals NaN; a row one side lacks: stat `row`."
-    m = a.merge(b, on=_KEY, how='outer', suffixes=('_a', '_b'), indicator=True)
-    m['mtype'] = m['mtype_a'].fillna(m['mtype_b'])
+def _paired(a:pd.DataFrame, b:pd.DataFrame)->pd.DataFrame:
+    "Two runs' `stat_rows` side by side (suffixes `_a`, `_b`), matched on `_KEY`, sorted by it; `_merge` says which side has the row."
+    return a.merge(b, on=_KEY, how='outer', suffixes=('_a', '_b'), indicator=True)
+
+def _differing(m:pd.DataFrame, rtol:float)->pd.DataFrame:
+    "The (row, stat) pairs of `_paired` rows `m` that differ by more than `rtol` of the larger (of a mean: or of the std); NaN equals NaN; a row one side lacks: stat `row`."
+    m = m.assign(mtype=m['mtype_a'].fillna(m['mtype_b']))
     out = []
     for c in ('row', *COMPARED):
         if c == 'row': va, vb = (m['_merge'] != 'right_only').astype(float), (m['_merge'] != 'left_only').astype(float)
@@ -369,10 +402,63 @@ def _differing(a:pd.DataFrame, b:pd.DataFrame, rtol:float)->pd.DataFrame:
         with np.errstate(invalid='ignore'):
             same = (va == vb) | (va.isna() & vb.isna()) | ((va - vb).abs() <= rtol * scale)
         if c != 'row': same |= m['_merge'] != 'both'
-        d = m.loc[~same, _KEY + ['mtype']].assign(stat=c, a=va[~same], b=vb[~same])
-        out.append(d)
+        out.append(m.loc[~same, _KEY + ['mtype']].assign(stat=c, a=va[~same], b=vb[~same]))
     return pd.concat(out, ignore_index=True)
 
+# %% ../nbs/03a_diagnose.ipynb #9440c7c8
+def _nan_free(c, x):
+    "Column `x` with NaN read as NULL: as SQLite stores it; PostgreSQL keeps NaN, equal to NaN and larger than any number."
+    return func.nullif(x, sa.literal(float('nan'), Float)) if c.dialect.name == 'postgresql' else x
+
+def _larger(x, y): return sa.case((x >= y, x), else_=y)   # both dialects: SQLite's max(x, y) is PostgreSQL's greatest
+
+def _may_differ(c, a, b, rtol:float):
+    "SQL, true where stats rows `a` and `b` may differ by more than `rtol` as `_differing` decides; never false where they do."
+    ors = []
+    for col in COMPARED:
+        x, y = _nan_free(c, a.c[col]), _nan_free(c, b.c[col])
+        if rtol == 0: ors.append(x.is_distinct_from(y)); continue   # with rtol 0 only equal values agree (0 · inf is NaN)
+        scale = _larger(func.abs(x), func.abs(y))
+        if col == 'mean':
+            std = [func.coalesce(func.abs(_nan_free(c, t.c.std)), 0.0) for t in (a, b)]
+            scale = _larger(scale, _larger(*std))
+        ors.append(sa.and_(x.is_distinct_from(y), sa.or_(x.is_(None), y.is_(None), func.abs(x - y) > sa.literal(rtol, Float) * scale)))
+    return sa.or_(*ors)
+
+def _pairs_sql(ra:Run, rb:Run,          # two runs of one store
+               steps:list,              # the steps to compare
+               na:pd.DataFrame, nb:pd.DataFrame,   # their `_names`
+               rtol:float,
+               by_id:bool,              # the runs' module ids name the same modules: join on them, not through `modules`
+               counts:pd.DataFrame=None,  # `_suspects` of these steps (their row counts); None: look for b's extra rows at every step
+              )->pd.DataFrame:          # as `_paired`, only the rows that may differ
+    "The row pairs of `steps` that may differ, found by the store's database."
+    a, b, ma, mb = stats_t.alias('a'), stats_t.alias('b'), modules_t.alias('ma'), modules_t.alias('mb')
+    key = lambda t, mid: [t.c.step, t.c.rank, mid, t.c.call, t.c.ttype, t.c.tname]
+    same = sa.and_(b.c.step == a.c.step, b.c.rank == a.c.rank, b.c.module_id == (a.c.module_id if by_id else mb.c.id),
+                   b.c.call == a.c.call, b.c.ttype == a.c.ttype, b.c.tname == a.c.tname)
+    src = a if by_id else a.join(ma, sa.and_(ma.c.run_id == ra.id, ma.c.id == a.c.module_id)).outerjoin(
+        mb, sa.and_(mb.c.run_id == rb.id, mb.c.name == ma.c.name))
+    n = len(COMPARED)
+    with engine(ra.db).connect() as c:
+        q = (select(*key(a, a.c.module_id), b.c.module_id, *[a.c[x] for x in COMPARED], *[b.c[x] for x in COMPARED])
+             .select_from(src.outerjoin(b, sa.and_(b.c.run_id == rb.id, same)))
+             .where(a.c.run_id == ra.id, a.c.step.in_(steps), sa.or_(b.c.module_id.is_(None), _may_differ(c, a, b, rtol))))
+        left, right, b_steps = _fetch(_plain(c), q), [], steps
+        if counts is not None:   # b's rows that a lacks: n_b - (n_a - a's rows that b lacks)
+            a_only = pd.Series([r[0] for r in left if r[6] is None], dtype=int).value_counts()
+            extra = (counts['n_b'] - counts['n_a'] + a_only.reindex(counts.index, fill_value=0)).reindex(steps)
+            b_steps = [int(s) for s in extra.index[extra > 0]]
+        if b_steps:
+            by_name = [] if by_id else [ma.c.run_id == ra.id, ma.c.id == a.c.module_id, ma.c.name == mb.c.name]
+            q = (select(*key(b, b.c.module_id), *[b.c[x] for x in COMPARED])
+                 .select_from(b if by_id else b.join(mb, sa.and_(mb.c.run_id == rb.id, mb.c.id == b.c.module_id)))
+                 .where(b.c.run_id == rb.id, b.c.step.in_(b_steps), ~sa.exists().where(a.c.run_id == ra.id, same, *by_name)))
+            right = _fetch(c, q)
+    return _paired(_frame([r[:6] + r[7:7 + n] for r in left], na),
+                   _frame([(*r[:2], r[6], *r[3:6], *r[7 + n:]) for r in left if r[6] is not None] + right, nb))
+
+# %% ../nbs/03a_diagnose.ipynb #99bcd70d
 def diff(run_a,                # a run's name, or a `Run`
          run_b,                # the run to compare it with
          db=None,              # the store of `run_a` (and of `run_b` unless `db_b`)
@@ -385,19 +471,34 @@ def diff(run_a,                # a run's name, or a `Run`
     ra, rb = _as_run(run_a, db), _as_run(run_b, db if db_b is None else db_b)
     na, nb = _names(ra), _names(rb)
     same_modules = na.equals(nb)   # fingerprints compare rows by module id: only when the ids mean the same modules
+    in_sql = db_url(ra.db) == db_url(rb.db)
     first = min(_step_range(ra)[0], _step_range(rb)[0])
     last = max(_step_range(ra)[1], _step_range(rb)[1])
     found, batch = [], max_steps or chunk
-    for lo in range(first, last + 1, chunk):
-        hi = lo + chunk - 1
-        steps = _suspects(ra, rb, lo, hi) if same_modules else list(range(lo, hi + 1))
-        while steps:   # the suspects' rows, a few steps first, then more at a time, till enough differ
-            some, steps, batch = steps[:batch], steps[batch:], min(2 * batch, chunk)
-            d = _differing(stat_rows(ra, some, na), stat_rows(rb, some, nb), rtol)
-            if len(d): found.append(d)
-            if max_steps is not None and sum(x['step'].nunique() for x in found) >= max_steps: break
-        else: continue
-        break
+    with ThreadPoolExecutor(4) as pool:
+        def differing(some, counts):   # the differences at steps `some`
+            if in_sql:
+                halves = [some[:len(some) // 2], some[len(some) // 2:]] if len(some) >= 64 else [some]   # one a core
+                return _differing(pd.concat(pool.map(lambda h: _pairs_sql(ra, rb, h, na, nb, rtol, same_modules, counts), halves),
+                                            ignore_index=True), rtol)
+            mods = _suspects(*pool.map(module_prints, (ra, rb), (some, some))) if same_modules else None   # read only the modules that differ
+            if mods is not None and mods.empty: return []
+            ids = None if mods is None else sorted({int(i) for i in mods.index.get_level_values('module_id')})
+            return _differing(_paired(*pool.map(stat_rows, (ra, rb), (some, some), (na, nb), (ids, ids))), rtol)
+        def prints(lo): return [pool.submit(fingerprints, r, lo, lo + chunk - 1) for r in (ra, rb)] if same_modules and lo <= last else None
+        ahead = prints(first)
+        for lo in range(first, last + 1, chunk):
+            now, ahead = ahead, prints(lo + chunk)
+            counts = _suspects(*[f.result() for f in now]) if same_modules else None
+            steps = [int(s) for s in counts.index] if same_modules else list(range(lo, lo + chunk))
+            while steps:   # the suspects' rows, a few steps first, then more at a time, till enough differ
+                some, steps, batch = steps[:batch], steps[batch:], min(2 * batch, chunk)
+                d = differing(some, counts)
+                if len(d): found.append(d)
+                if max_steps is not None and sum(x['step'].nunique() for x in found) >= max_steps: break
+            else: continue
+            pool.shutdown(cancel_futures=True)   # the chunk read ahead is not needed
+            break
     if not found: return pd.DataFrame(columns=DIFF_COLUMNS)
     d = pd.concat(found, ignore_index=True)
     steps = sorted(d['step'].unique())[:max_steps]
