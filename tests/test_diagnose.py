@@ -193,3 +193,19 @@ def test_diff_in_store_equals_across_stores(store, tmp_path):
     y = diff('x', 'y', store, rtol=0.1, max_steps=None)   # the 30% are within 0.1 of the std; module '3' is y's only
     assert set(y.loc[y['module'] == '3', 'stat']) == {'row'} and ['1', 'bias', 'row', 1.0, 0.0] in rows(y, 5)
     assert 2 not in set(y.loc[y['module'] != '3', 'step'])
+
+def test_gradscaler_overflows_are_a_warning_and_doctor_passes(store):
+    "AMP's GradScaler skips steps whose grads overflow: only grads held Inf, so the run is healthy (a warning); a NaN weight stays an error."
+    m = mlp()
+    opt, scaler = torch.optim.SGD(m.parameters(), lr=0.01), torch.amp.GradScaler('cpu', init_scale=2.**127)
+    with torchEmber(m, run='amp', db=store) as e:
+        for s in range(20):
+            loss = nn.functional.mse_loss(m(torch.randn(32, 16)), torch.full((32, 1), 10.))
+            opt.zero_grad(); scaler.scale(loss).backward(); scaler.step(opt); scaler.update()
+            e.log(loss=loss)
+    f = load('amp', store).diagnose()
+    assert f.iloc[0][['kind', 'severity', 'step']].tolist() == ['nonfinite', 'warning', 0] and 'GradScaler' in f.iloc[0]['message']
+    assert not (f['severity'] == 'error').any()
+    assert cli('doctor', 'amp', '--db', store).returncode == 0
+    f = train(mlp(), 'nan', store, steps=20, tweak=poison).diagnose()   # the weights went NaN too: still an error
+    assert f.iloc[0][['kind', 'severity']].tolist() == ['nonfinite', 'error']

@@ -17,7 +17,7 @@ from .store import engine, db_url, modules_t, stats_t, scalars_t, STAT_COLS
 from .query import Run, flow_order, _one_rank
 
 # %% auto #0
-__all__ = ['COLUMNS', 'SEVERITIES', 'KINDS', 'MAD_SIGMA', 'WATCHED', 'GRAD_NORM', 'MIN_BAND', 'DIFF_COLUMNS', 'COMPARED',
+__all__ = ['COLUMNS', 'SEVERITIES', 'KINDS', 'MAD_SIGMA', 'WATCHED', 'GRAD_NORM', 'MIN_BAND', 'GRADS', 'DIFF_COLUMNS', 'COMPARED',
            'finding', 'findings', 'bands', 'left_band', 'module_norms', 'signals', 'departures', 'first_departure',
            'signal_spikes', 'module_spikes', 'dead_modules', 'across_depth', 'over_steps', 'update_ratios',
            'nonfinite_finding', 'fingerprints', 'module_prints', 'stat_rows', 'diff']
@@ -51,7 +51,7 @@ def bands(values:np.ndarray,  # steps x series, NaN where a series has no value
     win = np.lib.stride_tricks.sliding_window_view(pad, window, axis=0)[:n]   # row i: the `window` rows before row i
     n_known = (~np.isnan(win)).sum(-1)
     med = _nanmedian(win, n_known)
-    mad = _nanmedian(np.abs(win - med[..., None]), n_known)
+    with np.errstate(invalid='ignore'): mad = _nanmedian(np.abs(win - med[..., None]), n_known)   # Inf - Inf: no band
     few = n_known < max(min_steps, 1)
     return np.where(few, np.nan, med), np.where(few, np.nan, mad)
 
@@ -279,13 +279,27 @@ def update_ratios(run:Run, rank:int, lo:int, hi:int, names:pd.DataFrame, band:tu
     return res
 
 # %% ../nbs/03a_diagnose.ipynb #754a3099
+GRADS = ('weight_grad', 'output_grad', 'input_grad')
+
+def _grads_only(run:Run, rank:int, hi:int)->int|None:
+    "How many steps up to `hi` had NaN/Inf grads, if no other tensor (input, output, weight) ever held one; else None."
+    s = stats_t.c
+    bad = [s.run_id == run.id, s.rank == rank, s.step <= hi, sa.or_(s.nan_count > 0, s.inf_count > 0)]
+    with engine(run.db).connect() as c:
+        if c.execute(select(s.step).where(*bad, s.ttype.notin_(GRADS)).limit(1)).first() is not None: return None
+        return c.execute(select(func.count(sa.distinct(s.step))).where(*bad, s.ttype.in_(GRADS))).scalar()
+
 def nonfinite_finding(run:Run, rank:int, hi:int)->list:
-    "The run's first NaN or Inf (`Run.first_nonfinite`) up to step `hi`, as a finding."
+    "The run's first NaN or Inf (`Run.first_nonfinite`) up to step `hi`, as a finding: an error, unless only grads ever held one (a skipped step, as AMP's GradScaler makes)."
     f = run.first_nonfinite(rank=rank)
     if f is None or f['step'] > hi: return []
     what = ' and '.join(f"{n} {k}" for n, k in ((f['nan_count'], 'NaN'), (f['inf_count'], 'Inf')) if n)
-    return [finding('nonfinite', 'error', f['step'], f"module {f['module']!r} ({f['mtype']}) made the run's first non-finite values at step "
-                    f"{f['step']}: {what} in its {f['ttype']} {f['tname']!r}", module=f['module'], mtype=f['mtype'], ttype=f['ttype'],
+    n = _grads_only(run, rank, hi) if f['ttype'] in GRADS else None
+    skipped = ('' if n is None else f"; only grads ever held NaN/Inf ({n} step{'s' if n > 1 else ''}) and every weight, input and output stayed "
+               "finite: the optimizer skipped those steps, as AMP's GradScaler does after an overflow")
+    return [finding('nonfinite', 'error' if n is None else 'warning', f['step'], f"module {f['module']!r} ({f['mtype']}) made the run's "
+                    f"first non-finite values at step {f['step']}: {what} in its {f['ttype']} {f['tname']!r}{skipped}",
+                    module=f['module'], mtype=f['mtype'], ttype=f['ttype'],
                     tname=f['tname'], stat='nan_count' if f['nan_count'] else 'inf_count', value=f['nan_count'] or f['inf_count'], expected='0')]
 
 @patch
