@@ -209,3 +209,32 @@ def test_gradscaler_overflows_are_a_warning_and_doctor_passes(store):
     assert cli('doctor', 'amp', '--db', store).returncode == 0
     f = train(mlp(), 'nan', store, steps=20, tweak=poison).diagnose()   # the weights went NaN too: still an error
     assert f.iloc[0][['kind', 'severity']].tolist() == ['nonfinite', 'error']
+
+def test_diff_finds_what_step_sums_miss_by_the_writers_digests(store):
+    "Two means swapped between two rows leave every per-step sum equal: the digests the writer stored still tell the step."
+    from torchember.diagnose import step_digests, fingerprints
+    def base(s, m, tn, st, sign=1):   # step 3's means: 0, but +-0.5 in two rows (exact sums in any order)
+        if s == 3: st['mean'] = sign * {('0', 'output'): -0.5, ('2', 'output'): 0.5}.get((m, tn), 0.0)
+    def swap(s, m, tn, st): base(s, m, tn, st, -1)
+    crafted(store, 'x', ['', '0', '1', '2'], base); crafted(store, 'w', ['', '0', '1', '2'], swap)
+    a, b = load('x', store), load('w', store)
+    fa, fb = fingerprints(a, 0, 5), fingerprints(b, 0, 5)
+    assert fa.equals(fb)                                                 # the sums cannot see it
+    assert (step_digests(a, 0, 5)['digest'] != step_digests(b, 0, 5)['digest']).tolist() == [False] * 3 + [True] + [False] * 2
+    d = diff('x', 'w', store)
+    assert sorted(d[['step', 'module', 'stat']].values.tolist()) == [[3, '0', 'mean'], [3, '2', 'mean']]
+
+def test_diff_after_late_rows_and_without_digests(store):
+    "Rows written after their step closed (late grads) and steps stored before digests make those steps be compared the long way."
+    from torchember.store import engine, write_step, digests_t
+    from torchember.diagnose import step_digests
+    crafted(store, 'x', ['', '0', '1', '2']); crafted(store, 'z', ['', '0', '1', '2'], edits)
+    a, z = load('x', store), load('z', store)
+    assert step_digests(a, 0, 5) is not None
+    late = (2, 0, 'weight_grad', 'weight', '[8, 8]', 'float32', 64.0, 0.0, 1.0, -1.0, 1.0, 5.0, 0.0, 0.0, 0.0, None, 256)
+    write_step(engine(store), a.id, 1, [late], closed=False)            # only run x gets a late row at step 1
+    assert step_digests(a, 0, 5) is None
+    d = diff('x', 'z', store, max_steps=None)
+    assert [1, '1', 'row', 1.0, 0.0] in d[['step', 'module', 'stat', 'a', 'b']].values.tolist()
+    with engine(store).begin() as c: c.execute(digests_t.delete().where(digests_t.c.run_id == z.id))   # z as an older store wrote it
+    pd.testing.assert_frame_equal(diff('x', 'z', store, max_steps=None), d)

@@ -227,7 +227,7 @@ def big_store(db, steps=10_000, n_modules=200):
             c.exec_driver_sql('INSERT INTO stats VALUES (' + ','.join('?' * 20) + ')',
                               [(rid, s, 0, m + 1, 0, 'weight_grad', 'weight', '[8, 8]', 'float32', 64, 0., 1., -1., 1., float(norms[k, m]), 0., 0, 0, None, 256)
                                for k, s in enumerate(st) for m in range(n_modules)])
-            c.exec_driver_sql('INSERT INTO steps VALUES (?,?,?,?,?,?,?)', [(rid, s, 0, 0., n_modules, 0, 1) for s in st if s])
+            c.exec_driver_sql('INSERT INTO steps (run_id, step, rank, closed, n_records, events_step, training) VALUES (?,?,?,?,?,?,?)', [(rid, s, 0, 0., n_modules, 0, 1) for s in st if s])
     return load('big', db)
 
 def test_map_of_a_long_run_queries_only_what_it_draws(db):

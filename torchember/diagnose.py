@@ -13,14 +13,14 @@ import pandas as pd
 import sqlalchemy as sa
 from sqlalchemy import select, func, Float
 from fastcore.basics import patch
-from .store import engine, db_url, modules_t, stats_t, scalars_t, STAT_COLS
+from .store import engine, db_url, modules_t, stats_t, steps_t, digests_t, scalars_t, STAT_COLS
 from .query import Run, flow_order, _one_rank
 
 # %% auto #0
 __all__ = ['COLUMNS', 'SEVERITIES', 'KINDS', 'MAD_SIGMA', 'WATCHED', 'GRAD_NORM', 'MIN_BAND', 'GRADS', 'DIFF_COLUMNS', 'COMPARED',
            'finding', 'findings', 'bands', 'left_band', 'module_norms', 'signals', 'departures', 'first_departure',
            'signal_spikes', 'module_spikes', 'dead_modules', 'across_depth', 'over_steps', 'update_ratios',
-           'nonfinite_finding', 'fingerprints', 'module_prints', 'stat_rows', 'diff']
+           'nonfinite_finding', 'fingerprints', 'step_digests', 'module_prints', 'stat_rows', 'diff']
 
 # %% ../nbs/03a_diagnose.ipynb #3281537f
 COLUMNS = ['kind', 'severity', 'step', 'module', 'mtype', 'ttype', 'tname', 'stat', 'value', 'expected', 'message']
@@ -368,6 +368,26 @@ def fingerprints(run:Run, lo:int, hi:int)->pd.DataFrame:
     "Per step of `lo..hi`: row count and the sums of norm, mean and std; runs whose rows are equal have equal fingerprints."
     return _sums(run, ['step'], stats_t.c.step.between(lo, hi))
 
+def step_digests(run:Run, lo:int, hi:int)->pd.DataFrame|None:
+    "Per step of `lo..hi`: the digests its ranks' closing writes stored (`store.rows_digest`), as one text; None if a step of the range has none."
+    st, dg = steps_t.c, digests_t.c
+    on = sa.and_(dg.run_id == st.run_id, dg.step == st.step, dg.rank == st.rank)
+    q = (select(st.step, st.rank, dg.digest).select_from(steps_t.outerjoin(digests_t, on))
+         .where(st.run_id == run.id, st.step.between(lo, hi)).order_by(st.step, st.rank))
+    late = select(dg.step).where(dg.run_id == run.id, dg.step.between(lo, hi), dg.digest.is_(None)).limit(1)   # rows after the close
+    with engine(run.db).connect() as c:
+        if c.execute(late).first() is not None: return None
+        rows = _fetch(c, q)
+    if any(d is None for _, _, d in rows): return None
+    per = {}
+    for step, rank, d in rows: per[step] = f"{per[step]} {rank}:{d}" if step in per else f"{rank}:{d}"
+    return pd.DataFrame({'digest': pd.Series(per, dtype=object)}).rename_axis('step')
+
+def _prints(run:Run, lo:int, hi:int)->pd.DataFrame:
+    "What tells the steps of `lo..hi` that may differ: `step_digests` where every step has them, else `fingerprints`."
+    d = step_digests(run, lo, hi)
+    return fingerprints(run, lo, hi) if d is None else d
+
 def module_prints(run:Run, steps:list)->pd.DataFrame:
     "The fingerprints of `steps` one level down: per step, rank and module id."
     return _sums(run, ['step', 'rank', 'module_id'], stats_t.c.step.in_(steps))
@@ -380,7 +400,8 @@ def _suspects(fa:pd.DataFrame,  # `fingerprints` (or `module_prints`) of run a
     eq = np.ones(len(j), bool)
     for c in fa.columns:
         x, y = j[f'{c}_a'].to_numpy(), j[f'{c}_b'].to_numpy()
-        eq &= (x == y) | (np.isnan(x) & np.isnan(y))
+        eq &= (x == y) | (pd.isna(x) & pd.isna(y))
+    if 'n' not in fa: return pd.DataFrame(index=j.index[~eq])   # digests: no row counts
     return j.loc[~eq, ['n_a', 'n_b']].fillna(0).astype(int)
 
 # %% ../nbs/03a_diagnose.ipynb #1f9cd82b
@@ -493,17 +514,21 @@ def diff(run_a,                # a run's name, or a `Run`
         def differing(some, counts):   # the differences at steps `some`
             if in_sql:
                 halves = [some[:len(some) // 2], some[len(some) // 2:]] if len(some) >= 64 else [some]   # one a core
-                return _differing(pd.concat(pool.map(lambda h: _pairs_sql(ra, rb, h, na, nb, rtol, same_modules, counts), halves),
+                known = counts if counts is not None and 'n_a' in counts else None   # row counts, where fingerprints gave them
+                return _differing(pd.concat(pool.map(lambda h: _pairs_sql(ra, rb, h, na, nb, rtol, same_modules, known), halves),
                                             ignore_index=True), rtol)
             mods = _suspects(*pool.map(module_prints, (ra, rb), (some, some))) if same_modules else None   # read only the modules that differ
             if mods is not None and mods.empty: return []
             ids = None if mods is None else sorted({int(i) for i in mods.index.get_level_values('module_id')})
             return _differing(_paired(*pool.map(stat_rows, (ra, rb), (some, some), (na, nb), (ids, ids))), rtol)
-        def prints(lo): return [pool.submit(fingerprints, r, lo, lo + chunk - 1) for r in (ra, rb)] if same_modules and lo <= last else None
+        def prints(lo): return [pool.submit(_prints, r, lo, lo + chunk - 1) for r in (ra, rb)] if same_modules and lo <= last else None
         ahead = prints(first)
         for lo in range(first, last + 1, chunk):
             now, ahead = ahead, prints(lo + chunk)
-            counts = _suspects(*[f.result() for f in now]) if same_modules else None
+            fs = [f.result() for f in now] if same_modules else None
+            if fs and ('digest' in fs[0]) != ('digest' in fs[1]):   # one run has digests there, the other not: sums for both
+                fs = [fingerprints(r, lo, lo + chunk - 1) if 'digest' in f else f for r, f in zip((ra, rb), fs)]
+            counts = _suspects(*fs) if same_modules else None
             steps = [int(s) for s in counts.index] if same_modules else list(range(lo, lo + chunk))
             while steps:   # the suspects' rows, a few steps first, then more at a time, till enough differ
                 some, steps, batch = steps[:batch], steps[batch:], min(2 * batch, chunk)

@@ -6,7 +6,7 @@ Docs: https://torchember.github.io/torchember/store.html.md"""
 
 # %% ../nbs/02_store.ipynb #2645585c
 from __future__ import annotations
-import getpass, hashlib, itertools, json, os, queue, socket, sqlite3, threading, time, warnings, atexit, weakref
+import getpass, hashlib, itertools, json, os, pickle, queue, socket, sqlite3, threading, time, warnings, atexit, weakref
 from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
@@ -17,10 +17,10 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 # %% auto #0
 __all__ = ['SCHEMA_VERSION', 'MEMORY', 'metadata', 'STAT_COLS', 'Str', 'Size', 'meta_t', 'runs_t', 'ranks_t', 'modules_t',
-           'steps_t', 'events_t', 'stats_t', 'calls_t', 'scalars_t', 'snapshots_t', 'VIEWS', 'RETIRED_RUN_ID',
-           'ROWS_PER_INSERT', 'LINGER_S', 'PENDING_STEPS', 'PENDING_BYTES', 'RETRY_S', 'EXIT_WAIT_S', 'default_db',
-           'db_url', 'check_name', 'escaped', 'StoreError', 'engine', 'keyed_by_rank', 'create_run', 'drop_run',
-           'claim', 'release', 'write_step', 'idle_priority', 'store_busy', 'Writer']
+           'steps_t', 'digests_t', 'events_t', 'stats_t', 'calls_t', 'scalars_t', 'snapshots_t', 'VIEWS',
+           'RETIRED_RUN_ID', 'ROWS_PER_INSERT', 'LINGER_S', 'PENDING_STEPS', 'PENDING_BYTES', 'RETRY_S', 'EXIT_WAIT_S',
+           'default_db', 'db_url', 'check_name', 'escaped', 'StoreError', 'engine', 'keyed_by_rank', 'create_run',
+           'drop_run', 'claim', 'release', 'rows_digest', 'write_step', 'idle_priority', 'store_busy', 'Writer']
 
 # %% ../nbs/02_store.ipynb #2b4773a6
 SCHEMA_VERSION = 2
@@ -85,6 +85,9 @@ steps_t = Table('steps', metadata,
     Column('run_id', Integer, nullable=False), Column('step', Integer, nullable=False), _rank(),
     Column('closed', Float), Column('n_records', Integer), Column('events_step', Integer), Column('training', Integer),
     PrimaryKeyConstraint('run_id', 'step', 'rank'))
+digests_t = Table('digests', metadata,   # what a step's closing write stored, for `diff`: NULL once rows came later
+    Column('run_id', Integer, nullable=False), Column('step', Integer, nullable=False), _rank(), Column('digest', Str),
+    PrimaryKeyConstraint('run_id', 'step', 'rank'), sqlite_with_rowid=False)
 events_t = Table('events', metadata,
     Column('run_id', Integer, nullable=False), Column('step', Integer, nullable=False), _rank(),
     Column('seq', Integer, nullable=False),
@@ -503,11 +506,17 @@ def _execute(c, sql:str, params):
         esc = lambda row: {k: escaped(v) for k, v in row.items()} if isinstance(row, dict) else tuple(map(escaped, row))
         c.exec_driver_sql(sql, [esc(r) for r in params] if isinstance(params, list) else esc(params))
 
+def rows_digest(rows:list)->str|None:
+    "A digest of a step's stat rows as written: equal rows in equal order give equal digests; None where they cannot be pickled."
+    try: return hashlib.blake2b(pickle.dumps(rows, protocol=4), digest_size=16).hexdigest()
+    except Exception: return None
+
 def write_step(eng, run_id:int, step:int, rows:list, events:list=(), closed:bool=True, events_step:int=None,
                training:bool=None, calls:list=(), scalars:dict=None, snapshots:list=(), rank:int=0):
     "Write a step of `rank`: its stat `rows` (tuples in `stats` column order after `run_id, step, rank`), `events` (`(kind, module_id, call)`), `calls` (`(module_id, call, training, fwd_ms, bwd_ms)`), `scalars` and `snapshots` (`(module_id, ttype, tname, call, dtype, shape, data)`) in one transaction of engine `eng`, or in the open one of connection `eng`; `events_step`: an earlier step of the rank whose events these equal (none are written)."
     with (nullcontext(eng) if isinstance(eng, sa.Connection) else eng.begin()) as c:
         if rows: _executemany(c, stats_t, [(run_id, step, rank, *r) for r in rows], replace=True)
+        if rows or closed: _executemany(c, digests_t, [(run_id, step, rank, rows_digest(rows) if closed else None)], replace=True)
         if calls: _executemany(c, calls_t, [(run_id, step, rank, *r) for r in calls], replace=True)
         if scalars: _executemany(c, scalars_t, [(run_id, step, rank, k, v) for k, v in scalars.items()], replace=True)
         if snapshots:
