@@ -508,7 +508,7 @@ def _execute(c, sql:str, params):
 
 def rows_digest(rows:list)->str|None:
     "A digest of a step's stat rows as written: equal rows in equal order give equal digests; None where they cannot be pickled."
-    try: return hashlib.blake2b(pickle.dumps(rows, protocol=4), digest_size=16).hexdigest()
+    try: return hashlib.sha256(pickle.dumps(rows, protocol=5)).hexdigest()[:32]   # ~70 µs for an MLP's 258 rows, SHA in hardware
     except Exception: return None
 
 def write_step(eng, run_id:int, step:int, rows:list, events:list=(), closed:bool=True, events_step:int=None,
