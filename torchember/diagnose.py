@@ -302,6 +302,29 @@ def nonfinite_finding(run:Run, rank:int, hi:int)->list:
                     module=f['module'], mtype=f['mtype'], ttype=f['ttype'],
                     tname=f['tname'], stat='nan_count' if f['nan_count'] else 'inf_count', value=f['nan_count'] or f['inf_count'], expected='0')]
 
+def _need(ok:bool, fn:str, name:str, v, what:str, exc=TypeError):
+    "Refuse argument `name` of `fn` unless `ok`: `TypeError` for a wrong type, `ValueError` for a bad value."
+    if not ok: raise exc(f"{fn}'s {name}= must be {what}, not {v!r}")
+
+def _isint(v)->bool: return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+def _isnum(v)->bool: return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+
+def _check_diagnose(step, window, spike, factor, lead, dead, orders, update_band):
+    "Refuse a bad argument of `Run.diagnose` by its name."
+    fn = 'diagnose'
+    _need(step is None or _isint(step), fn, 'step', step, 'an int (a step of the run) or None')
+    _need(_isint(window), fn, 'window', window, 'an int')
+    _need(window >= 2, fn, 'window', window, 'an int >= 2 (a band is made of earlier steps)', ValueError)
+    for name, v in (('spike', spike), ('factor', factor), ('orders', orders), ('dead', dead)):
+        _need(_isnum(v), fn, name, v, 'a number')
+        _need(math.isfinite(v) and v > 0, fn, name, v, 'a finite number > 0', ValueError)
+    _need(dead <= 1, fn, 'dead', dead, 'a zero fraction in (0, 1]', ValueError)
+    _need(factor >= 1, fn, 'factor', factor, 'a number >= 1', ValueError)
+    _need(_isint(lead) and lead >= 0, fn, 'lead', lead, 'an int >= 0', TypeError if not _isint(lead) else ValueError)
+    ok = isinstance(update_band, (tuple, list)) and len(update_band) == 2 and all(_isnum(v) for v in update_band)
+    _need(ok, fn, 'update_band', update_band, 'a (low, high) pair of numbers')
+    _need(0 <= update_band[0] < update_band[1], fn, 'update_band', update_band, 'a (low, high) pair with 0 <= low < high', ValueError)
+
 @patch
 def diagnose(self:Run,
              step:int=None,       # the last step to look at; default the newest closed one
@@ -315,6 +338,7 @@ def diagnose(self:Run,
              rank:int=None,       # the rank to look at; default the run's first
             )->pd.DataFrame:      # one finding per row, most important first: kind, severity, step, module, ..., message
     "What went wrong in this run, and which module started it: non-finite values, spikes, dead outputs, vanishing or exploding grads, update ratios."
+    _check_diagnose(step, window, spike, factor, lead, dead, orders, update_band)
     rank = _one_rank(self, rank)
     hi = self.last_steps.get(rank) if step is None else step
     if hi is None: return findings([])
@@ -503,6 +527,10 @@ def diff(run_a,                # a run's name, or a `Run`
          chunk:int=500,        # steps compared per read
         )->pd.DataFrame:       # step, module, mtype, ttype, tname, stat, a, b; sorted by step then call order
     "Where two runs part: the stats that differ, first divergence first; empty if the runs agree."
+    _need(_isnum(rtol), 'diff', 'rtol', rtol, 'a number')
+    _need(rtol >= 0, 'diff', 'rtol', rtol, 'a number >= 0 (0: bit for bit)', ValueError)   # NaN fails this too
+    _need(max_steps is None or _isint(max_steps) and max_steps >= 1, 'diff', 'max_steps', max_steps, 'an int >= 1 or None', ValueError)
+    _need(_isint(chunk) and chunk >= 1, 'diff', 'chunk', chunk, 'an int >= 1', ValueError)
     ra, rb = _as_run(run_a, db), _as_run(run_b, db if db_b is None else db_b)
     na, nb = _names(ra), _names(rb)
     same_modules = na.equals(nb)   # fingerprints compare rows by module id: only when the ids mean the same modules

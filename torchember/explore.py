@@ -6,13 +6,14 @@ Docs: https://torchember.github.io/torchember/explore.html.md"""
 
 # %% ../nbs/05a_explore.ipynb #f53175b4
 from __future__ import annotations
-import html, re, threading, time
+import html, os, re, threading, time
 from contextlib import contextmanager
 import pandas as pd
 import ipywidgets as W
 import plotly.graph_objects as go
 from fastcore.basics import patch
 from .stats import TTYPES
+from .store import StoreError
 from .query import runs, load
 from .diagnose import findings as _findings
 from .findings import finding_label, evidence, evidence_figure
@@ -557,7 +558,16 @@ def explore(db=None,      # store path or URL; default the default store
             **kwargs,     # passed to `Explorer`: `max_points`, `interval`
            )->Explorer:
     "Open the explorer on store `db`, showing `run`."
-    return Explorer(db=db, run=run, **kwargs)
+    try: return Explorer(db=db, run=run, **kwargs)
+    except StoreError as e:
+        if run is None and _a_default_run(db): raise StoreError(f"{e}; explore(db, run) takes the store first: for run {db!r} of the default store, explore(run={db!r})") from None
+        raise
+
+def _a_default_run(name)->bool:
+    "Whether `name`, passed as a store, is no path but the name of a run in the default store."
+    if not isinstance(name, str) or os.path.exists(name) or '://' in name or os.sep in name: return False
+    try: return name in set(runs()['name'])
+    except Exception: return False
 
 @patch
 def explore(self:torchEmber, **kwargs)->Explorer:

@@ -70,8 +70,8 @@ def report_figures(run:Run, max_points:int=500, rank:int=None)->list:
     where = dict(step=sel) if len(sel) < len(steps) else dict(steps=(steps[0], steps[-1]))
     out, par = (with_stats(run.df(ttype=tt, rank=rank, **where)) for tt in ('output', ['weight', 'weight_grad']))
     types = dict(zip(out['module'], out['mtype'])) | dict(zip(par['module'], par['mtype']))
-    g = combine(par[par['ttype'] == 'weight_grad'], ['module', 'step'])
-    top = g[np.isfinite(g['norm'].astype(float))].groupby('module')['norm'].max().nlargest(TOP).index.tolist()
+    g = combine(par[par['ttype'] == 'weight_grad'], ['module', 'step']).astype({'norm': float})   # float also with no grads at all
+    top = g[np.isfinite(g['norm'])].groupby('module')['norm'].max().nlargest(TOP).index.tolist()
     opened = set(top) | ({first['module']} if first else set())
     for m in modules_in_order(run.tree()):
         o, p = out[out['module'] == m], par[par['module'] == m]
@@ -227,8 +227,8 @@ def _rm(run, db)->dict:
     if is_cli(main): print(f"deleted run {run!r}: {gone.get('steps', 0)} step rows, {sum(gone.values())} rows in all")
     return gone
 
-def _doctor(run, db, rank)->pd.DataFrame:
-    f = load(run, db).diagnose(rank=rank)
+def _doctor(run, db, rank, window, step)->pd.DataFrame:
+    f = load(run, db).diagnose(step=step, window=window, rank=rank)
     if is_cli(main):
         print(f[['severity', 'kind', 'step', 'module', 'message']].to_string(index=False, max_colwidth=200) if len(f) else f"run {run!r}: no findings")
         if (f['severity'] == 'error').any(): raise SystemExit(1)   # a CI gate: errors fail it
@@ -247,20 +247,22 @@ def main(command:Annotated[str, "report: write RUN's HTML report; ls: list the s
          db:str=None,                 # store path or URL (default: ~/.torchember/torchember.db or $TORCHEMBER_DB)
          Output:str='report.html',    # the HTML file to write, or a folder for RUN.html
          max_points:int=500,          # at most this many steps per line
-         rank:int=None,               # in a run of several ranks, the one to draw (default: the first)
+         rank:int=None,               # in a run of several ranks, the one to draw or diagnose (default: the first)
+         window:int=50,               # doctor: recorded steps of each trailing band, and the steps the per-module checks look back over
+         step:int=None,               # doctor: the last step to look at (default: the newest closed one)
          version:Annotated[str, "print torchember's version", {'action': 'version'}]=f'torchember {__version__}',
         ):
     "torchember's command line: `report RUN -o report.html` writes a run's self-contained HTML report; `ls` lists the runs; `rm RUN` deletes one; `doctor RUN` prints its findings; `diff A B` where two runs part."
-    if command is None: _fail("torchember: give a command: report RUN, ls, or rm RUN (torchember --help says more)")
+    if command is None: _fail("torchember: give a command: report RUN, ls, rm RUN, doctor RUN or diff A B (torchember --help says more)")
     if command in ('report', 'rm', 'doctor', 'diff') and not run: _fail(f"torchember {command}: give the run's name (torchember ls lists them)")
     if command == 'diff' and not other: _fail("torchember diff: give two runs: diff A B")
     try:
         if command == 'ls': return _ls(db)
         if command == 'rm': return _rm(run, db)
-        if command == 'doctor': return _doctor(run, db, rank)
+        if command == 'doctor': return _doctor(run, db, rank, window, step)
         if command == 'diff': return _diff(run, other, db, rtol)
         p = report(run, path=Output, db=db, max_points=max_points, rank=rank)
-    except (KeyError, ValueError, StoreError, OSError, sa.exc.SQLAlchemyError) as e:
+    except (KeyError, ValueError, TypeError, StoreError, OSError, sa.exc.SQLAlchemyError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else getattr(e, 'orig', None) or e
         _fail(f"torchember {command}: {str(msg).strip().splitlines()[0]}")
     if is_cli(main): print(p)
