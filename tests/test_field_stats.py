@@ -191,6 +191,21 @@ def test_a_stat_function_that_dominates_the_step_is_named_once(db):
     assert len(warned) == 1 and 'quick' not in ''.join(tw(rec)), tw(rec)
     assert "'slow'" in warned[0] and '% of' in warned[0] and ' s ' in warned[0], warned
 
+def test_a_stat_function_slow_only_on_its_first_call_is_not_named(db):
+    "A first call that warms up (an import, a kernel's first run) takes most of one step: no warning for that alone."
+    calls = []
+    def warms_up(t):
+        if not calls: time.sleep(0.3)
+        calls.append(1)
+        return {'absmax': t.abs().max()}
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter('always')
+        with torchEmber(model, db=db) as te:
+            te.how_record_out(warms_up)
+            for _ in range(4): model(torch.randn(2, 4)).sum().backward()
+    assert len(calls) > 4 and not [m for m in tw(rec) if 'warms_up' in m], tw(rec)
+
 def test_default_stats_are_not_timed(db, monkeypatch):
     "The default stats pay no timing cost: `time.perf_counter` is not called per tensor."
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())

@@ -18,8 +18,8 @@ from . import native
 
 # %% auto #0
 __all__ = ['MOMENTS', 'STATS', 'F64', 'SMALL', 'FLOATS', 'SLOW_COMPILE_S', 'VECTOR_MAX', 'ROW_FIELDS', 'TTYPES', 'SLOW_FRACTION',
-           'SLOW_S', 'as_real', 'moments', 'stats_of_moments', 'native_moments', 'fused_moments', 'default_stats',
-           'check_stats', 'StepRecord', 'Recorder', 'dtype_name', 'shape_of']
+           'SLOW_S', 'SLOW_STEPS', 'as_real', 'moments', 'stats_of_moments', 'native_moments', 'fused_moments',
+           'default_stats', 'check_stats', 'StepRecord', 'Recorder', 'dtype_name', 'shape_of']
 
 # %% ../nbs/01_stats.ipynb #676c44cd
 MOMENTS = ('n', 'sum', 'sumsq', 'min', 'max', 'nonzero', 'nan', 'inf')
@@ -297,6 +297,7 @@ class Recorder:
         self.stat_fns = {tt: default_stats for tt in TTYPES}
         self.stat_fns.update(stat_fns or {})
         self._warned, self.rec, self.last = set(), None, None
+        self._slow_steps = {}      # custom stat function -> recorded steps it took most of
         self.on_tensor = None      # called as `(rec, mi, call, ttype, tname, t)` for every recorded tensor (snapshots)
         self.param_extras = None   # called as `(ttype, items)`: per item a dict of more stats of weights, or None
 
@@ -419,15 +420,18 @@ def _run_custom(self, fn, t, mi, ttype, tname):
     return len(self.rec.extras) - 1
 
 # %% ../nbs/01_stats.ipynb #ee492e67
-SLOW_FRACTION, SLOW_S = 0.5, 0.1
+SLOW_FRACTION, SLOW_S, SLOW_STEPS = 0.5, 0.1, 2
 
 @patch_to(Recorder)
 def _name_slow(self):
-    "Warn, once per function, of a custom stat function that took most of the step now closing."
+    "Warn, once per function, of a custom stat function that took most of the step now closing, and of `SLOW_STEPS` steps so far."
     if not self._spent: return
     wall = time.perf_counter() - self._t0
+    slow = self._slow_steps
     for fn, s in self._spent.items():
         if s > SLOW_S and s > SLOW_FRACTION * wall:
+            slow[fn] = slow.get(fn, 0) + 1
+            if slow[fn] < SLOW_STEPS: continue     # a first call that warms up (an import, a kernel's first run) is not a slow function
             name = getattr(fn, '__name__', repr(fn))
             self._warn(('slow', name), f"stat function {name!r} took {s:.2f} s of a {wall:.2f} s step ({s/wall:.0%} of it); "
                                        "give it fewer tensors (`how_record_*`), sample, or record fewer steps (`every=`)")
