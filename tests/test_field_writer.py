@@ -243,6 +243,32 @@ def test_past_the_bound_the_oldest_waiting_steps_are_dropped_and_said(db, monkey
     assert stored[-10:] == list(range(21, 31)), "the newest steps are kept"
     te.disarm()
 
+def test_flush_and_disarm_wait_a_bounded_time_for_a_locked_store(db, monkeypatch):
+    "A store locked for longer than `FLUSH_WAIT_S`: flush and disarm say how many steps still wait and return; the steps are written once the lock goes."
+    from torchember import ember
+    monkeypatch.setattr(ember, 'FLUSH_WAIT_S', 0.5)
+    model = _mlp()
+    te = torchEmber(model, run='held', db=db)
+    _steps(model, 1); te.flush()
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter('always')
+        with locked(db, hold_at_most=30) as timed_out:
+            _steps(model, 5, seed=1)
+            t0 = time.monotonic(); te.flush(); waited = time.monotonic() - t0
+            assert waited < 10 and _stored(db, 'held') == [0]
+            t0 = time.monotonic(); te.disarm(); waited = time.monotonic() - t0
+            assert waited < 10 and _stored(db, 'held') == [0]
+        assert not timed_out
+    msgs = [m for m in tw(rec) if 'still wait for the store' in m]
+    assert len(msgs) == 2 and all(m.startswith('torchember: 5 step(s) still wait') for m in msgs), tw(rec)
+    deadline = time.monotonic() + 20
+    while _stored(db, 'held') != list(range(6)) and time.monotonic() < deadline: time.sleep(0.1)
+    assert _stored(db, 'held') == list(range(6)), "the steps that waited were written once the lock went"
+    assert te.dropped == 0
+    deadline = time.monotonic() + 20   # and the run's claim was given up after them: another process may resume it
+    while time.monotonic() < deadline and sql(db, "SELECT pid FROM ranks")[0][0] is not None: time.sleep(0.1)
+    assert sql(db, "SELECT pid FROM ranks") == [(None,)]
+
 def test_a_disk_that_fills_twice_is_said_twice_with_counts(db):
     model = _mlp()
     te = torchEmber(model, run='full-twice', db=db)

@@ -16,11 +16,11 @@ from fastcore.basics import patch
 from .core import Capture, module_tree, module_info, _Inert, _Hook
 from .stats import Recorder, TTYPES, VECTOR_MAX, default_stats
 from .instruments import hist_stats, Snapshots, Changes, UpdateTracker
-from .store import engine, create_run, claim, release, write_step, Writer, db_url, keyed_by_rank, StoreError
+from .store import engine, create_run, claim, release, write_step, Writer, db_url, keyed_by_rank, StoreError, store_busy, RETRY_S
 from .query import Run
 
 # %% auto #0
-__all__ = ['GROUP', 'SIGNAL_WAIT_S', 'torchEmber', 'unwrap', 'process_rank', 'agree_run_name', 'rank_selector']
+__all__ = ['GROUP', 'SIGNAL_WAIT_S', 'FLUSH_WAIT_S', 'torchEmber', 'unwrap', 'process_rank', 'agree_run_name', 'rank_selector']
 
 # %% ../nbs/04_ember.ipynb #654a6fa8
 class torchEmber:
@@ -289,11 +289,13 @@ def arm(self:torchEmber):
 
 torchEmber.rearm = torchEmber.arm
 
+FLUSH_WAIT_S = 30   # the longest `flush` and `disarm` wait for a store that another program holds locked
+
 @patch
 def flush(self:torchEmber):
-    "Close the open step and wait until everything recorded is in the store."
+    "Close the open step and wait until everything recorded is in the store (at most `FLUSH_WAIT_S`, then say how many steps still wait)."
     self.capture.close()
-    if self.writer is not None: self.writer.flush()
+    if self.writer is not None: self.writer.flush(FLUSH_WAIT_S)
     return self
 
 @patch
@@ -303,17 +305,27 @@ def disarm(self:torchEmber):
     if vars(self.model).get('disarm') is self._disarm_hook: del self.model.__dict__['disarm']
     if _armed.get(self.model) is self: del _armed[self.model]
     _restore_handlers()
-    if self.writer is not None:
-        w, self.writer = self.writer, None
-        try: w.flush()          # with strict=True, a failed write surfaces here
+    w, done = self.writer, True
+    if w is not None:
+        self.writer = None
+        try: done = w.flush(FLUSH_WAIT_S)   # with strict=True, a failed write surfaces here
         finally:
-            w.close()
+            w.close(0)                      # the thread ends once it has written what still waits for a locked store
             self._dropped += w.dropped + w.failed
     if self.engine is not None and not self._forked and not self._released:
-        try: release(self.engine, self.run_id, self.rank)      # another process may now resume the run
-        except Exception: pass
         self._released = True
+        if done: _release(self.engine, self.run_id, self.rank)
+        else: threading.Thread(target=_release, args=(self.engine, self.run_id, self.rank, w), name='torchember-release', daemon=True).start()
     return self
+
+def _release(eng, run_id:int, rank:int, after=None):
+    "Give up the claim on `rank` of run `run_id` (another process may then resume it), once writer `after` has written all it holds; retried while the store is locked."
+    if after is not None: after._t.join()
+    while True:
+        try: return release(eng, run_id, rank)
+        except Exception as e:
+            if not store_busy(e): return
+            time.sleep(RETRY_S)
 
 @patch
 def __enter__(self:torchEmber): return self.arm()

@@ -22,7 +22,7 @@ __all__ = ['BLUE', 'ORANGE', 'RED', 'RANK_COLORS', 'MAP_STATS', 'with_stats', 's
            'history', 'heat', 'nan_steps', 'nan_trace', 'history_traces', 'modules_in_order', 'latest_by_module',
            'module_label', 'overview_traces', 'latest_times', 'heatmap_traces', 'rank_traces', 'rank_spread',
            'spread_traces', 'tensor_image', 'tensor_figure', 'forward_order', 'module_map', 'finite_json', 'map_labels',
-           'map_figure', 'log_axis', 'scalar_series', 'scalars_figure']
+           'map_figure', 'log_axis', 'flat_range', 'scalar_series', 'scalars_figure']
 
 # %% ../nbs/05_figures.ipynb #f654825d
 _META = ('run', 'step', 'rank', 'call', 'module', 'mtype', 'ttype', 'tname', 'shape', 'dtype')
@@ -455,6 +455,15 @@ def log_axis(values)->dict:
     wide = len(v) and np.log10(v.max() / v.min()) >= 1
     return dict(type='log', dtick=1) if wide else dict(type='log')
 
+def flat_range(values)->list|None:
+    "A y range that shows a constant series (a fixed learning rate) as a line at mid-height with its value on a tick; None if it varies."
+    v = pd.to_numeric(pd.Series(list(values)), errors='coerce')
+    v = v[np.isfinite(v)]
+    if not len(v) or v.min() != v.max(): return None
+    x = float(v.iloc[0])
+    pad = abs(x) / 2 or 1.0
+    return [x - pad, x + pad]
+
 def scalar_series(st:pd.DataFrame)->list:
     "The columns of `Run.steps` frame `st` to draw: the logged scalars, then the grad and weight norms, those with a value."
     fixed = ('step', 'rank', 'closed', 'training', 'n_records')
@@ -484,6 +493,8 @@ def scalars_figure(st:pd.DataFrame,        # `Run.steps()` of one rank
         fig.update_xaxes(title_text='step', row=i // cols + 1, col=i % cols + 1)
         vals = [*st.get(s, [])] + ([*other[s]] if other is not None and s in other else [])
         if s.endswith('norm'): fig.update_yaxes(**log_axis(vals), row=i // cols + 1, col=i % cols + 1)
+        elif (r := flat_range(vals)): fig.update_yaxes(range=r, row=i // cols + 1, col=i % cols + 1)
     if first_bad is not None: fig.add_vline(x=first_bad, line=dict(color=RED, dash='dash', width=1))
-    return fig.update_layout(height=230 * rows + 40, template='plotly_white', margin=dict(l=50, r=20, t=40, b=40),
+    two = other is not None and not other.empty   # one run needs no legend
+    return fig.update_layout(height=230 * rows + 40, template='plotly_white', margin=dict(l=50, r=20, t=40, b=40), showlegend=two,
                              legend=dict(orientation='h', x=1, xanchor='right', y=1.02, yanchor='bottom'), title='training scalars' + (f' · first NaN/Inf at step {first_bad}' if first_bad is not None else ''))

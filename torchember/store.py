@@ -576,6 +576,7 @@ class Writer:
         self._cv = threading.Condition(threading.RLock())         # reentrant: a signal handler may wait inside `submit`
         self._busy, self._urgent, self._stop = None, 0, False     # the batch being written; flushes waiting; closing
         self._lost, self._error, self._drops = 0, None, 0         # the current episodes: items lost and the first error; items dropped
+        self._late_said = False                                   # `flush` said that items still wait
         self._t = threading.Thread(target=self._run, name='torchember-writer', daemon=True)
         self._t.start()
         _writers.add(self)
@@ -672,12 +673,21 @@ class Writer:
             try: return self._cv.wait_for(lambda: not self.pending and self._busy is None, timeout)
             finally: self._urgent -= 1
 
-    def flush(self):
-        "Wait until every submitted item is written or given up; with `strict`, raise the first error since the last flush."
-        self.wait()
+    def waiting(self)->int:
+        "How many submitted items are not yet written (nor given up)."
+        with self._cv: return len(self.pending) + len(self._busy or ())
+
+    def flush(self, timeout:float=None)->bool:
+        "Wait until every submitted item is written or given up (at most `timeout` s, then say how many still wait); with `strict`, raise the first error since the last flush. Whether all were."
+        done = self.wait(timeout)
+        if not done:
+            self._late_said = True
+            self._say(StoreError(f"{self.waiting()} step(s) still wait for the store after {timeout:g} s (another program holds it "
+                                 "locked, or it is slow); they are written when it takes them, while this process lives"))
         if self.strict and self.errors:
             first, self.errors = self.errors[0], []
             raise first
+        return done
 
     def close(self, timeout:float=None):
         "Write what is waiting (for at most `timeout` s), stop the thread, and say what was lost and not yet said."
@@ -688,7 +698,8 @@ class Writer:
             self._cv.notify_all()
         if done: self._t.join()
         if self._lost and not self.strict: self._say(StoreError(f"{_steps(self._lost)} lost since writing to the store failed ({_short(self._error)})"))
-        if not done: self._say(StoreError(f"{_steps(len(self.pending))} not written within {timeout} s: the store stayed locked"))
+        if not done and not self._late_said:
+            self._say(StoreError(f"{_steps(self.waiting())} not written within {timeout:g} s: the store stayed locked"))
 
 EXIT_WAIT_S = 30   # the longest the interpreter's exit waits for a locked store
 
