@@ -238,3 +238,31 @@ def test_diff_after_late_rows_and_without_digests(store):
     assert [1, '1', 'row', 1.0, 0.0] in d[['step', 'module', 'stat', 'a', 'b']].values.tolist()
     with engine(store).begin() as c: c.execute(digests_t.delete().where(digests_t.c.run_id == z.id))   # z as an older store wrote it
     pd.testing.assert_frame_equal(diff('x', 'z', store, max_steps=None), d)
+
+def gan(db, iters=100, seed=0, scale_d_at=None):
+    "A tiny GAN: the discriminator is called three times an iteration (a real batch, then two fake ones), so one step in three of its run differs from the other two."
+    torch.manual_seed(seed)
+    G = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    D = nn.Sequential(nn.Linear(4, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
+    og, od, bce = torch.optim.Adam(G.parameters(), 2e-4), torch.optim.Adam(D.parameters(), 2e-4), nn.BCEWithLogitsLoss()
+    with torchEmber(G, run='G', db=db, overwrite=True), torchEmber(D, run='D', db=db, overwrite=True):
+        for i in range(iters):
+            if i == scale_d_at:
+                with torch.no_grad(): D[0].weight.mul_(8)
+            real, fake = torch.randn(16, 4) + 2, G(torch.randn(16, 8))
+            ld = bce(D(real), torch.ones(16, 1)) + bce(D(fake.detach()), torch.zeros(16, 1))
+            od.zero_grad(); ld.backward(); od.step()
+            lg = bce(D(fake), torch.ones(16, 1))
+            og.zero_grad(); lg.backward(); og.step()
+    return load('G', db), load('D', db)
+
+@pytest.mark.parametrize('seed', [0, 1, 2])
+def test_a_level_seen_every_few_steps_is_no_spike(db, seed):
+    "A healthy GAN: the discriminator's real-batch steps are not spikes of its first layer (10 warnings in 30 iterations before)."
+    for r in gan(db, seed=seed): assert r.diagnose().empty, r.diagnose()[['kind', 'step', 'module', 'message']]
+
+def test_a_real_spike_in_a_periodic_run_is_still_found(db):
+    _, d = gan(db, scale_d_at=90)    # its real-batch call is step 270, in the window diagnose looks at
+    f = d.diagnose()
+    spikes = f[f['kind'] == 'spike']
+    assert len(spikes) and spikes.iloc[0]['step'] == 270 and spikes.iloc[0]['module'] == '0', f[['kind', 'step', 'module', 'message']]

@@ -6,7 +6,7 @@ Docs: https://torchember.github.io/torchember/diagnose.html.md"""
 
 # %% ../nbs/03a_diagnose.ipynb #2ec93591
 from __future__ import annotations
-import json, math
+import json, math, warnings
 from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pandas as pd
@@ -17,10 +17,11 @@ from .store import engine, db_url, modules_t, stats_t, steps_t, digests_t, scala
 from .query import Run, flow_order, _one_rank
 
 # %% auto #0
-__all__ = ['COLUMNS', 'SEVERITIES', 'KINDS', 'MAD_SIGMA', 'WATCHED', 'GRAD_NORM', 'MIN_BAND', 'GRADS', 'DIFF_COLUMNS', 'COMPARED',
-           'finding', 'findings', 'bands', 'left_band', 'module_norms', 'signals', 'departures', 'first_departure',
-           'signal_spikes', 'module_spikes', 'dead_modules', 'across_depth', 'over_steps', 'update_ratios',
-           'nonfinite_finding', 'fingerprints', 'step_digests', 'module_prints', 'stat_rows', 'diff']
+__all__ = ['COLUMNS', 'SEVERITIES', 'KINDS', 'MAD_SIGMA', 'BEYOND', 'RANGE', 'WATCHED', 'GRAD_NORM', 'MIN_BAND', 'GRADS',
+           'DIFF_COLUMNS', 'COMPARED', 'finding', 'findings', 'bands', 'trailing_range', 'band_edges', 'left_band',
+           'module_norms', 'signals', 'departures', 'first_departure', 'signal_spikes', 'module_spikes', 'dead_modules',
+           'across_depth', 'over_steps', 'update_ratios', 'nonfinite_finding', 'fingerprints', 'step_digests',
+           'module_prints', 'stat_rows', 'diff']
 
 # %% ../nbs/03a_diagnose.ipynb #3281537f
 COLUMNS = ['kind', 'severity', 'step', 'module', 'mtype', 'ttype', 'tname', 'stat', 'value', 'expected', 'message']
@@ -62,14 +63,34 @@ def _nanmedian(a:np.ndarray, n:np.ndarray)->np.ndarray:
     pick = lambda i: np.take_along_axis(s, i[..., None], axis=-1)[..., 0]
     return (pick(lo) + pick(hi)) / 2
 
-def left_band(x, med, mad, spike:float, factor:float, up_only:bool=False)->np.ndarray:
-    "Where `x` is more than `spike` robust sigmas from its median and also `factor` times above it (or, unless `up_only`, below it)."
+def trailing_range(values:np.ndarray, window:int)->tuple:
+    "`(smallest, largest)` of the `window` values before each value in its column (NaN where there are none)."
+    n, k = values.shape
+    pad = np.vstack([np.full((window, k), np.nan), values.astype(float)])
+    win = np.lib.stride_tricks.sliding_window_view(pad, window, axis=0)[:n]
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', RuntimeWarning)   # a window with no value: NaN, said by numpy
+        return np.nanmin(win, -1), np.nanmax(win, -1)
+
+BEYOND = 0.5   # past the recent range by half its reach from the median: a level seen before, a little higher, is no spike
+RANGE = 10     # the recent range: of this many values before (a longer one would hold the high losses of a run's first steps)
+
+def band_edges(values:np.ndarray, window:int, spike:float, factor:float, min_steps:int)->tuple:
+    "`(lo, hi, median, mad)` of every value: it leaves its band below `lo` or above `hi`, which lie `spike` robust sigmas from the trailing median, `factor` times away from it, and past every one of the `RANGE` values before it by `BEYOND` of that value's distance from the median (NaN: no band)."
+    med, mad = bands(values, window, min_steps)
+    bottom, top = trailing_range(values, min(window, RANGE))
     with np.errstate(invalid='ignore'):
-        dev, scale = x - med, np.abs(med)
-        far = np.abs(dev) > spike * MAD_SIGMA * mad
-        big = dev >= (factor - 1) * scale
-        if not up_only: big |= dev <= -(1 - 1 / factor) * scale
-        return np.nan_to_num(far & big & (dev != 0), nan=False).astype(bool)
+        hi = np.maximum(np.maximum(med + spike * MAD_SIGMA * mad, med + (factor - 1) * np.abs(med)), top + BEYOND * (top - med))
+        lo = np.minimum(np.minimum(med - spike * MAD_SIGMA * mad, med - (1 - 1 / factor) * np.abs(med)), bottom - BEYOND * (med - bottom))
+    return lo, hi, med, mad
+
+def left_band(x, lo, hi, up_only:bool=False)->np.ndarray:
+    "Where `x` lies above `hi` (or, unless `up_only`, below `lo`): the edges of `band_edges`."
+    with np.errstate(invalid='ignore'):
+        out = x > hi
+        if not up_only: out = out | (x < lo)
+        return np.nan_to_num(out, nan=False).astype(bool)
+
 
 # %% ../nbs/03a_diagnose.ipynb #289b2105
 WATCHED = ('output', 'weight', 'weight_grad')   # the tensors whose norms `diagnose` follows per module
@@ -111,16 +132,16 @@ def departures(norms:pd.DataFrame,  # `module_norms` rows
                window:int, spike:float, factor:float,
                lo:int,              # report departures at this step and later only
               )->pd.DataFrame:      # step, module, mtype, ttype, value, median, mad
-    "The module norms that left their trailing band at step `lo` or later."
-    cols = ['step', 'module', 'mtype', 'ttype', 'value', 'median', 'mad']
+    "The module norms that left their trailing band (`band_edges`) at step `lo` or later."
+    cols = ['step', 'module', 'mtype', 'ttype', 'value', 'median', 'mad', 'lo', 'hi']
     if norms.empty: return pd.DataFrame(columns=cols)
     wide = norms.pivot_table(index='step', columns=['module_id', 'ttype'], values='norm', aggfunc='first')
     x = wide.to_numpy(float)
-    med, mad = bands(x, window, min(window, MIN_BAND))
-    i, j = np.nonzero(left_band(x, med, mad, spike, factor) & (wide.index.to_numpy()[:, None] >= lo))
+    low, high, med, mad = band_edges(x, window, spike, factor, min(window, MIN_BAND))
+    i, j = np.nonzero(left_band(x, low, high) & (wide.index.to_numpy()[:, None] >= lo))
     keys = wide.columns[j]
     df = pd.DataFrame({'step': wide.index[i], 'module_id': keys.get_level_values(0), 'ttype': keys.get_level_values(1),
-                       'value': x[i, j], 'median': med[i, j], 'mad': mad[i, j]})
+                       'value': x[i, j], 'median': med[i, j], 'mad': mad[i, j], 'lo': low[i, j], 'hi': high[i, j]})
     return df.join(names, on='module_id')[cols]
 
 def first_departure(run:Run, rank:int, deps:pd.DataFrame)->pd.Series|None:
@@ -129,7 +150,7 @@ def first_departure(run:Run, rank:int, deps:pd.DataFrame)->pd.Series|None:
     at = deps[deps['step'] == deps['step'].min()]
     return flow_order(at.reset_index(drop=True), run.events(int(at['step'].iloc[0]), rank)).iloc[0]
 
-def _band_text(med, mad, spike): return f"{med:.4g} ± {spike:g}·{MAD_SIGMA}·{mad:.3g} (median ± {spike:g} robust sigmas)"
+def _band_text(lo, hi, med): return f"{lo:.4g} to {hi:.4g} (around the median {med:.4g} of the steps before)"
 
 # %% ../nbs/03a_diagnose.ipynb #174963b2
 def signal_spikes(run:Run, rank:int, sig:pd.DataFrame, names:pd.DataFrame, window:int, spike:float, factor:float,
@@ -138,8 +159,8 @@ def signal_spikes(run:Run, rank:int, sig:pd.DataFrame, names:pd.DataFrame, windo
     out, firsts = [], {}   # spike step -> the module that left its band first: each step's stats read once
     if sig.empty: return out
     x, steps = sig.to_numpy(float), sig.index.to_numpy()
-    med, mad = bands(x, window, min(window, MIN_BAND))
-    hit = left_band(x, med, mad, spike, factor, up_only=True)
+    low, high, med, _ = band_edges(x, window, spike, factor, min(window, MIN_BAND))
+    hit = left_band(x, low, high, up_only=True)
     starts = hit & ~np.vstack([np.zeros((1, x.shape[1]), bool), hit[:-1]])   # the first step of each spike
     for i, j in sorted(zip(*np.nonzero(starts)))[:most]:
         s, name = int(steps[i]), sig.columns[j]
@@ -151,14 +172,14 @@ def signal_spikes(run:Run, rank:int, sig:pd.DataFrame, names:pd.DataFrame, windo
         msg = f"{what} spiked at step {s} ({x[i, j]:.4g}, against a median of {med[i, j]:.4g} over the steps before)"
         if first is None:
             out.append(finding('spike', 'warning', s, msg + "; no module's stats left their band before it (look at the data or the loss)",
-                               stat=name, value=x[i, j], expected=_band_text(med[i, j], mad[i, j], spike)))
+                               stat=name, value=x[i, j], expected=_band_text(low[i, j], high[i, j], med[i, j])))
             continue
         ahead = s - int(first['step'])
         when = 'at the same step' if ahead == 0 else f"{ahead} step{'s' if ahead > 1 else ''} before"
         out.append(finding('spike', 'warning', s, f"{msg}; module {first['module']!r} ({first['mtype']}) left its band first: "
                            f"its {first['ttype']} norm, {first['value']:.4g} at step {first['step']}, {when}",
                            module=first['module'], mtype=first['mtype'], ttype=first['ttype'], stat=name, value=x[i, j],
-                           expected=_band_text(med[i, j], mad[i, j], spike)))
+                           expected=_band_text(low[i, j], high[i, j], med[i, j])))
     return out
 
 def module_spikes(run:Run, rank:int, norms:pd.DataFrame, names:pd.DataFrame, window:int, spike:float, factor:float,
@@ -178,7 +199,7 @@ def module_spikes(run:Run, rank:int, norms:pd.DataFrame, names:pd.DataFrame, win
         out.append(finding('spike', 'warning', s, f"module {f['module']!r} ({f['mtype']}): {f['ttype']} norm {f['value']:.4g} at step {s}, "
                            f"outside its band of the steps before{f'; {more} more module norms left theirs at that step, after it' if more else ''}",
                            module=f['module'], mtype=f['mtype'], ttype=f['ttype'], stat='norm', value=f['value'],
-                           expected=_band_text(f['median'], f['mad'], spike)))
+                           expected=_band_text(f['lo'], f['hi'], f['median'])))
     return out
 
 # %% ../nbs/03a_diagnose.ipynb #fbb994f6

@@ -13,7 +13,7 @@ import plotly.graph_objects as go
 from sqlalchemy import select, func
 from .store import engine, modules_t, stats_t, steps_t, scalars_t
 from .query import Run, _one_rank
-from .diagnose import bands, MIN_BAND, MAD_SIGMA, GRAD_NORM
+from .diagnose import band_edges, MIN_BAND, GRAD_NORM
 from .figures import BLUE, RED, module_label, log_axis, _list
 
 # %% auto #0
@@ -82,6 +82,7 @@ def evidence(run:Run,                    # the finding's run
              f,                          # one finding: a row of `run.diagnose()` (a Series or a dict)
              window:int=50,              # `diagnose`'s: recorded steps of each trailing band
              spike:float=10.0,           # `diagnose`'s: robust sigmas from the median that make a spike
+             factor:float=2.0,           # `diagnose`'s: ... and times the median
              dead:float=0.99,            # `diagnose`'s: the zero fraction of a dead output
              update_band:tuple=(1e-6, 0.03),  # `diagnose`'s: the usual ‖Δw‖/‖w‖
              rank:int=None,              # the rank `diagnose` looked at; default the run's first
@@ -92,8 +93,7 @@ def evidence(run:Run,                    # the finding's run
     x, judged = v.to_numpy(float), _judged(f)
     lo = hi = np.full(len(x), np.nan)
     if judged in ('norm', 'signal') and len(x):
-        med, mad = (b[:, 0] for b in bands(x[:, None], window, min(window, MIN_BAND)))
-        lo, hi = med - spike * MAD_SIGMA * mad, med + spike * MAD_SIGMA * mad
+        lo, hi = (b[:, 0] for b in band_edges(x[:, None], window, spike, factor, min(window, MIN_BAND))[:2])
     elif judged == 'zero_frac': lo, hi = np.zeros(len(x)), np.full(len(x), dead)
     elif judged == 'update_ratio': lo, hi = np.full(len(x), update_band[0]), np.full(len(x), update_band[1])
     with np.errstate(invalid='ignore'):
