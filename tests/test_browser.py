@@ -195,7 +195,7 @@ def test_explorer_renders_in_jupyterlab(lab):
             for attempt in range(3):
                 option.click()
                 try:
-                    page.wait_for_function(f"() => {TITLES}.some(t => t.includes('spike at step 15: 2 (Linear), output norm over steps'))"
+                    page.wait_for_function(f"() => {TITLES}.some(t => t.includes('spike at step 15: 2 (Linear), output RMS over steps'))"
                                            f" && {TITLES}.some(t => t.includes('2 · output over steps · step 15 marked'))", timeout=20_000)
                     break
                 except Exception:

@@ -42,7 +42,7 @@ def test_spike_names_the_scaled_layer_and_step(store):
     loss = f[(f['kind'] == 'spike') & (f['stat'] == 'loss')].iloc[0]
     assert (loss['step'], loss['module'], loss['ttype'], loss['severity']) == (40, '6', 'output', 'warning')
     assert "module '6' (Linear) left its band first" in loss['message'] and 'at the same step' in loss['message']
-    own = f[(f['kind'] == 'spike') & (f['stat'] == 'norm')].iloc[0]
+    own = f[(f['kind'] == 'spike') & (f['stat'] == 'rms')].iloc[0]
     assert (own['step'], own['module']) == (40, '6')
     assert list(f.columns) == ['kind', 'severity', 'step', 'module', 'mtype', 'ttype', 'tname', 'stat', 'value', 'expected', 'message']
 
@@ -266,3 +266,33 @@ def test_a_real_spike_in_a_periodic_run_is_still_found(db):
     f = d.diagnose()
     spikes = f[f['kind'] == 'spike']
     assert len(spikes) and spikes.iloc[0]['step'] == 270 and spikes.iloc[0]['module'] == '0', f[['kind', 'step', 'module', 'message']]
+
+def test_validation_steps_are_not_spikes(db):
+    "Eval-mode calls are steps too (bigger batches, other data): diagnose judges training steps against training steps."
+    m = mlp()
+    opt, g = torch.optim.SGD(m.parameters(), lr=0.01), torch.Generator().manual_seed(0)
+    with torchEmber(m, run='val', db=db):
+        for i in range(200):
+            m.train()
+            x = torch.randn(32, 16, generator=g)
+            loss = nn.functional.mse_loss(m(x), x[:, :1])
+            opt.zero_grad(); loss.backward(); opt.step()
+            if i % 40 == 39:
+                m.eval()
+                with torch.no_grad():
+                    for _ in range(5): m(torch.randn(256, 16, generator=g) * 3)
+    r = load('val', db)
+    assert (r.steps()['training'] == 0).sum() == 25
+    assert r.diagnose().empty, r.diagnose()[['kind', 'step', 'module', 'message']]
+
+def test_a_smaller_last_batch_is_no_spike_of_outputs(db):
+    "Outputs are judged by their RMS (norm / √elements): a last batch of an epoch 16x smaller moves no output band."
+    m = mlp()
+    opt, g = torch.optim.SGD(m.parameters(), lr=0.01), torch.Generator().manual_seed(0)
+    with torchEmber(m, run='ragged', db=db):
+        for i in range(200):
+            x = torch.randn(4 if i % 25 == 24 else 64, 16, generator=g)
+            loss = nn.functional.mse_loss(m(x), x[:, :1])
+            opt.zero_grad(); loss.backward(); opt.step()
+    f = load('ragged', db).diagnose()
+    assert not ((f['kind'] == 'spike') & (f['ttype'] == 'output')).any(), f[['kind', 'step', 'module', 'ttype', 'message']]

@@ -34,9 +34,9 @@ def test_every_kind_has_evidence_that_shows_the_finding(db):
             seen.add(f['kind'])
             assert f['step'] in ev['step'].tolist(), (f['kind'], f['message'])
             at = ev[ev['step'] == f['step']].iloc[0]
-            if f['kind'] in ('dead', 'nonfinite') or (f['kind'] == 'spike' and f['stat'] == 'norm'):
+            if f['kind'] in ('dead', 'nonfinite') or (f['kind'] == 'spike' and f['stat'] == 'rms'):
                 assert at['outside'], (f['kind'], f['message'], ev)
-            if f['kind'] == 'spike' and f['stat'] == 'norm' or f['kind'] == 'dead':
+            if f['kind'] == 'spike' and f['stat'] == 'rms' or f['kind'] == 'dead':
                 assert math.isclose(at['value'], f['value'], rel_tol=1e-9)
             if f['kind'] == 'update_ratio': assert ev['outside'].mean() > 0.5 and (ev['hi'] == 0.03).all()
             fig = evidence_figure(ev, f)
@@ -53,7 +53,7 @@ def test_explorer_lists_findings_and_opens_their_evidence(scaled, store):
         i = next(i for i, l in enumerate(labels) if l.endswith('· spike · 6 (Linear) output'))
         ex.findings_picker.value = i
         ev = ex.plots['evidence']
-        assert ev.shown and ev.title == 'spike at step 40: 6 (Linear), output norm over steps'
+        assert ev.shown and ev.title == 'spike at step 40: 6 (Linear), output RMS over steps'
         assert ev.yaxis.domain[1] == max(p.yaxis.domain[1] for p in ex.plots.values())   # on top of the figure
         assert [s.x0 for s in ev.shapes] == [40]
         out = next(t for t in ev.data if t.name == 'outside the band')
@@ -114,5 +114,5 @@ def test_report_lists_findings_on_top_linked_to_their_evidence(scaled):
     anchors = re.findall(r'<h2 id="(finding-\d+)">', page)
     assert set(links) == set(anchors) and len(anchors) < len(links)   # the loss's spike and layer 6's share their evidence
     titles = [l.get('title', {}).get('text', '') for _, l in page_figures(page)]
-    assert 'spike at step 40: 6 (Linear), output norm over steps' in titles
+    assert 'spike at step 40: 6 (Linear), output RMS over steps' in titles
     assert page.count('plotly.js v') == 1

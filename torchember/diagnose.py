@@ -19,9 +19,9 @@ from .query import Run, flow_order, _one_rank
 # %% auto #0
 __all__ = ['COLUMNS', 'SEVERITIES', 'KINDS', 'MAD_SIGMA', 'BEYOND', 'RANGE', 'WATCHED', 'GRAD_NORM', 'MIN_BAND', 'GRADS',
            'DIFF_COLUMNS', 'COMPARED', 'finding', 'findings', 'bands', 'trailing_range', 'band_edges', 'left_band',
-           'module_norms', 'signals', 'departures', 'first_departure', 'signal_spikes', 'module_spikes', 'dead_modules',
-           'across_depth', 'over_steps', 'update_ratios', 'nonfinite_finding', 'fingerprints', 'step_digests',
-           'module_prints', 'stat_rows', 'diff']
+           'training_steps', 'module_norms', 'signals', 'departures', 'first_departure', 'signal_spikes',
+           'module_spikes', 'dead_modules', 'across_depth', 'over_steps', 'update_ratios', 'nonfinite_finding',
+           'fingerprints', 'step_digests', 'module_prints', 'stat_rows', 'diff']
 
 # %% ../nbs/03a_diagnose.ipynb #3281537f
 COLUMNS = ['kind', 'severity', 'step', 'module', 'mtype', 'ttype', 'tname', 'stat', 'value', 'expected', 'message']
@@ -103,23 +103,31 @@ def _names(run:Run)->pd.DataFrame:
         rows = c.execute(select(m.id, m.name, m.mtype).where(m.run_id == run.id)).all()
     return pd.DataFrame([tuple(r) for r in rows], columns=['module_id', 'module', 'mtype']).set_index('module_id')
 
+def training_steps(run:Run, rank:int, step):
+    "A clause keeping the rows whose `step` column is no eval step of `rank` (steps of unknown mode are kept)."
+    st = steps_t.c
+    return step.notin_(select(st.step).where(st.run_id == run.id, st.rank == rank, st.training == 0))
+
 def module_norms(run:Run, rank:int, lo:int, hi:int)->pd.DataFrame:
-    "Per step of `lo..hi`, module and watched ttype: the L2 norm over its tensors and calls, their elements, and the smallest zero fraction."
+    "Per training step of `lo..hi`, module and watched ttype: the L2 norm over its tensors and calls, their elements, their RMS, and the smallest zero fraction."
     s = stats_t.c
     q = (select(s.step, s.module_id, s.ttype, func.sum(s.norm * s.norm), func.sum(s.numel), func.min(s.zero_frac))
-         .where(s.run_id == run.id, s.rank == rank, s.step.between(lo, hi), s.ttype.in_(WATCHED))
+         .where(s.run_id == run.id, s.rank == rank, s.step.between(lo, hi), s.ttype.in_(WATCHED), training_steps(run, rank, s.step))
          .group_by(s.step, s.module_id, s.ttype))
     with engine(run.db).connect() as c: rows = c.execute(q).all()
     df = pd.DataFrame([tuple(r) for r in rows], columns=['step', 'module_id', 'ttype', 'sq', 'numel', 'zero_frac'])
-    return df.astype({'sq': float, 'numel': float, 'zero_frac': float}).assign(norm=lambda d: d['sq'] ** .5)
+    df = df.astype({'sq': float, 'numel': float, 'zero_frac': float})
+    return df.assign(norm=df['sq'] ** .5, rms=(df['sq'] / df['numel'].where(df['numel'] > 0)) ** .5)
 
 def signals(run:Run, rank:int, hi:int, grads_from:int)->pd.DataFrame:
-    "Steps x one-number-per-step signals up to step `hi`: each logged scalar, and from step `grads_from` the global grad norm (`GRAD_NORM`)."
+    "Training steps x one-number-per-step signals up to step `hi`: each logged scalar, and from step `grads_from` the global grad norm (`GRAD_NORM`)."
     s, st = scalars_t.c, stats_t.c
     gn = (select(st.step, func.sum(st.norm * st.norm))
-          .where(st.run_id == run.id, st.rank == rank, st.step.between(grads_from, hi), st.ttype == 'weight_grad').group_by(st.step))
+          .where(st.run_id == run.id, st.rank == rank, st.step.between(grads_from, hi), st.ttype == 'weight_grad',
+                 training_steps(run, rank, st.step)).group_by(st.step))
     with engine(run.db).connect() as c:
-        rows = c.execute(select(s.step, s.name, s.value).where(s.run_id == run.id, s.rank == rank, s.step <= hi)).all()
+        rows = c.execute(select(s.step, s.name, s.value).where(s.run_id == run.id, s.rank == rank, s.step <= hi,
+                                                               training_steps(run, rank, s.step))).all()
         grads = [(step, GRAD_NORM, None if sq is None else sq ** .5) for step, sq in c.execute(gn).all()]
     df = pd.DataFrame([tuple(r) for r in rows] + grads, columns=['step', 'name', 'value']).astype({'value': float})
     return df.drop_duplicates(['step', 'name']).pivot(index='step', columns='name', values='value')
@@ -132,10 +140,10 @@ def departures(norms:pd.DataFrame,  # `module_norms` rows
                window:int, spike:float, factor:float,
                lo:int,              # report departures at this step and later only
               )->pd.DataFrame:      # step, module, mtype, ttype, value, median, mad
-    "The module norms that left their trailing band (`band_edges`) at step `lo` or later."
+    "The module RMS values that left their trailing band (`band_edges`) at step `lo` or later."
     cols = ['step', 'module', 'mtype', 'ttype', 'value', 'median', 'mad', 'lo', 'hi']
     if norms.empty: return pd.DataFrame(columns=cols)
-    wide = norms.pivot_table(index='step', columns=['module_id', 'ttype'], values='norm', aggfunc='first')
+    wide = norms.pivot_table(index='step', columns=['module_id', 'ttype'], values='rms', aggfunc='first')
     x = wide.to_numpy(float)
     low, high, med, mad = band_edges(x, window, spike, factor, min(window, MIN_BAND))
     i, j = np.nonzero(left_band(x, low, high) & (wide.index.to_numpy()[:, None] >= lo))
@@ -177,14 +185,14 @@ def signal_spikes(run:Run, rank:int, sig:pd.DataFrame, names:pd.DataFrame, windo
         ahead = s - int(first['step'])
         when = 'at the same step' if ahead == 0 else f"{ahead} step{'s' if ahead > 1 else ''} before"
         out.append(finding('spike', 'warning', s, f"{msg}; module {first['module']!r} ({first['mtype']}) left its band first: "
-                           f"its {first['ttype']} norm, {first['value']:.4g} at step {first['step']}, {when}",
+                           f"its {first['ttype']} RMS, {first['value']:.4g} at step {first['step']}, {when}",
                            module=first['module'], mtype=first['mtype'], ttype=first['ttype'], stat=name, value=x[i, j],
                            expected=_band_text(low[i, j], high[i, j], med[i, j])))
     return out
 
 def module_spikes(run:Run, rank:int, norms:pd.DataFrame, names:pd.DataFrame, window:int, spike:float, factor:float,
                   lo:int, most:int=10)->list:
-    "Findings for the steps from `lo` at which a module's norm newly left its band: one per step, naming the first in the step's order."
+    "Findings for the steps from `lo` at which a module's RMS newly left its band: one per step, naming the first in the step's order."
     deps = departures(norms, names, window, spike, factor, norms['step'].min() if len(norms) else lo)
     if deps.empty: return []
     deps = deps.sort_values(['module', 'ttype', 'step'])
@@ -196,9 +204,9 @@ def module_spikes(run:Run, rank:int, norms:pd.DataFrame, names:pd.DataFrame, win
     for s, at in list(deps.groupby('step'))[:most]:
         f = first_departure(run, rank, at)
         more = len(at) - 1
-        out.append(finding('spike', 'warning', s, f"module {f['module']!r} ({f['mtype']}): {f['ttype']} norm {f['value']:.4g} at step {s}, "
-                           f"outside its band of the steps before{f'; {more} more module norms left theirs at that step, after it' if more else ''}",
-                           module=f['module'], mtype=f['mtype'], ttype=f['ttype'], stat='norm', value=f['value'],
+        out.append(finding('spike', 'warning', s, f"module {f['module']!r} ({f['mtype']}): {f['ttype']} RMS {f['value']:.4g} at step {s}, "
+                           f"outside its band of the steps before{f'; {more} more left theirs at that step, after it' if more else ''}",
+                           module=f['module'], mtype=f['mtype'], ttype=f['ttype'], stat='rms', value=f['value'],
                            expected=_band_text(f['lo'], f['hi'], f['median'])))
     return out
 

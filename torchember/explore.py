@@ -549,7 +549,8 @@ def show_finding(self:Explorer, i:int|None, select:bool=True):
         try: fig = evidence_figure(evidence(self.run, f, rank=self._rank()), f)
         except Exception as e: fig, self.finding_text.value = None, self.finding_text.value + f"<small>no evidence: {html.escape(f'{type(e).__name__}: {e}')}</small>"
         self._draw('evidence', fig)
-        if select and isinstance(f['module'], str): self.select(f['module'], f['ttype'] if isinstance(f['ttype'], str) else None, f['stat'], int(f['step']))
+        if select and isinstance(f['module'], str):   # the history shows the norm where the finding judged the RMS (norm / √elements)
+            self.select(f['module'], f['ttype'] if isinstance(f['ttype'], str) else None, 'norm' if f['stat'] == 'rms' else f['stat'], int(f['step']))
     return self
 
 # %% ../nbs/05a_explore.ipynb #68f5ae43

@@ -13,7 +13,7 @@ import plotly.graph_objects as go
 from sqlalchemy import select, func
 from .store import engine, modules_t, stats_t, steps_t, scalars_t
 from .query import Run, _one_rank
-from .diagnose import band_edges, MIN_BAND, GRAD_NORM
+from .diagnose import band_edges, training_steps, MIN_BAND, GRAD_NORM
 from .figures import BLUE, RED, module_label, log_axis, _list
 
 # %% auto #0
@@ -27,7 +27,7 @@ def _module(f)->str|None: return f['module'] if isinstance(f['module'], str) els
 def finding_label(f)->str:
     "One line for finding `f` (a row of `Run.diagnose`): severity, step, kind and the module it names."
     m, head = _module(f), f"{SEVERITY_MARKS.get(f['severity'], '')} {f['severity']} · step {f['step']} · {f['kind']}"
-    signal = f['kind'] == 'spike' and f['stat'] != 'norm'   # a logged scalar or the grad norm spiked; the module is the culprit
+    signal = f['kind'] == 'spike' and f['stat'] not in ('norm', 'rms')   # a logged scalar or the grad norm spiked; the module is the culprit
     if signal: head += f" of {f['stat']}" + (' · first off its band:' if m is not None else '')
     if m is None: return head
     what = f" {f['ttype']}" if isinstance(f['ttype'], str) else ''
@@ -35,8 +35,8 @@ def finding_label(f)->str:
 
 # %% ../nbs/05b_findings.ipynb #bb23c83a
 def _judged(f)->str:
-    "What finding `f` was judged on: 'norm', 'signal' (a scalar with no culprit), or its stat (rms, zero_frac, nan_count, inf_count, update_ratio)."
-    if f['kind'] == 'spike': return 'norm' if _module(f) is not None else 'signal'
+    "What finding `f` was judged on: 'signal' (a scalar's spike with no culprit), or a stat (rms, zero_frac, nan_count, inf_count, update_ratio)."
+    if f['kind'] == 'spike': return 'rms' if _module(f) is not None else 'signal'
     return f['stat']
 
 def step_span(run:Run, step:int, rank:int, before:int, after:int)->tuple:
@@ -51,18 +51,21 @@ def step_span(run:Run, step:int, rank:int, before:int, after:int)->tuple:
 def finding_series(run:Run, f, rank:int, lo:int, hi:int)->pd.Series:
     "The per-step values (indexed by step, steps `lo..hi`) that finding `f` was judged on."
     s, judged = stats_t.c, _judged(f)
+    spike = f['kind'] == 'spike'   # judged on training steps only, as `diagnose` judges spikes
     with engine(run.db).connect() as c:
         if judged == 'signal':
             if f['stat'] == GRAD_NORM:
                 q = select(s.step, func.sqrt(func.sum(s.norm * s.norm))).where(s.run_id == run.id, s.rank == rank, s.ttype == 'weight_grad',
-                                                                               s.step.between(lo, hi)).group_by(s.step)
+                                                                               s.step.between(lo, hi), training_steps(run, rank, s.step)).group_by(s.step)
             else:
                 sc = scalars_t.c
-                q = select(sc.step, sc.value).where(sc.run_id == run.id, sc.rank == rank, sc.name == f['stat'], sc.step.between(lo, hi))
+                q = select(sc.step, sc.value).where(sc.run_id == run.id, sc.rank == rank, sc.name == f['stat'], sc.step.between(lo, hi),
+                                                    training_steps(run, rank, sc.step))
             rows = c.execute(q).all()
             return pd.Series({int(k): v for k, v in rows}, dtype=float).sort_index()
         mid = select(modules_t.c.id).where(modules_t.c.run_id == run.id, modules_t.c.name == f['module']).scalar_subquery()
         where = [s.run_id == run.id, s.rank == rank, s.module_id == mid, s.ttype == f['ttype'], s.step.between(lo, hi)]
+        if spike: where.append(training_steps(run, rank, s.step))
         if judged in ('nan_count', 'inf_count', 'update_ratio') and isinstance(f['tname'], str): where.append(s.tname == f['tname'])
         if judged == 'update_ratio':
             rows = c.execute(select(s.step, s.norm, s.extra).where(*where, s.extra.isnot(None))).all()
@@ -92,7 +95,7 @@ def evidence(run:Run,                    # the finding's run
     v = finding_series(run, f, rank, *step_span(run, int(f['step']), rank, 2 * window + 1, max(window // 2, 10)))
     x, judged = v.to_numpy(float), _judged(f)
     lo = hi = np.full(len(x), np.nan)
-    if judged in ('norm', 'signal') and len(x):
+    if f['kind'] == 'spike' and len(x):
         lo, hi = (b[:, 0] for b in band_edges(x[:, None], window, spike, factor, min(window, MIN_BAND))[:2])
     elif judged == 'zero_frac': lo, hi = np.zeros(len(x)), np.full(len(x), dead)
     elif judged == 'update_ratio': lo, hi = np.full(len(x), update_band[0]), np.full(len(x), update_band[1])
@@ -101,7 +104,7 @@ def evidence(run:Run,                    # the finding's run
     return pd.DataFrame({'step': v.index.to_numpy(int), 'value': x, 'lo': lo, 'hi': hi, 'outside': out}, columns=EVIDENCE_COLUMNS)
 
 # %% ../nbs/05b_findings.ipynb #3d4d10ab
-_YTITLE = {'norm': '{ttype} norm', 'rms': 'weight_grad RMS', 'zero_frac': 'output zero fraction', 'nan_count': 'NaN count',
+_YTITLE = {'norm': '{ttype} norm', 'rms': '{ttype} RMS', 'zero_frac': 'output zero fraction', 'nan_count': 'NaN count',
            'inf_count': 'Inf count', 'update_ratio': '‖Δw‖/‖w‖ of {tname}'}
 
 def evidence_figure(ev:pd.DataFrame,   # `evidence` of `f`
