@@ -227,10 +227,20 @@ def _rm(run, db)->dict:
     if is_cli(main): print(f"deleted run {run!r}: {gone.get('steps', 0)} step rows, {sum(gone.values())} rows in all")
     return gone
 
+def _findings_text(run:str, f:pd.DataFrame)->str:
+    "Findings `f` as lines a terminal shows well: severity, kind, step and module in columns, then the message, left-aligned."
+    if not len(f): return f"run {run!r}: no findings"
+    n = f['severity'].value_counts()
+    head = f"run {run!r}: {len(f)} finding{'s' if len(f) > 1 else ''} (" + ', '.join(f"{n.get(s, 0)} {s}{'s' if n.get(s, 0) != 1 and s != 'info' else ''}" for s in ('error', 'warning', 'info')) + ')'
+    cols = pd.DataFrame({'severity': f['severity'], 'kind': f['kind'], 'step': f['step'].astype(str), 'module': f['module'].fillna('').astype(str)})
+    w = {k: max(len(k), cols[k].str.len().max()) for k in cols}
+    line = lambda r, msg: '  '.join(str(r[k]).ljust(w[k]) for k in cols) + '  ' + msg
+    return '\n'.join([head, line({k: k for k in cols}, 'message'), *(line(r, m) for (_, r), m in zip(cols.iterrows(), f['message']))])
+
 def _doctor(run, db, rank, window, step)->pd.DataFrame:
     f = load(run, db).diagnose(step=step, window=window, rank=rank)
     if is_cli(main):
-        print(f[['severity', 'kind', 'step', 'module', 'message']].to_string(index=False, max_colwidth=200) if len(f) else f"run {run!r}: no findings")
+        print(_findings_text(run, f))
         if (f['severity'] == 'error').any(): raise SystemExit(1)   # a CI gate: errors fail it
     return f
 
