@@ -19,9 +19,9 @@ from .query import Run, flow_order, _one_rank
 # %% auto #0
 __all__ = ['COLUMNS', 'SEVERITIES', 'KINDS', 'MAD_SIGMA', 'BEYOND', 'RANGE', 'WATCHED', 'GRAD_NORM', 'MIN_BAND', 'GRADS',
            'DIFF_COLUMNS', 'COMPARED', 'finding', 'findings', 'bands', 'trailing_range', 'band_edges', 'left_band',
-           'training_steps', 'module_norms', 'signals', 'departures', 'first_departure', 'signal_spikes',
-           'module_spikes', 'dead_modules', 'across_depth', 'over_steps', 'update_ratios', 'nonfinite_finding',
-           'fingerprints', 'step_digests', 'module_prints', 'stat_rows', 'diff']
+           'eval_steps', 'module_norms', 'signals', 'departures', 'first_departure', 'signal_spikes', 'module_spikes',
+           'dead_modules', 'across_depth', 'over_steps', 'update_ratios', 'nonfinite_finding', 'fingerprints',
+           'step_digests', 'module_prints', 'stat_rows', 'diff']
 
 # %% ../nbs/03a_diagnose.ipynb #3281537f
 COLUMNS = ['kind', 'severity', 'step', 'module', 'mtype', 'ttype', 'tname', 'stat', 'value', 'expected', 'message']
@@ -103,33 +103,36 @@ def _names(run:Run)->pd.DataFrame:
         rows = c.execute(select(m.id, m.name, m.mtype).where(m.run_id == run.id)).all()
     return pd.DataFrame([tuple(r) for r in rows], columns=['module_id', 'module', 'mtype']).set_index('module_id')
 
-def training_steps(run:Run, rank:int, step):
-    "A clause keeping the rows whose `step` column is no eval step of `rank` (steps of unknown mode are kept)."
+def eval_steps(run:Run, rank:int)->set:
+    "The steps of `rank` that were calls in eval mode (validation); steps of unknown mode are not among them."
     st = steps_t.c
-    return step.notin_(select(st.step).where(st.run_id == run.id, st.rank == rank, st.training == 0))
+    with engine(run.db).connect() as c:
+        return set(c.execute(select(st.step).where(st.run_id == run.id, st.rank == rank, st.training == 0)).scalars())
 
 def module_norms(run:Run, rank:int, lo:int, hi:int)->pd.DataFrame:
     "Per training step of `lo..hi`, module and watched ttype: the L2 norm over its tensors and calls, their elements, their RMS, and the smallest zero fraction."
     s = stats_t.c
     q = (select(s.step, s.module_id, s.ttype, func.sum(s.norm * s.norm), func.sum(s.numel), func.min(s.zero_frac))
-         .where(s.run_id == run.id, s.rank == rank, s.step.between(lo, hi), s.ttype.in_(WATCHED), training_steps(run, rank, s.step))
+         .where(s.run_id == run.id, s.rank == rank, s.step.between(lo, hi), s.ttype.in_(WATCHED))
          .group_by(s.step, s.module_id, s.ttype))
-    with engine(run.db).connect() as c: rows = c.execute(q).all()
-    df = pd.DataFrame([tuple(r) for r in rows], columns=['step', 'module_id', 'ttype', 'sq', 'numel', 'zero_frac'])
-    df = df.astype({'sq': float, 'numel': float, 'zero_frac': float})
+    with engine(run.db).connect() as c:
+        if c.dialect.name == 'postgresql':   # a sort of 2·window steps' rows in memory, compiled by no JIT (it costs more than it saves here)
+            c.exec_driver_sql("SET LOCAL work_mem = '64MB'"); c.exec_driver_sql('SET LOCAL jit = off')
+        rows = c.execute(q).cursor.fetchall()
+    df = pd.DataFrame(rows, columns=['step', 'module_id', 'ttype', 'sq', 'numel', 'zero_frac'])
+    df = df[~df['step'].isin(eval_steps(run, rank))].astype({'sq': float, 'numel': float, 'zero_frac': float})
     return df.assign(norm=df['sq'] ** .5, rms=(df['sq'] / df['numel'].where(df['numel'] > 0)) ** .5)
 
 def signals(run:Run, rank:int, hi:int, grads_from:int)->pd.DataFrame:
     "Training steps x one-number-per-step signals up to step `hi`: each logged scalar, and from step `grads_from` the global grad norm (`GRAD_NORM`)."
     s, st = scalars_t.c, stats_t.c
     gn = (select(st.step, func.sum(st.norm * st.norm))
-          .where(st.run_id == run.id, st.rank == rank, st.step.between(grads_from, hi), st.ttype == 'weight_grad',
-                 training_steps(run, rank, st.step)).group_by(st.step))
+          .where(st.run_id == run.id, st.rank == rank, st.step.between(grads_from, hi), st.ttype == 'weight_grad').group_by(st.step))
     with engine(run.db).connect() as c:
-        rows = c.execute(select(s.step, s.name, s.value).where(s.run_id == run.id, s.rank == rank, s.step <= hi,
-                                                               training_steps(run, rank, s.step))).all()
+        rows = c.execute(select(s.step, s.name, s.value).where(s.run_id == run.id, s.rank == rank, s.step <= hi)).all()
         grads = [(step, GRAD_NORM, None if sq is None else sq ** .5) for step, sq in c.execute(gn).all()]
     df = pd.DataFrame([tuple(r) for r in rows] + grads, columns=['step', 'name', 'value']).astype({'value': float})
+    df = df[~df['step'].isin(eval_steps(run, rank))]
     return df.drop_duplicates(['step', 'name']).pivot(index='step', columns='name', values='value')
 
 # %% ../nbs/03a_diagnose.ipynb #109a982b
@@ -162,7 +165,9 @@ def _band_text(lo, hi, med): return f"{lo:.4g} to {hi:.4g} (around the median {m
 
 # %% ../nbs/03a_diagnose.ipynb #174963b2
 def signal_spikes(run:Run, rank:int, sig:pd.DataFrame, names:pd.DataFrame, window:int, spike:float, factor:float,
-                  lead:int, most:int=5)->list:
+                  lead:int, most:int=5,
+                  norms:pd.DataFrame=None, read:tuple=None,   # `module_norms` already read, of steps `read` (first, last): not read again
+                 )->list:
     "Findings for the first `most` upward spikes of the signals in `sig` (steps x signals), each naming the module that left its band first."
     out, firsts = [], {}   # spike step -> the module that left its band first: each step's stats read once
     if sig.empty: return out
@@ -174,8 +179,10 @@ def signal_spikes(run:Run, rank:int, sig:pd.DataFrame, names:pd.DataFrame, windo
         s, name = int(steps[i]), sig.columns[j]
         what = 'the global grad norm' if name == GRAD_NORM else f"logged {name!r}"
         if s not in firsts:
-            norms = module_norms(run, rank, int(steps[max(0, i - lead - window)]), s)
-            firsts[s] = first_departure(run, rank, departures(norms, names, window, spike, factor, int(steps[max(0, i - lead)])))
+            a = int(steps[max(0, i - lead - window)])
+            have = norms is not None and read[0] <= a and s <= read[1]
+            near = norms[norms['step'].between(a, s)] if have else module_norms(run, rank, a, s)
+            firsts[s] = first_departure(run, rank, departures(near, names, window, spike, factor, int(steps[max(0, i - lead)])))
         first = firsts[s]
         msg = f"{what} spiked at step {s} ({x[i, j]:.4g}, against a median of {med[i, j]:.4g} over the steps before)"
         if first is None:
@@ -384,7 +391,7 @@ def _windowed(self:Run, rank, hi, window, spike, factor, lead, dead, orders, upd
     sig = signals(self, rank, hi, lo - window)
     order = _forward_order(self, rank, hi, names)
     rms = _grad_rms(norms)
-    return [*signal_spikes(self, rank, sig, names, window, spike, factor, lead),
+    return [*signal_spikes(self, rank, sig, names, window, spike, factor, lead, norms=norms, read=(lo - window, hi)),
             *module_spikes(self, rank, norms, names, window, spike, factor, lo),
             *dead_modules(norms, names, lo, dead),
             *(across_depth(rms.loc[hi], order, names, hi, orders) if hi in rms.index else []),

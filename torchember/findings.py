@@ -13,7 +13,7 @@ import plotly.graph_objects as go
 from sqlalchemy import select, func
 from .store import engine, modules_t, stats_t, steps_t, scalars_t
 from .query import Run, _one_rank
-from .diagnose import band_edges, training_steps, MIN_BAND, GRAD_NORM
+from .diagnose import band_edges, eval_steps, MIN_BAND, GRAD_NORM
 from .figures import BLUE, RED, module_label, log_axis, _list
 
 # %% auto #0
@@ -56,16 +56,14 @@ def finding_series(run:Run, f, rank:int, lo:int, hi:int)->pd.Series:
         if judged == 'signal':
             if f['stat'] == GRAD_NORM:
                 q = select(s.step, func.sqrt(func.sum(s.norm * s.norm))).where(s.run_id == run.id, s.rank == rank, s.ttype == 'weight_grad',
-                                                                               s.step.between(lo, hi), training_steps(run, rank, s.step)).group_by(s.step)
+                                                                               s.step.between(lo, hi)).group_by(s.step)
             else:
                 sc = scalars_t.c
-                q = select(sc.step, sc.value).where(sc.run_id == run.id, sc.rank == rank, sc.name == f['stat'], sc.step.between(lo, hi),
-                                                    training_steps(run, rank, sc.step))
+                q = select(sc.step, sc.value).where(sc.run_id == run.id, sc.rank == rank, sc.name == f['stat'], sc.step.between(lo, hi))
             rows = c.execute(q).all()
-            return pd.Series({int(k): v for k, v in rows}, dtype=float).sort_index()
+            return _training(pd.Series({int(k): v for k, v in rows}, dtype=float).sort_index(), run, rank, spike)
         mid = select(modules_t.c.id).where(modules_t.c.run_id == run.id, modules_t.c.name == f['module']).scalar_subquery()
         where = [s.run_id == run.id, s.rank == rank, s.module_id == mid, s.ttype == f['ttype'], s.step.between(lo, hi)]
-        if spike: where.append(training_steps(run, rank, s.step))
         if judged in ('nan_count', 'inf_count', 'update_ratio') and isinstance(f['tname'], str): where.append(s.tname == f['tname'])
         if judged == 'update_ratio':
             rows = c.execute(select(s.step, s.norm, s.extra).where(*where, s.extra.isnot(None))).all()
@@ -76,7 +74,11 @@ def finding_series(run:Run, f, rank:int, lo:int, hi:int)->pd.Series:
         rows = c.execute(select(s.step, *agg).where(*where).group_by(s.step)).all()
     with np.errstate(divide='ignore', invalid='ignore'):
         val = {'norm': lambda r: np.sqrt(float(r[1])), 'rms': lambda r: np.sqrt(float(r[1]) / float(r[2]))}.get(judged, lambda r: float(r[1]))
-        return pd.Series({int(r[0]): val(r) if r[1] is not None else np.nan for r in rows}, dtype=float).sort_index()
+        return _training(pd.Series({int(r[0]): val(r) if r[1] is not None else np.nan for r in rows}, dtype=float).sort_index(), run, rank, spike)
+
+def _training(v:pd.Series, run:Run, rank:int, only:bool)->pd.Series:
+    "Series `v` (by step) without the eval steps of `rank`, if `only`."
+    return v[~v.index.isin(eval_steps(run, rank))] if only else v
 
 # %% ../nbs/05b_findings.ipynb #81589140
 EVIDENCE_COLUMNS = ['step', 'value', 'lo', 'hi', 'outside']
