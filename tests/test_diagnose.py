@@ -296,3 +296,15 @@ def test_a_smaller_last_batch_is_no_spike_of_outputs(db):
             opt.zero_grad(); loss.backward(); opt.step()
     f = load('ragged', db).diagnose()
     assert not ((f['kind'] == 'spike') & (f['ttype'] == 'output')).any(), f[['kind', 'step', 'module', 'ttype', 'message']]
+
+def test_dead_names_the_module_that_made_the_zeros_not_those_that_pass_them_on(db):
+    "A Dropout and a Flatten after a dead ReLU are handed zeros: only the ReLU is dead, and its message counts the others."
+    def neg_bias(s, m):
+        if s == 0:
+            with torch.no_grad(): m[0].bias.fill_(-100)
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Dropout(0.1), nn.Flatten(), nn.Linear(16, 1))
+    f = train(m, 'passed', db, steps=30, tweak=neg_bias).diagnose()
+    dead = f[f['kind'] == 'dead']
+    assert dead[['module', 'mtype']].values.tolist() == [['1', 'ReLU']], f[['kind', 'module', 'message']]
+    assert '2 more outputs of zeros, from modules handed only zeros, not listed' in dead['message'].iloc[0]

@@ -20,8 +20,8 @@ from .query import Run, flow_order, _one_rank
 __all__ = ['COLUMNS', 'SEVERITIES', 'KINDS', 'MAD_SIGMA', 'BEYOND', 'RANGE', 'WATCHED', 'GRAD_NORM', 'MIN_BAND', 'GRADS',
            'DIFF_COLUMNS', 'COMPARED', 'finding', 'findings', 'bands', 'trailing_range', 'band_edges', 'left_band',
            'eval_steps', 'module_norms', 'signals', 'departures', 'first_departure', 'signal_spikes', 'module_spikes',
-           'dead_modules', 'across_depth', 'over_steps', 'update_ratios', 'nonfinite_finding', 'fingerprints',
-           'step_digests', 'module_prints', 'stat_rows', 'diff']
+           'zero_inputs', 'dead_modules', 'across_depth', 'over_steps', 'update_ratios', 'nonfinite_finding',
+           'fingerprints', 'step_digests', 'module_prints', 'stat_rows', 'diff']
 
 # %% ../nbs/03a_diagnose.ipynb #3281537f
 COLUMNS = ['kind', 'severity', 'step', 'module', 'mtype', 'ttype', 'tname', 'stat', 'value', 'expected', 'message']
@@ -218,17 +218,32 @@ def module_spikes(run:Run, rank:int, norms:pd.DataFrame, names:pd.DataFrame, win
     return out
 
 # %% ../nbs/03a_diagnose.ipynb #fbb994f6
-def dead_modules(norms:pd.DataFrame, names:pd.DataFrame, lo:int, dead:float, min_steps:int=3)->list:
-    "Findings for modules whose output was at least `dead` zeros on every recorded step from `lo` (at least `min_steps` of them)."
+def zero_inputs(run:Run, rank:int, lo:int, hi:int, modules:list)->pd.Series:
+    "Of `modules` (ids), the smallest zero fraction of their inputs over steps `lo..hi`: near 1, they were handed zeros."
+    s = stats_t.c
+    if not modules: return pd.Series(dtype=float)
+    q = (select(s.module_id, func.min(s.zero_frac)).where(s.run_id == run.id, s.rank == rank, s.step.between(lo, hi), s.ttype == 'input',
+                                                         s.module_id.in_([int(m) for m in modules])).group_by(s.module_id))
+    with engine(run.db).connect() as c: rows = c.execute(q).all()
+    return pd.Series({m: z for m, z in rows if z is not None}, dtype=float)
+
+def dead_modules(norms:pd.DataFrame, names:pd.DataFrame, lo:int, dead:float, min_steps:int=3,
+                 zeros_in=None,   # `zero_inputs` as a function of the candidates' ids: those handed zeros only pass them on
+                )->list:
+    "Findings for modules whose output was at least `dead` zeros on every recorded step from `lo` (at least `min_steps` of them), and whose inputs were not."
     out = norms[(norms['ttype'] == 'output') & norms['zero_frac'].notna()]
     recent = out[out['step'] >= lo].groupby('module_id').agg(zf=('zero_frac', 'min'), n=('step', 'nunique'))
-    res = []
-    for mid, r in recent[(recent['zf'] >= dead) & (recent['n'] >= min_steps)].iterrows():
+    res, cands = [], recent[(recent['zf'] >= dead) & (recent['n'] >= min_steps)]
+    handed = zeros_in(list(cands.index)) if zeros_in is not None and len(cands) else pd.Series(dtype=float)
+    passed = set(handed[handed >= dead].index)          # a Flatten or a Dropout after a dead ReLU: not where the zeros come from
+    for mid, r in cands.iterrows():
+        if mid in passed: continue
         alive = out[(out['module_id'] == mid) & (out['zero_frac'] < dead)]['step']
         since = int(out[(out['module_id'] == mid) & (out['step'] > (alive.max() if len(alive) else -1))]['step'].min())
         name, mtype = names.loc[mid, 'module'], names.loc[mid, 'mtype']
         res.append(finding('dead', 'warning', since, f"module {name!r} ({mtype}) outputs (almost) only zeros: at least {dead:.0%} "
-                           f"on every recorded step since step {since}; its units no longer pass a signal or a gradient",
+                           f"on every recorded step since step {since}; its units no longer pass a signal or a gradient"
+                           + (f"; {len(passed)} more output{'s' if len(passed) > 1 else ''} of zeros, from modules handed only zeros, not listed" if passed else ''),
                            module=name, mtype=mtype, ttype='output', stat='zero_frac', value=r['zf'], expected=f"< {dead:g}"))
     return res
 
@@ -393,7 +408,7 @@ def _windowed(self:Run, rank, hi, window, spike, factor, lead, dead, orders, upd
     rms = _grad_rms(norms)
     return [*signal_spikes(self, rank, sig, names, window, spike, factor, lead, norms=norms, read=(lo - window, hi)),
             *module_spikes(self, rank, norms, names, window, spike, factor, lo),
-            *dead_modules(norms, names, lo, dead),
+            *dead_modules(norms, names, lo, dead, zeros_in=lambda ids: zero_inputs(self, rank, lo, hi, ids)),
             *(across_depth(rms.loc[hi], order, names, hi, orders) if hi in rms.index else []),
             *over_steps(rms[rms.index >= lo], order, names, orders),
             *update_ratios(self, rank, lo, hi, names, update_band)]
