@@ -6,7 +6,7 @@ Docs: https://torchember.github.io/torchember/core.html.md"""
 
 # %% ../nbs/00_core.ipynb #fc509c35
 from __future__ import annotations
-import copyreg, dataclasses, inspect, sys, time, warnings, weakref
+import copyreg, dataclasses, inspect, sys, threading, time, warnings, weakref
 from collections import OrderedDict
 from contextlib import contextmanager
 from fnmatch import fnmatchcase
@@ -271,16 +271,27 @@ def disarm(self:Capture):
 _inference_on = torch.is_inference_mode_enabled
 _graph_task = torch._C._current_graph_task_id   # -1 unless a backward is running on this thread
 
+_transforms_on = torch._C._are_functorch_transforms_active   # inside torch.func's vmap, grad, jacrev, ...
+_aside = threading.local()                                    # `.on`: this thread is in `_normal_mode`
+
+def _set_aside()->bool:
+    "Whether torchember's work in a hook must first step aside: the call runs under `torch.inference_mode` or inside `torch.func`'s transforms."
+    return _inference_on() or (_transforms_on() and not getattr(_aside, 'on', False))
+
 @contextmanager
 def _normal_mode():
-    "Inference mode and grad off, for torchember's own work inside a call made under `torch.inference_mode`."
-    with torch.inference_mode(False), torch.no_grad(): yield
+    "Inference mode and grad off, and `torch.func`'s transforms out of the way (tensors made are plain), for torchember's own work in such a call."
+    prev, _aside.on = getattr(_aside, 'on', False), True
+    try:
+        with torch.inference_mode(False), torch.no_grad(), torch._C._DisableFuncTorch(): yield
+    finally: _aside.on = prev
 
 @patch
 def _root_pre(self:Capture, mod, args, kwargs, inference:bool=False):
     if _graph_task() != -1: return      # a forward recomputed by activation checkpointing: not a step
-    if _inference_on():
-        with _normal_mode(): return self._root_pre(mod, args, kwargs, inference=True)
+    if _set_aside():
+        inference = _inference_on()
+        with _normal_mode(): return self._root_pre(mod, args, kwargs, inference=inference)
     if self._depth and not self._nested(): self._depth = 0   # the last root call was interrupted (Ctrl-C)
     if self._depth == 0:
         training = mod.training and not inference
@@ -319,7 +330,7 @@ def _nested(self:Capture)->bool:
 @patch
 def _root_post(self:Capture, mod, args, out):
     if _graph_task() != -1: return
-    if _inference_on():
+    if _set_aside():
         with _normal_mode(): return self._root_post(mod, args, out)
     if self.recording and self.selected[0]: self._post(0, mod, args, out)
     self._depth -= 1
@@ -333,8 +344,9 @@ def _root_post(self:Capture, mod, args, out):
 @patch
 def _pre(self:Capture, mi, mod, args, kwargs, inference:bool=False):
     if not self._open or self._skip or _graph_task() != -1: return   # not recomputation in a backward
-    if _inference_on():
-        with _normal_mode(): return self._pre(mi, mod, args, kwargs, True)
+    if _set_aside():
+        inference = _inference_on()
+        with _normal_mode(): return self._pre(mi, mod, args, kwargs, inference)
     c = self._calls[mi]
     self._calls[mi] = c + 1
     stack = self._stack
@@ -351,7 +363,7 @@ def _pre(self:Capture, mi, mod, args, kwargs, inference:bool=False):
 @patch
 def _post(self:Capture, mi, mod, args, out):
     if not self._open or self._skip or not self._stack or _graph_task() != -1: return
-    if _inference_on():
+    if _set_aside():
         with _normal_mode(): return self._post(mi, mod, args, out)
     c = self._stack.pop()[1]
     if self.timing and (mi, c) in self._times: self._times[mi, c][2] = self.clock()
@@ -435,7 +447,7 @@ def close(self:Capture):
         for h in self._tensor_hooks: h.remove()
         self._tensor_hooks = []
     if not self._open: return
-    if _inference_on():
+    if _set_aside():
         with _normal_mode(): return self.close()
     self._open = False
     calls = [(mi, c, *t[:5]) for (mi, c), t in self._times.items()]
@@ -455,7 +467,7 @@ def attach(t:torch.Tensor,     # the tensor to record; returned unchanged
 @patch
 def _attach(self:Capture, module, name, t):
     if not (self._open and self.recording) or self._skip or _graph_task() != -1: return
-    if _inference_on():
+    if _set_aside():
         with _normal_mode(): return self._attach(module, name, t)
     mi = self.index[id(module)]
     self.recorder.tensor(mi, max(self._calls[mi] - 1, 0), 'attached', name, t)

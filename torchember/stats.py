@@ -19,7 +19,7 @@ from . import native
 # %% auto #0
 __all__ = ['MOMENTS', 'STATS', 'F64', 'SMALL', 'FLOATS', 'SLOW_COMPILE_S', 'VECTOR_MAX', 'ROW_FIELDS', 'TTYPES', 'SLOW_FRACTION',
            'SLOW_S', 'SLOW_STEPS', 'as_real', 'moments', 'stats_of_moments', 'native_moments', 'fused_moments',
-           'default_stats', 'check_stats', 'StepRecord', 'Recorder', 'dtype_name', 'shape_of']
+           'default_stats', 'check_stats', 'StepRecord', 'Recorder', 'dtype_name', 'shape_of', 'unwrapped']
 
 # %% ../nbs/01_stats.ipynb #676c44cd
 MOMENTS = ('n', 'sum', 'sumsq', 'min', 'max', 'nonzero', 'nan', 'inf')
@@ -324,9 +324,17 @@ def shape_of(t:torch.Tensor)->tuple|None:
     try: return tuple(map(int, t.shape))
     except Exception: return None         # e.g. the ragged size of a jagged nested tensor
 
+_transforms_on, _functorch = torch._C._are_functorch_transforms_active, torch._C._functorch
+
+def unwrapped(t:torch.Tensor)->torch.Tensor:
+    "`t` without `torch.func`'s wrappers (`vmap`'s batched tensors, `grad`'s and `jacrev`'s tracking tensors): under `vmap`, the whole batch."
+    while _functorch.is_functorch_wrapped_tensor(t): t = _functorch.get_unwrapped(t)
+    return t
+
 @patch_to(Recorder)
 def tensor(self, mi, call, ttype, tname, t):
     "Record tensor `t` of module `mi`'s `call`."
+    if _transforms_on(): t = unwrapped(t)   # a model called inside torch.func's transforms: its values have no storage of their own
     if self.on_tensor is not None: self.on_tensor(self.rec, mi, call, ttype, tname, t)
     fn = self.stat_fns[ttype]
     keys, key = self.rec.keys, id(t)
@@ -457,6 +465,7 @@ def _failed(self, what:str, e:Exception):
 @patch_to(Recorder)
 def params(self, step, ttype, items):
     "Record a batch of `(mi, tname, tensor)` weights or grads for `step` (nothing raises out of it but with `strict`)."
+    if _transforms_on(): items = [(mi, tn, unwrapped(t)) for mi, tn, t in items]   # e.g. the weights `torch.func.functional_call` swapped in
     if self.rec is None or self.rec.step != step:
         with self._late(step): return self.params(step, ttype, items)
     try: self._params(ttype, items)
