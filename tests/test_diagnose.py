@@ -267,34 +267,33 @@ def test_a_real_spike_in_a_periodic_run_is_still_found(db):
     spikes = f[f['kind'] == 'spike']
     assert len(spikes) and spikes.iloc[0]['step'] == 270 and spikes.iloc[0]['module'] == '0', f[['kind', 'step', 'module', 'message']]
 
-def test_validation_steps_are_not_spikes(db):
-    "Eval-mode calls are steps too (bigger batches, other data): diagnose judges training steps against training steps."
+def fit(db, run, batch=lambda i, g: torch.randn(32, 16, generator=g), after=None, steps=200):
+    "SGD of `mlp()` on x -> x[:, :1] for `steps` steps of `batch(i, g)`, recorded as `run`; `after(i, m, g)` runs after each step."
     m = mlp()
     opt, g = torch.optim.SGD(m.parameters(), lr=0.01), torch.Generator().manual_seed(0)
-    with torchEmber(m, run='val', db=db):
-        for i in range(200):
+    with torchEmber(m, run=run, db=db):
+        for i in range(steps):
             m.train()
-            x = torch.randn(32, 16, generator=g)
+            x = batch(i, g)
             loss = nn.functional.mse_loss(m(x), x[:, :1])
             opt.zero_grad(); loss.backward(); opt.step()
-            if i % 40 == 39:
-                m.eval()
-                with torch.no_grad():
-                    for _ in range(5): m(torch.randn(256, 16, generator=g) * 3)
-    r = load('val', db)
+            if after: after(i, m, g)
+    return load(run, db)
+
+def test_validation_steps_are_not_spikes(db):
+    "Eval-mode calls are steps too (bigger batches, other data): diagnose judges training steps against training steps."
+    def validate(i, m, g):
+        if i % 40 != 39: return
+        m.eval()
+        with torch.no_grad():
+            for _ in range(5): m(torch.randn(256, 16, generator=g) * 3)
+    r = fit(db, 'val', after=validate)
     assert (r.steps()['training'] == 0).sum() == 25
     assert r.diagnose().empty, r.diagnose()[['kind', 'step', 'module', 'message']]
 
 def test_a_smaller_last_batch_is_no_spike_of_outputs(db):
     "Outputs are judged by their RMS (norm / √elements): a last batch of an epoch 16x smaller moves no output band."
-    m = mlp()
-    opt, g = torch.optim.SGD(m.parameters(), lr=0.01), torch.Generator().manual_seed(0)
-    with torchEmber(m, run='ragged', db=db):
-        for i in range(200):
-            x = torch.randn(4 if i % 25 == 24 else 64, 16, generator=g)
-            loss = nn.functional.mse_loss(m(x), x[:, :1])
-            opt.zero_grad(); loss.backward(); opt.step()
-    f = load('ragged', db).diagnose()
+    f = fit(db, 'ragged', batch=lambda i, g: torch.randn(4 if i % 25 == 24 else 64, 16, generator=g)).diagnose()
     assert not ((f['kind'] == 'spike') & (f['ttype'] == 'output')).any(), f[['kind', 'step', 'module', 'ttype', 'message']]
 
 def test_dead_names_the_module_that_made_the_zeros_not_those_that_pass_them_on(db):
