@@ -157,6 +157,21 @@ def test_sigterm_writes_every_finished_step_and_exits_as_without_torchember(tmp_
     assert stored[:max(printed) + 1] == list(range(max(printed) + 1)), "a printed step is not in the store"
     check_whole(str(db), 'r', len(load('r', str(db)).df().query('step == 0')))
 
+def test_a_signal_between_forward_and_backward_writes_no_half_step(db):
+    "SIGTERM after a forward whose outputs need grad, before its backward: that step is not finished, so it is not written without its grads."
+    from torchember.ember import _write_finished
+    model = _mlp()
+    te = torchEmber(model, run='half', db=db)
+    _steps(model, 2)
+    out = model(torch.randn(4, 8))             # step 2: forward done, backward to come
+    _write_finished(ends=True)                 # what the handler does when the signal lands here
+    assert _stored(db, 'half') == [0, 1], "step 2 was written before its backward"
+    out.sum().backward()
+    _write_finished(ends=True)                 # after the backward: the step is finished, and written
+    assert _stored(db, 'half') == [0, 1, 2]
+    check_whole(db, 'half', len(load('half', db).df(step=0)))
+    te.disarm()
+
 @pytest.mark.parametrize('mode,code', [('user-before', 3), ('user-after', 4)])
 def test_sigterm_calls_the_users_handler(tmp_path, mode, code):
     db, p = _train(tmp_path, mode)

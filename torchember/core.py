@@ -126,6 +126,7 @@ class Capture:
         self.recording, self._depth, self._open, self._skip = False, 0, False, False
         self._root, self._made, self._hooked = [], None, None
         self._grads, self._times, self._tensor_hooks = None, {}, []
+        self._backward_due = False   # the open step's outputs need grad and no backward has ended since: it is not finished
         self.clock = time.perf_counter
 
     def current_params(self)->list:
@@ -337,8 +338,9 @@ def _root_post(self:Capture, mod, args, out):
     if self._depth == 0:
         if self._skip: self._skip = False
         elif sys.exc_info()[1] is not None: self.close()
-        elif self._open and not any(t.requires_grad for _, t in named_tensors(out)):
-            if (read := getattr(self.recorder, 'read_weights', None)): read()   # no backward can follow: weights now
+        elif self._open:
+            self._backward_due = any(t.requires_grad for _, t in named_tensors(out))
+            if not self._backward_due and (read := getattr(self.recorder, 'read_weights', None)): read()   # no backward can follow: weights now
 
 # %% ../nbs/00_core.ipynb #4fa25472
 @patch
@@ -436,7 +438,7 @@ def _grads_done(self:Capture, again:bool=False):
     if again:   # queue once more, to run after the callbacks queued since (DDP's writes the averaged grads)
         try: return torch.autograd.Variable._execution_engine.queue_callback(_Hook(self._grads_done))
         except RuntimeError: pass
-    grads, self._grads = self._grads, None
+    grads, self._grads, self._backward_due = self._grads, None, False
     items = [(self.params[pi][0], self.params[pi][1], p.grad) for pi, p in grads.items() if p.grad is not None]
     if items and self.step >= 0: self.recorder.params(self.step, 'weight_grad', items)
 
@@ -449,7 +451,7 @@ def close(self:Capture):
     if not self._open: return
     if _set_aside():
         with _normal_mode(): return self.close()
-    self._open = False
+    self._open = self._backward_due = False
     calls = [(mi, c, *t[:5]) for (mi, c), t in self._times.items()]
     self._times = {}
     self.recorder.close(self.step, self._events, calls=calls)

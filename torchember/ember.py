@@ -240,7 +240,8 @@ def _write_finished(ends:bool):
     "Wait (up to `SIGNAL_WAIT_S`) until the writers have written every finished step; when the process `ends`, close first the open steps that nothing is in the middle of."
     if ends:
         for te in list(_armed.values()):
-            if not te._forked and te.capture._depth == 0 and te.capture._grads is None: te.capture.close()
+            cap = te.capture   # a step whose forward or backward is under way, or whose backward has not yet run, is not finished
+            if not te._forked and cap._depth == 0 and cap._grads is None and not cap._backward_due: cap.close()
     end = time.monotonic() + SIGNAL_WAIT_S
     for te in list(_embers):
         if te.writer is not None: te.writer.wait(max(end - time.monotonic(), 0))
