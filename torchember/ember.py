@@ -320,12 +320,12 @@ def disarm(self:torchEmber):
     return self
 
 def _release(eng, run_id:int, rank:int, after=None):
-    "Give up the claim on `rank` of run `run_id` (another process may then resume it), once writer `after` has written all it holds; retried while the store is locked."
+    "Give up the claim on `rank` of run `run_id` (another process may then resume it); with writer `after`, once it has written all it holds, retried while the store is locked."
     if after is not None: after._t.join()
     while True:
         try: return release(eng, run_id, rank)
         except Exception as e:
-            if not store_busy(e): return
+            if after is None or not store_busy(e): return
             time.sleep(RETRY_S)
 
 @patch
