@@ -42,14 +42,18 @@ def findings(rows:list)->pd.DataFrame:
     return df.iloc[np.argsort(key.to_numpy(), kind='stable')].reset_index(drop=True).astype({'step': int, 'value': float})
 
 # %% ../nbs/03a_diagnose.ipynb #ff3910d9
+def _before(values:np.ndarray, window:int)->np.ndarray:
+    "Steps x series x `window`: for each value, the `window` values before it in its column (NaN before the first); a view, no copy."
+    n, k = values.shape
+    pad = np.vstack([np.full((window, k), np.nan), values.astype(float)])
+    return np.lib.stride_tricks.sliding_window_view(pad, window, axis=0)[:n]
+
 def bands(values:np.ndarray,  # steps x series, NaN where a series has no value
           window:int,         # how many earlier steps each band is made of
           min_steps:int,      # fewer earlier values than this: no band (NaN)
          )->tuple:            # (median, MAD), each shaped as `values`
     "The trailing band of every value: median and MAD of the `window` values before it in its column."
-    n, k = values.shape
-    pad = np.vstack([np.full((window, k), np.nan), values.astype(float)])
-    win = np.lib.stride_tricks.sliding_window_view(pad, window, axis=0)[:n]   # row i: the `window` rows before row i
+    win = _before(values, window)
     n_known = (~np.isnan(win)).sum(-1)
     med = _nanmedian(win, n_known)
     with np.errstate(invalid='ignore'): mad = _nanmedian(np.abs(win - med[..., None]), n_known)   # Inf - Inf: no band
@@ -65,9 +69,7 @@ def _nanmedian(a:np.ndarray, n:np.ndarray)->np.ndarray:
 
 def trailing_range(values:np.ndarray, window:int)->tuple:
     "`(smallest, largest)` of the `window` values before each value in its column (NaN where there are none)."
-    n, k = values.shape
-    pad = np.vstack([np.full((window, k), np.nan), values.astype(float)])
-    win = np.lib.stride_tricks.sliding_window_view(pad, window, axis=0)[:n]
+    win = _before(values, window)
     with warnings.catch_warnings():
         warnings.simplefilter('ignore', RuntimeWarning)   # a window with no value: NaN, said by numpy
         return np.nanmin(win, -1), np.nanmax(win, -1)
@@ -371,7 +373,8 @@ def _check_diagnose(step, window, spike, factor, lead, dead, orders, update_band
         _need(math.isfinite(v) and v > 0, fn, name, v, 'a finite number > 0', ValueError)
     _need(dead <= 1, fn, 'dead', dead, 'a zero fraction in (0, 1]', ValueError)
     _need(factor >= 1, fn, 'factor', factor, 'a number >= 1', ValueError)
-    _need(_isint(lead) and lead >= 0, fn, 'lead', lead, 'an int >= 0', TypeError if not _isint(lead) else ValueError)
+    _need(_isint(lead), fn, 'lead', lead, 'an int')
+    _need(lead >= 0, fn, 'lead', lead, 'an int >= 0', ValueError)
     ok = isinstance(update_band, (tuple, list)) and len(update_band) == 2 and all(_isnum(v) for v in update_band)
     _need(ok, fn, 'update_band', update_band, 'a (low, high) pair of numbers')
     _need(0 <= update_band[0] < update_band[1], fn, 'update_band', update_band, 'a (low, high) pair with 0 <= low < high', ValueError)

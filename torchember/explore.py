@@ -16,7 +16,7 @@ from .stats import TTYPES
 from .store import StoreError
 from .query import runs, load
 from .diagnose import findings as _findings
-from .findings import finding_label, evidence, evidence_figure
+from .findings import finding_label, severity_counts, evidence, evidence_figure
 from .ember import torchEmber
 from .figures import (ORANGE, RANK_COLORS, recorded_steps, history, stat_columns, module_label, history_traces,
                                 heatmap_traces, latest_times, latest_by_module, overview_traces, rank_traces, rank_spread,
@@ -522,9 +522,8 @@ def refresh_findings(self:Explorer, force:bool=False):
         try: self.findings, failed = self.run.diagnose(rank=self._rank()), None
         except Exception as e: self.findings, failed = _findings([]), f"{type(e).__name__}: {e}"
         f, labels = self.findings, [finding_label(r) for _, r in self.findings.iterrows()]
-        counts = ' · '.join(f"{n} {s}{'s' if n > 1 else ''}" for s in ('error', 'warning', 'info') if (n := int((f['severity'] == s).sum())))
         self.findings_head.value = ("<b>Findings</b> · " + (f"diagnose failed: {html.escape(failed)}" if failed else
-                                    f"{counts} · pick one to see its evidence" if len(f) else "none: diagnose() found nothing wrong in the last steps"))
+                                    f"{severity_counts(f)} · pick one to see its evidence" if len(f) else "none: diagnose() found nothing wrong in the last steps"))
         keep = labels.index(was) if was in labels else None
         with self._quiet():
             self.findings_picker.options = [(l, i) for i, l in enumerate(labels)]

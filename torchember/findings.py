@@ -17,7 +17,8 @@ from .diagnose import band_edges, eval_steps, MIN_BAND, GRAD_NORM
 from .figures import BLUE, RED, module_label, log_axis, _list
 
 # %% auto #0
-__all__ = ['SEVERITY_MARKS', 'EVIDENCE_COLUMNS', 'finding_label', 'step_span', 'finding_series', 'evidence', 'evidence_figure']
+__all__ = ['SEVERITY_MARKS', 'EVIDENCE_COLUMNS', 'finding_label', 'severity_counts', 'step_span', 'finding_series', 'evidence',
+           'evidence_figure']
 
 # %% ../nbs/05b_findings.ipynb #1a9079c8
 SEVERITY_MARKS = {'error': '✖', 'warning': '▲', 'info': '·'}   # plain characters: they render in any font, in a <select> too
@@ -32,6 +33,11 @@ def finding_label(f)->str:
     if m is None: return head
     what = f" {f['ttype']}" if isinstance(f['ttype'], str) else ''
     return f"{head}{'' if signal else ' ·'} {module_label(m)} ({f['mtype']}){what}"
+
+def severity_counts(fs:pd.DataFrame)->str:
+    "How many findings of each severity `fs` holds, most severe first, those with none left out: '1 error · 3 warnings'."
+    n = fs['severity'].value_counts()
+    return ' · '.join(f"{n[s]} {s}{'s' if n[s] > 1 and s != 'info' else ''}" for s in ('error', 'warning', 'info') if n.get(s, 0))
 
 # %% ../nbs/05b_findings.ipynb #bb23c83a
 def _judged(f)->str:

@@ -16,7 +16,7 @@ from fastcore.basics import patch
 from sqlalchemy import text
 from .store import engine
 from .query import Run, load, flow_order
-from .findings import finding_label, evidence, evidence_figure
+from .findings import finding_label, severity_counts, evidence, evidence_figure
 from .figures import (BLUE, ORANGE, recorded_steps, thin, with_stats, combine, history_traces, heatmap_traces,
                                 latest_by_module, overview_traces, modules_in_order, module_label, module_map, map_figure,
                                 scalars_figure, log_axis)
@@ -230,8 +230,7 @@ def _rm(run, db)->dict:
 def _findings_text(run:str, f:pd.DataFrame)->str:
     "Findings `f` as lines a terminal shows well: severity, kind, step and module in columns, then the message, left-aligned."
     if not len(f): return f"run {run!r}: no findings"
-    n = f['severity'].value_counts()
-    head = f"run {run!r}: {len(f)} finding{'s' if len(f) > 1 else ''} (" + ', '.join(f"{n.get(s, 0)} {s}{'s' if n.get(s, 0) != 1 and s != 'info' else ''}" for s in ('error', 'warning', 'info')) + ')'
+    head = f"run {run!r}: {len(f)} finding{'s' if len(f) > 1 else ''} ({severity_counts(f)})"
     cols = pd.DataFrame({'severity': f['severity'], 'kind': f['kind'], 'step': f['step'].astype(str), 'module': f['module'].fillna('').astype(str)})
     w = {k: max(len(k), cols[k].str.len().max()) for k in cols}
     line = lambda r, msg: '  '.join(str(r[k]).ljust(w[k]) for k in cols) + '  ' + msg

@@ -682,7 +682,8 @@ class Writer:
         done = self.wait(timeout)
         if not done:
             self._late_said = True
-            self._say(StoreError(f"{self.waiting()} step(s) still wait for the store after {timeout:g} s (another program holds it "
+            waited = '' if timeout is None else f" after {timeout:g} s"   # None: the thread ended with items left
+            self._say(StoreError(f"{self.waiting()} step(s) still wait for the store{waited} (another program holds it "
                                  "locked, or it is slow); they are written when it takes them, while this process lives"))
         if self.strict and self.errors:
             first, self.errors = self.errors[0], []
