@@ -30,11 +30,11 @@ def _commits(te):
 
 def _fail_step(monkeypatch, bad):
     "Make writing step `bad` fail, in a transaction of several steps and in one of its own."
-    real = ember.write_step
-    def write_step(c, **kw):
-        if kw['step'] == bad: raise OSError(f"step {bad} cannot be written")
-        return real(c, **kw)
-    monkeypatch.setattr(ember, 'write_step', write_step)
+    real = ember.write_steps
+    def write_steps(c, run_id, steps, **kw):
+        if any(s['step'] == bad for s in steps): raise OSError(f"step {bad} cannot be written")
+        return real(c, run_id, steps, **kw)
+    monkeypatch.setattr(ember, 'write_steps', write_steps)
 
 def _stored_steps(te): return sorted(set(te.df().step))
 

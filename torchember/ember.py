@@ -16,7 +16,7 @@ from fastcore.basics import patch
 from .core import Capture, module_tree, module_info, _Inert, _Hook
 from .stats import Recorder, TTYPES, VECTOR_MAX, default_stats
 from .instruments import hist_stats, Snapshots, Changes, UpdateTracker
-from .store import engine, create_run, claim, release, write_step, Writer, db_url, keyed_by_rank, StoreError, store_busy, RETRY_S
+from .store import engine, create_run, claim, release, write_steps, Writer, db_url, keyed_by_rank, StoreError, store_busy, RETRY_S
 from .query import Run
 
 # %% auto #0
@@ -155,9 +155,14 @@ GROUP = 16   # the most steps the writer puts in one transaction
 @patch
 def _emit(self:torchEmber, rec):
     if self._forked: return           # the parent's torchEmber, in a forked child: records nothing
-    if self.writer is None: self.writer = Writer(self._write_steps, strict=self.strict, size=_rec_bytes, group=GROUP)
-    self.writer.submit(rec)
+    self._start_writer().submit(rec)
     if _chained and threading.get_ident() == threading.main_thread().ident: _install_handlers()   # a handler set since arming goes behind ours
+
+@patch
+def _start_writer(self:torchEmber)->Writer:
+    "The writer of this torchEmber, started if it has none."
+    if self.writer is None: self.writer = Writer(self._write_steps, strict=self.strict, size=_rec_bytes, group=GROUP)
+    return self.writer
 
 def _rec_bytes(rec)->int:
     "About the memory a waiting `StepRecord` holds: its keys and stats, and its snapshots."
@@ -168,21 +173,18 @@ def _write_steps(self:torchEmber, recs:list):
     "Write `recs` in one transaction; if it fails, put back what writing moved forward, and raise."
     kept = self._written()
     try:
-        steps = [self._step_args(rec) for rec in recs]
-        if len(steps) == 1: return write_step(self.engine, **steps[0])
-        with self.engine.begin() as c:
-            for kw in steps: write_step(c, **kw)
+        write_steps(self.engine, self.run_id, [self._step_args(rec) for rec in recs], rank=self.rank)
     except BaseException:
         self._put_back(kept)
         raise
 
 @patch
 def _step_args(self:torchEmber, rec)->dict:
-    "`write_step`'s arguments for `rec`; moves the last events written and the snapshots' digests forward."
+    "`write_steps`' dict for `rec`; moves the last events written and the snapshots' digests forward."
     same = rec.events and rec.events == self._last_events[1]
-    kw = dict(run_id=self.run_id, step=rec.step, rows=rec.rows(), events=rec.events, closed=rec.closed,
+    kw = dict(step=rec.step, rows=rec.rows(), events=rec.events, closed=rec.closed,
               events_step=self._last_events[0] if same else None, training=rec.training, calls=rec.call_rows(),
-              scalars=rec.scalar_values(), snapshots=self._changes.rows(rec.snapshots), rank=self.rank)
+              scalars=rec.scalar_values(), snapshots=self._changes.rows(rec.snapshots))
     if rec.events and not same: self._last_events = (rec.step, rec.events)
     return kw
 
@@ -283,6 +285,7 @@ def arm(self:torchEmber):
     _armed[self.model] = self
     _embers.add(self)
     _install_handlers()
+    self._start_writer()
     self.capture.arm()
     if 'disarm' not in type(self.model).__dict__ and 'disarm' not in vars(self.model):
         self.model.__dict__['disarm'] = self._disarm_hook

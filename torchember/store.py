@@ -20,7 +20,8 @@ __all__ = ['SCHEMA_VERSION', 'MEMORY', 'metadata', 'STAT_COLS', 'Str', 'Size', '
            'steps_t', 'digests_t', 'events_t', 'stats_t', 'calls_t', 'scalars_t', 'snapshots_t', 'VIEWS',
            'RETIRED_RUN_ID', 'ROWS_PER_INSERT', 'LINGER_S', 'PENDING_STEPS', 'PENDING_BYTES', 'RETRY_S', 'EXIT_WAIT_S',
            'default_db', 'db_url', 'check_name', 'escaped', 'StoreError', 'engine', 'keyed_by_rank', 'create_run',
-           'drop_run', 'claim', 'release', 'rows_digest', 'write_step', 'idle_priority', 'store_busy', 'Writer']
+           'drop_run', 'claim', 'release', 'rows_digest', 'write_step', 'write_steps', 'idle_priority', 'store_busy',
+           'Writer']
 
 # %% ../nbs/02_store.ipynb #2b4773a6
 SCHEMA_VERSION = 2
@@ -483,6 +484,28 @@ def _multi(c, table:Table, replace:bool, n:int)->str|None:
         _row_after_row.add(sql)
     return sql
 
+def _shared_head(c, table:Table, replace:bool, n:int, k:int)->str:
+    "SQLite SQL inserting `n` rows into `table` whose first `k` columns take the same parameters `?1`..`?k` in every row."
+    q = c.dialect.identifier_preparer.quote
+    cols, i, vals = [col.name for col in table.columns], k + 1, []
+    for _ in range(n):
+        vals.append('(' + ','.join([f'?{j}' for j in range(1, k + 1)] + [f'?{i + j}' for j in range(len(cols) - k)]) + ')')
+        i += len(cols) - k
+    return f"INSERT {'OR REPLACE ' if replace else ''}INTO {q(table.name)} ({', '.join(map(q, cols))}) VALUES {', '.join(vals)}"
+
+def _insert_rows(c, table:Table, head:tuple, rows:list, replace:bool=False):
+    "Insert `rows`, each after the same `head` of leading columns (on SQLite bound once a statement, see `_shared_head`)."
+    if c.dialect.name != 'sqlite' or len(rows) < 2: return _executemany(c, table, [(*head, *r) for r in rows], replace)
+    most, i, k = (_max_variables(c) - len(head)) // (len(table.columns) - len(head)), 0, len(head)
+    sizes = [n for n in ROWS_PER_INSERT if n <= most]
+    while len(rows) - i > 1:
+        n = next((n for n in sizes if len(rows) - i >= n), min(len(rows) - i, most))   # the largest that fits, else the rest
+        key = ('head', table.name, replace, n, k)
+        if key not in _sql: _sql[key] = (_shared_head(c, table, replace, n, k), None)
+        _execute(c, _sql[key][0], (*head, *itertools.chain.from_iterable(rows[i:i+n])))
+        i += n
+    if i < len(rows): _executemany(c, table, [(*head, *rows[i])], replace)
+
 def _executemany(c, table:Table, rows:list, replace:bool=False):
     "Insert `rows` (tuples in `table`'s column order) with SQLAlchemy's compiled `insert` (see `_insert`): on SQLite in statements of `ROWS_PER_INSERT` rows and one of the rest, elsewhere in one executemany."
     if c.dialect.name == 'sqlite':
@@ -514,20 +537,31 @@ def rows_digest(rows:list)->str|None:
 def write_step(eng, run_id:int, step:int, rows:list, events:list=(), closed:bool=True, events_step:int=None,
                training:bool=None, calls:list=(), scalars:dict=None, snapshots:list=(), rank:int=0):
     "Write a step of `rank`: its stat `rows` (tuples in `stats` column order after `run_id, step, rank`), `events` (`(kind, module_id, call)`), `calls` (`(module_id, call, training, fwd_ms, bwd_ms)`), `scalars` and `snapshots` (`(module_id, ttype, tname, call, dtype, shape, data)`) in one transaction of engine `eng`, or in the open one of connection `eng`; `events_step`: an earlier step of the rank whose events these equal (none are written)."
+    write_steps(eng, run_id, [dict(step=step, rows=rows, events=events, closed=closed, events_step=events_step, training=training,
+                                   calls=calls, scalars=scalars, snapshots=snapshots)], rank=rank)
+
+def write_steps(eng, run_id:int, steps:list, rank:int=0):
+    "Write several steps of `rank` (each a dict of `write_step`'s arguments after `run_id`) in one transaction of `eng` (or in the open one of connection `eng`): their small rows in one statement each."
+    digests, closes = [], []
     with (nullcontext(eng) if isinstance(eng, sa.Connection) else eng.begin()) as c:
-        if rows: _executemany(c, stats_t, [(run_id, step, rank, *r) for r in rows], replace=True)
-        if rows or closed: _executemany(c, digests_t, [(run_id, step, rank, rows_digest(rows) if closed else None)], replace=True)
-        if calls: _executemany(c, calls_t, [(run_id, step, rank, *r) for r in calls], replace=True)
-        if scalars: _executemany(c, scalars_t, [(run_id, step, rank, k, v) for k, v in scalars.items()], replace=True)
-        if snapshots:
-            _executemany(c, snapshots_t, [(run_id, m, tt, tn, call, step, rank, *rest) for m, tt, tn, call, *rest in snapshots], replace=True)
-        if events and events_step is None:
-            _executemany(c, events_t, [(run_id, step, rank, i, k, m, n) for i, (k, m, n) in enumerate(events)])
-        if closed:
-            _executemany(c, steps_t, [(run_id, step, rank, time.time(), len(rows), step if events_step is None else events_step,
-                                       None if training is None else int(training))])
+        for s in steps:
+            step, rows, closed = s['step'], s.get('rows') or [], s.get('closed', True)
+            head = (run_id, step, rank)
+            if rows: _insert_rows(c, stats_t, head, rows, replace=True)
+            if rows or closed: digests.append((*head, rows_digest(rows) if closed else None))
+            if calls := s.get('calls'): _insert_rows(c, calls_t, head, calls, replace=True)
+            if scalars := s.get('scalars'): _insert_rows(c, scalars_t, head, list(scalars.items()), replace=True)
+            if snapshots := s.get('snapshots'):
+                _executemany(c, snapshots_t, [(run_id, m, tt, tn, call, step, rank, *rest) for m, tt, tn, call, *rest in snapshots], replace=True)
+            events, events_step, training = s.get('events') or (), s.get('events_step'), s.get('training')
+            if events and events_step is None: _insert_rows(c, events_t, head, [(i, *e) for i, e in enumerate(events)])
+            if closed: closes.append((*head, time.time(), len(rows), step if events_step is None else events_step,
+                                      None if training is None else int(training)))
+        if digests: _executemany(c, digests_t, digests, replace=True)
+        if closes:
+            _executemany(c, steps_t, closes)
             sql, order = _compiled(c, 'last_step', _last_step_update)
-            params = dict(rid=run_id, st=step)
+            params = dict(rid=run_id, st=max(r[1] for r in closes))
             c.exec_driver_sql(sql, tuple(params[n] for n in order) if order else params)
 
 def _last_step_update(dialect):
