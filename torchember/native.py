@@ -355,12 +355,15 @@ class Batch:
         self.kinds = np.array([KINDS[t.dtype] for t in ts], dtype=np.int8)
         self.threads = threads or _threads(sum(self.sizes), lib)
 
-    def __call__(self, ts:list)->torch.Tensor:
+    def __call__(self, ts:list,
+                 checked:bool=False, # the caller matched `ts` to the batch's tensor types, dtypes, sizes and devices
+                )->torch.Tensor:
         "The `(k, 8)` float64 moments of `ts`: tensors that `supports` accepts, of the sizes and dtypes the batch was made for."
         ts = [_dense(t) for t in ts]          # kept referenced until the kernel returns
-        kinds = bytes(KINDS.get(t.dtype, 255) if type(t) in _PLAIN and t.is_cpu else 255 for t in ts)   # memory of their own, here
-        if [t.numel() for t in ts] != self.sizes or kinds != bytes(self.kinds):
-            raise ValueError("tensors of other sizes or dtypes than this Batch was made for, or ones the kernel does not read")
+        if not checked:
+            kinds = bytes(KINDS.get(t.dtype, 255) if type(t) in _PLAIN and t.is_cpu else 255 for t in ts)   # memory of their own, here
+            if len(ts) != self.k or [t.numel() for t in ts] != self.sizes or kinds != bytes(self.kinds):
+                raise ValueError("tensors of other sizes or dtypes than this Batch was made for, or ones the kernel does not read")
         out = torch.empty((self.k, 8), dtype=torch.float64)
         if self.k:
             ptrs = np.array([t.data_ptr() for t in ts], dtype=np.uint64)

@@ -145,9 +145,9 @@ def _counted(t:torch.Tensor)->torch.Tensor:
     "The 8 `MOMENTS` of float `t` with NaN and Inf counted (and a NaN min or max): for a tensor whose sum is not finite."
     return _flat8(_flat(t.detach()))
 
-def native_moments(ts:list, batch=None)->torch.Tensor:
-    "The `MOMENTS` of CPU tensors `ts` (see `native.supports`) as `(len(ts), 8)` float64, NaN and Inf counted where a sum isn't finite."
-    m = native.moments(ts) if batch is None else batch(ts)
+def native_moments(ts:list, batch=None, checked:bool=False)->torch.Tensor:
+    "The `MOMENTS` of CPU tensors `ts` (see `native.supports`) as `(len(ts), 8)` float64, NaN and Inf counted where a sum isn't finite; with `batch`, a `native.Batch` for them (`checked`: see it)."
+    m = native.moments(ts) if batch is None else batch(ts, checked=checked)
     for i in np.flatnonzero(~np.isfinite(m.numpy()[:, 1])): m[i] = _counted(ts[i])
     return m
 
@@ -567,7 +567,7 @@ def _planned(self, batches):
     ts = [t for _, items in batches for _, _, t in items]
     with torch.no_grad():
         if natives:     # all of them in one call, shared out over torch's threads
-            try: self._pieces.append(([base + j for j in natives], native_moments([ts[j] for j in natives], batch)))
+            try: self._pieces.append(([base + j for j in natives], native_moments([ts[j] for j in natives], batch, checked=True)))
             except Exception as e:
                 self._failed("the native kernel", e)
                 large = large + natives
