@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from fastcore.basics import patch_to
-from .core import elapsed_ms
+from .core import elapsed_ms, _transforms_on
 from . import native
 
 # %% auto #0
@@ -324,7 +324,7 @@ def shape_of(t:torch.Tensor)->tuple|None:
     try: return tuple(map(int, t.shape))
     except Exception: return None         # e.g. the ragged size of a jagged nested tensor
 
-_transforms_on, _functorch = torch._C._are_functorch_transforms_active, torch._C._functorch
+_functorch = torch._C._functorch
 
 def unwrapped(t:torch.Tensor)->torch.Tensor:
     "`t` without `torch.func`'s wrappers (`vmap`'s batched tensors, `grad`'s and `jacrev`'s tracking tensors): under `vmap`, the whole batch."

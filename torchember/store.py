@@ -456,15 +456,14 @@ def _compiled(c, key, build)->tuple:
     return _sql[k]
 
 def _insert(table:Table, replace:bool, dialect):
-    "An `insert` into `table`; `replace`: a row with the same key replaces the old one."
-    if replace and dialect.name == 'sqlite': return insert(table).prefix_with('OR REPLACE')
+    "An `insert` into `table` for drivers other than SQLite's (see `_insert_rows`); `replace`: on PostgreSQL, a row with the same key replaces the old one."
     if replace and dialect.name == 'postgresql':
         ins = pg_insert(table)
         return ins.on_conflict_do_update(constraint=f'{table.name}_pkey',   # the key the store has (without rank in old ones)
                                          set_={col.name: ins.excluded[col.name] for col in table.columns if not col.primary_key})
     return insert(table)
 
-ROWS_PER_INSERT = (256, 64, 16)   # rows a multi-row statement takes, largest first: few statements a step, few to compile
+ROWS_PER_INSERT = (256, 64, 16)   # rows a multi-row statement takes, largest first: few statements a step, few sizes to prepare
 
 def _max_variables(c)->int:
     "How many parameters one statement may take on SQLite connection `c` (999 before SQLite 3.32)."
@@ -472,17 +471,6 @@ def _max_variables(c)->int:
     if hasattr(con, 'getlimit'): return con.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
     if isinstance(con, sqlite3.Connection) and sqlite3.sqlite_version_info >= (3, 32, 0): return 32766   # Python < 3.11
     return 999
-
-_row_after_row = set()   # multi-row statements found to take their parameters row after row, in column order
-
-def _multi(c, table:Table, replace:bool, n:int)->str|None:
-    "SQL of an `_insert` of `n` rows into `table` in one statement (compiled by `_compiled`); None unless its parameters come row after row, in column order."
-    names = [col.name for col in table.columns]
-    sql, order = _compiled(c, (table.name, replace, n), lambda d: _insert(table, replace, d).values([dict.fromkeys(names)] * n))
-    if sql not in _row_after_row:
-        if not order or [p.rpartition('_m')[0] for p in order] != names * n: return None
-        _row_after_row.add(sql)
-    return sql
 
 def _shared_head(c, table:Table, replace:bool, n:int, k:int)->str:
     "SQLite SQL inserting `n` rows into `table` whose first `k` columns take the same parameters `?1`..`?k` in every row."
@@ -494,33 +482,25 @@ def _shared_head(c, table:Table, replace:bool, n:int, k:int)->str:
     return f"INSERT {'OR REPLACE ' if replace else ''}INTO {q(table.name)} ({', '.join(map(q, cols))}) VALUES {', '.join(vals)}"
 
 def _insert_rows(c, table:Table, head:tuple, rows:list, replace:bool=False):
-    "Insert `rows`, each after the same `head` of leading columns (on SQLite bound once a statement, see `_shared_head`)."
-    if c.dialect.name != 'sqlite' or len(rows) < 2: return _executemany(c, table, [(*head, *r) for r in rows], replace)
-    most, i, k = (_max_variables(c) - len(head)) // (len(table.columns) - len(head)), 0, len(head)
-    sizes = [n for n in ROWS_PER_INSERT if n <= most]
-    while len(rows) - i > 1:
-        n = next((n for n in sizes if len(rows) - i >= n), min(len(rows) - i, most))   # the largest that fits, else the rest
-        key = ('head', table.name, replace, n, k)
-        if key not in _sql: _sql[key] = (_shared_head(c, table, replace, n, k), None)
-        _execute(c, _sql[key][0], (*head, *itertools.chain.from_iterable(rows[i:i+n])))
-        i += n
-    if i < len(rows): _executemany(c, table, [(*head, *rows[i])], replace)
+    "Insert `rows`, each after the same `head` of leading columns: on SQLite in statements of `ROWS_PER_INSERT` rows and one of the rest, binding `head` once a statement (`_shared_head`); elsewhere in one executemany of SQLAlchemy's compiled `_insert`."
+    if c.dialect.name == 'sqlite':
+        k, i = len(head), 0
+        most = (_max_variables(c) - k) // (len(table.columns) - k)
+        sizes = [n for n in ROWS_PER_INSERT if n <= most]
+        while i < len(rows):
+            n = next((n for n in sizes if len(rows) - i >= n), min(len(rows) - i, most))   # the largest that fits, else the rest
+            key = ('head', table.name, replace, n, k)
+            if key not in _sql: _sql[key] = (_shared_head(c, table, replace, n, k), None)
+            _execute(c, _sql[key][0], (*head, *itertools.chain.from_iterable(rows[i:i+n])))
+            i += n
+        return
+    sql, order = _compiled(c, (table.name, replace), partial(_insert, table, replace))
+    names, rows = [col.name for col in table.columns], [(*head, *r) for r in rows] if head else rows
+    _execute(c, sql, rows if order == names else [dict(zip(names, r)) for r in rows])
 
 def _executemany(c, table:Table, rows:list, replace:bool=False):
-    "Insert `rows` (tuples in `table`'s column order) with SQLAlchemy's compiled `insert` (see `_insert`): on SQLite in statements of `ROWS_PER_INSERT` rows and one of the rest, elsewhere in one executemany."
-    if c.dialect.name == 'sqlite':
-        most, i = _max_variables(c) // len(table.columns), 0
-        sizes = [n for n in ROWS_PER_INSERT if n <= most]
-        while len(rows) - i > 1:
-            n = next((n for n in sizes if len(rows) - i >= n), len(rows) - i)   # the largest that fits, else the rest
-            if n > most or not (sql := _multi(c, table, replace, n)): break
-            _execute(c, sql, tuple(itertools.chain.from_iterable(rows[i:i+n])))
-            i += n
-        rows = rows[i:]
-        if not rows: return
-    sql, order = _compiled(c, (table.name, replace), partial(_insert, table, replace))
-    names = [col.name for col in table.columns]
-    _execute(c, sql, rows if order == names else [dict(zip(names, r)) for r in rows])
+    "Insert `rows` (tuples in `table`'s column order), as `_insert_rows` does."
+    _insert_rows(c, table, (), rows, replace)
 
 def _execute(c, sql:str, params):
     "Run `sql` with `params`; a text SQLite or PostgreSQL cannot encode (a lone surrogate in a name the model or a stat function gave) is stored `escaped`, never failing the step."
