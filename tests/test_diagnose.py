@@ -44,7 +44,7 @@ def test_spike_names_the_scaled_layer_and_step(store):
     assert "module '6' (Linear) left its band first" in loss['message'] and 'at the same step' in loss['message']
     own = f[(f['kind'] == 'spike') & (f['stat'] == 'rms')].iloc[0]
     assert (own['step'], own['module']) == (40, '6')
-    assert list(f.columns) == ['kind', 'severity', 'step', 'module', 'mtype', 'ttype', 'tname', 'stat', 'value', 'expected', 'message']
+    assert list(f.columns) == ['kind', 'severity', 'step', 'iteration', 'module', 'mtype', 'ttype', 'tname', 'stat', 'value', 'expected', 'message']
 
 def test_spike_window_ending_before_it_sees_none(db):
     r = train(mlp(), 'scaled', db, tweak=scale_up)
@@ -102,7 +102,7 @@ def test_diff_first_divergence(store):
     for run, tweak in (('base', None), ('same', None), ('nudged', nudge)): train(mlp(), run, store, steps=25, tweak=tweak)
     d = diff('base', 'nudged', store)
     assert d.iloc[0][['step', 'module', 'ttype']].tolist() == [15, '2', 'output']
-    assert d['step'].min() == 15 and list(d.columns) == ['step', 'module', 'mtype', 'ttype', 'tname', 'stat', 'a', 'b']
+    assert d['step'].min() == 15 and list(d.columns) == ['step', 'iteration', 'module', 'mtype', 'ttype', 'tname', 'stat', 'a', 'b']
     assert diff('base', 'same', store).empty
 
 def test_diff_rtol(db):
@@ -135,7 +135,7 @@ def test_cli_doctor_exit_codes(db):
 def test_cli_diff(db):
     for run, tweak in (('base', None), ('nudged', nudge)): train(mlp(), run, db, steps=20, tweak=tweak)
     p = cli('diff', 'base', 'nudged', '--db', db)
-    assert p.returncode == 0 and p.stdout.splitlines()[1].split()[:2] == ['15', '2']
+    assert p.returncode == 0 and p.stdout.splitlines()[1].split()[:3] == ['15', '15', '2']
     same = cli('diff', 'base', 'base', '--db', db, '--rtol', '0.1')
     assert 'agree within rtol=0.1' in same.stdout
 

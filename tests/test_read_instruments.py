@@ -102,7 +102,7 @@ def test_scalars(run):
 
 def test_steps(run, db):
     st = run.steps()
-    assert list(st.columns) == ['step', 'rank', 'closed', 'training', 'n_records', 'grad_norm', 'weight_norm', 'loss', 'lr']
+    assert list(st.columns) == ['step', 'rank', 'iteration', 'kind', 'closed', 'training', 'n_records', 'grad_norm', 'weight_norm', 'loss', 'lr']
     assert st['step'].tolist() == [0, 1, 2, 3] and pd.api.types.is_datetime64_any_dtype(st['closed'])
     assert st['training'].tolist() == [True, True, True, False]
     assert st['grad_norm'].iloc[0] == pytest.approx(math.sqrt(3**2 + 3**2))   # two weight grads of norm 3, biases 0

@@ -95,6 +95,11 @@ def log_scalars(self:EmberCallback, **scalars):
     if self.te is not None and nums: self.te.log(**nums)
 
 @patch
+def iteration(self:EmberCallback, n):
+    "Say the trainer's global step (optimizer steps completed) to torchember before the next step: steps count in it."
+    if self.te is not None and self.te.recording and isinstance(n, int) and n >= 0: self.te.iteration = n
+
+@patch
 def flush(self:EmberCallback):
     "Close the open step and write everything recorded so far."
     if self.te is not None: self.te.flush()
@@ -140,6 +145,7 @@ class EmberHFCallback(EmberCallback):
         name = args.run_name if args.run_name and args.run_name != out else Path(out).name
         self.begin(model, name, rank=args.process_index, main=state.is_world_process_zero)
 
+    def on_step_begin(self, args, state, control, **kwargs): self.iteration(state.global_step)
     def on_log(self, args, state, control, logs=None, **kwargs): self.log_scalars(**{**(logs or {}), 'global_step': state.global_step})
     def on_epoch_end(self, args, state, control, **kwargs): self.flush()
     def on_train_end(self, args, state, control, **kwargs): self.end()
@@ -164,6 +170,8 @@ class EmberLightningCallback(EmberCallback):
     def on_train_start(self, trainer, pl_module):
         self._logged = None
         self.begin(pl_module, _lightning_run_name(trainer), rank=trainer.global_rank, main=trainer.global_rank == 0)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx): self.iteration(trainer.global_step)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         n, step = trainer.log_every_n_steps, trainer.global_step

@@ -14,10 +14,11 @@ from functools import partial
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 # %% auto #0
-__all__ = ['ENTER', 'EXIT', 'module_tree', 'module_info', 'named_tensors', 'arg_names', 'named_inputs', 'selector', 'Capture',
-           'elapsed_ms', 'sample_norms', 'attach']
+__all__ = ['ENTER', 'EXIT', 'STEP_KINDS', 'module_tree', 'module_info', 'named_tensors', 'arg_names', 'named_inputs', 'selector',
+           'Capture', 'elapsed_ms', 'sample_norms', 'attach']
 
 # %% ../nbs/00_core.ipynb #4a1aa61e
 def module_tree(model:nn.Module)->dict:
@@ -128,6 +129,8 @@ class Capture:
         self._grads, self._times, self._tensor_hooks = None, {}, []
         self._backward_due = False   # the open step's outputs need grad and no backward has ended since: it is not finished
         self.clock = time.perf_counter
+        self.iteration, self.kind = 0, None   # optimizer steps completed; the open step's kind (`STEP_KINDS`)
+        self._opts, self._opt_hook, self._stepped = weakref.WeakKeyDictionary(), None, False
 
     def current_params(self)->list:
         "`(mi, name, parameter)` for every parameter, each under the first module that owns it."
@@ -194,6 +197,24 @@ def _forget_compiled_modules()->bool:
     for c in codes: reset_code(c)
     return bool(codes)
 
+# %% ../nbs/00_core.ipynb #9bdb0bb3
+STEP_KINDS = ('train', 'eval', 'no_grad')   # what a step was: a training call, an eval call, a train-mode call without a graph
+
+def _optimizer_stepped(cap:Capture)->callable:
+    "A global optimizer step post-hook that counts `cap`'s iterations: the steps of optimizers holding its parameters."
+    ref = weakref.ref(cap)
+    def hook(opt, args, kwargs):
+        try:
+            cap = ref()
+            if cap is None or not cap.armed or cap._stepped: return
+            known = cap._opts.get(opt)
+            if known is None or known[0] != len(opt.param_groups):
+                mine = {id(p) for p in cap.model.parameters()}
+                known = cap._opts[opt] = (len(opt.param_groups), any(id(p) in mine for g in opt.param_groups for p in g['params']))
+            if known[1]: cap.iteration, cap._stepped = cap.iteration + 1, True
+        except Exception: pass   # counting is never worth an optimizer's step
+    return hook
+
 # %% ../nbs/00_core.ipynb #a259bdd5
 from fastcore.basics import patch
 
@@ -213,6 +234,7 @@ def arm(self:Capture):
                       stacklevel=4)
     p = next(iter(self.model.parameters()), None)
     self.clock = _CudaClock() if self.timing and p is not None and p.is_cuda else time.perf_counter
+    self._opt_hook = register_optimizer_step_post_hook(_optimizer_stepped(self))
     self.armed = True
     return self
 
@@ -260,6 +282,7 @@ def disarm(self:Capture):
     self.close()
     for h in self._root: h.remove()
     self._root = []
+    if self._opt_hook is not None: self._opt_hook.remove(); self._opt_hook = None
     self._uninstall()
     for m in self.mods:
         if _owners.get(m) is self: del _owners[m]
@@ -295,6 +318,7 @@ def _root_pre(self:Capture, mod, args, kwargs, inference:bool=False):
         with _normal_mode(): return self._root_pre(mod, args, kwargs, inference=inference)
     if self._depth and not self._nested(): self._depth = 0   # the last root call was interrupted (Ctrl-C)
     if self._depth == 0:
+        self._stepped = False          # optimizer steps from now until the next call count as one iteration
         training = mod.training and not inference
         self._skip = not self.record_eval and not training
         if self._skip:                 # an eval-mode call, and eval calls are not recorded: not a step at all
@@ -314,7 +338,8 @@ def _root_pre(self:Capture, mod, args, kwargs, inference:bool=False):
         self.recording = rec
         if rec:
             self._open, self._events, self._calls, self._stack = True, [], [0]*len(self.mods), []
-            self.recorder.open(self.step, training=training)
+            self.kind = 'train' if training and torch.is_grad_enabled() else 'no_grad' if training else 'eval'
+            self.recorder.open(self.step, training=training, iteration=self.iteration, kind=self.kind)
             self.recorder.params(self.step, 'weight', [(mi, pn, p) for mi, pn, p in self.params])
     self._depth += 1
     if self.recording and self.selected[0]: self._pre(0, mod, args, kwargs, inference)
@@ -340,6 +365,9 @@ def _root_post(self:Capture, mod, args, out):
         elif sys.exc_info()[1] is not None: self.close()
         elif self._open:
             self._backward_due = any(t.requires_grad for _, t in named_tensors(out))
+            if not self._backward_due and self.kind == 'train':   # a train-mode call that built no graph (all frozen, say)
+                self.kind = 'no_grad'
+                if (say := getattr(self.recorder, 'set_kind', None)): say('no_grad')
             if not self._backward_due and (read := getattr(self.recorder, 'read_weights', None)): read()   # no backward can follow: weights now
 
 # %% ../nbs/00_core.ipynb #4fa25472

@@ -6,7 +6,7 @@ Docs: https://torchember.github.io/torchember/diagnose.html.md"""
 
 # %% ../nbs/03a_diagnose.ipynb #2ec93591
 from __future__ import annotations
-import json, math, warnings
+import json, math, re, warnings
 from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pandas as pd
@@ -14,17 +14,19 @@ import sqlalchemy as sa
 from sqlalchemy import select, func, Float
 from fastcore.basics import patch
 from .store import engine, db_url, modules_t, stats_t, steps_t, digests_t, scalars_t, STAT_COLS
-from .query import Run, flow_order, _one_rank
+from fnmatch import fnmatchcase
+from .query import Run, flow_order, _one_rank, applied_steps
 
 # %% auto #0
-__all__ = ['COLUMNS', 'SEVERITIES', 'KINDS', 'MAD_SIGMA', 'BEYOND', 'RANGE', 'WATCHED', 'GRAD_NORM', 'MIN_BAND', 'GRADS',
-           'DIFF_COLUMNS', 'COMPARED', 'finding', 'findings', 'bands', 'trailing_range', 'band_edges', 'left_band',
-           'eval_steps', 'module_norms', 'signals', 'departures', 'first_departure', 'signal_spikes', 'module_spikes',
-           'zero_inputs', 'dead_modules', 'across_depth', 'over_steps', 'update_ratios', 'nonfinite_finding',
-           'fingerprints', 'step_digests', 'module_prints', 'stat_rows', 'diff']
+__all__ = ['COLUMNS', 'SEVERITIES', 'KINDS', 'MAD_SIGMA', 'BEYOND', 'RANGE', 'WATCHED', 'GRAD_NORM', 'MIN_BAND', 'FOLLOW_MIN',
+           'GRADS', 'DIFF_COLUMNS', 'COMPARED', 'finding', 'findings', 'bands', 'trailing_range', 'band_edges',
+           'left_band', 'eval_steps', 'micro_steps', 'module_norms', 'signals', 'departures', 'first_departure',
+           'signal_spikes', 'module_spikes', 'loss_followed', 'zero_inputs', 'dead_modules', 'across_depth',
+           'over_steps', 'update_ratios', 'nonfinite_finding', 'with_iterations', 'fingerprints', 'step_digests',
+           'module_prints', 'stat_rows', 'diff']
 
 # %% ../nbs/03a_diagnose.ipynb #3281537f
-COLUMNS = ['kind', 'severity', 'step', 'module', 'mtype', 'ttype', 'tname', 'stat', 'value', 'expected', 'message']
+COLUMNS = ['kind', 'severity', 'step', 'iteration', 'module', 'mtype', 'ttype', 'tname', 'stat', 'value', 'expected', 'message']
 SEVERITIES = ('error', 'warning', 'info')
 KINDS = ('nonfinite', 'exploding', 'spike', 'vanishing', 'dead', 'update_ratio')
 MAD_SIGMA = 1.4826   # MAD x this estimates the standard deviation of normal data
@@ -39,7 +41,8 @@ def findings(rows:list)->pd.DataFrame:
     "`rows` as `diagnose` returns them: errors first, then warnings, then info; within each, by step, then kind."
     df = pd.DataFrame(rows, columns=COLUMNS)
     key = df['severity'].map(SEVERITIES.index) * 1e12 + df['step'] * 10 + df['kind'].map(KINDS.index)
-    return df.iloc[np.argsort(key.to_numpy(), kind='stable')].reset_index(drop=True).astype({'step': int, 'value': float})
+    df = df.iloc[np.argsort(key.to_numpy(), kind='stable')].reset_index(drop=True)
+    return df.astype({'step': int, 'iteration': 'Int64', 'value': float})
 
 # %% ../nbs/03a_diagnose.ipynb #ff3910d9
 def _before(values:np.ndarray, window:int)->np.ndarray:
@@ -84,6 +87,7 @@ def band_edges(values:np.ndarray, window:int, spike:float, factor:float, min_ste
     with np.errstate(invalid='ignore'):
         hi = np.maximum(np.maximum(med + spike * MAD_SIGMA * mad, med + (factor - 1) * np.abs(med)), top + BEYOND * (top - med))
         lo = np.minimum(np.minimum(med - spike * MAD_SIGMA * mad, med - (1 - 1 / factor) * np.abs(med)), bottom - BEYOND * (med - bottom))
+        lo = np.where((values < 0).any(axis=0), lo, np.maximum(lo, 0))   # a series never below 0 (a norm): no band below 0
     return lo, hi, med, mad
 
 def left_band(x, lo, hi, up_only:bool=False)->np.ndarray:
@@ -106,10 +110,15 @@ def _names(run:Run)->pd.DataFrame:
     return pd.DataFrame([tuple(r) for r in rows], columns=['module_id', 'module', 'mtype']).set_index('module_id')
 
 def eval_steps(run:Run, rank:int)->set:
-    "The steps of `rank` that were calls in eval mode (validation); steps of unknown mode are not among them."
-    st = steps_t.c
-    with engine(run.db).connect() as c:
-        return set(c.execute(select(st.step).where(st.run_id == run.id, st.rank == rank, st.training == 0)).scalars())
+    "The steps of `rank` that were no training steps: calls in eval mode (validation) or in train mode without a graph ('no_grad')."
+    k = run.step_kinds(rank)
+    return set(k.loc[k['kind'] != 'train', 'step'])
+
+def micro_steps(run:Run, rank:int)->set:
+    "The training steps of `rank` whose weight grads the optimizer did not apply as they are: gradient accumulation's earlier micro-steps."
+    k = run.step_kinds(rank)
+    train = k.loc[k['kind'] == 'train', 'step']
+    return set(train) - set(applied_steps(k))
 
 def module_norms(run:Run, rank:int, lo:int, hi:int)->pd.DataFrame:
     "Per training step of `lo..hi`, module and watched ttype: the L2 norm over its tensors and calls, their elements, their RMS, and the smallest zero fraction."
@@ -122,7 +131,8 @@ def module_norms(run:Run, rank:int, lo:int, hi:int)->pd.DataFrame:
             c.exec_driver_sql("SET LOCAL work_mem = '64MB'"); c.exec_driver_sql('SET LOCAL jit = off')
         rows = c.execute(q).cursor.fetchall()
     df = pd.DataFrame(rows, columns=['step', 'module_id', 'ttype', 'sq', 'numel', 'zero_frac'])
-    df = df[~df['step'].isin(eval_steps(run, rank))].astype({'sq': float, 'numel': float, 'zero_frac': float})
+    df = df[~df['step'].isin(eval_steps(run, rank)) & ~(df['ttype'].eq('weight_grad') & df['step'].isin(micro_steps(run, rank)))]
+    df = df.astype({'sq': float, 'numel': float, 'zero_frac': float})
     return df.assign(norm=df['sq'] ** .5, rms=(df['sq'] / df['numel'].where(df['numel'] > 0)) ** .5)
 
 def signals(run:Run, rank:int, hi:int, grads_from:int)->pd.DataFrame:
@@ -133,6 +143,8 @@ def signals(run:Run, rank:int, hi:int, grads_from:int)->pd.DataFrame:
     with engine(run.db).connect() as c:
         rows = c.execute(select(s.step, s.name, s.value).where(s.run_id == run.id, s.rank == rank, s.step <= hi)).all()
         grads = [(step, GRAD_NORM, None if sq is None else sq ** .5) for step, sq in c.execute(gn).all()]
+    micro = micro_steps(run, rank)
+    grads = [g for g in grads if g[0] not in micro]
     df = pd.DataFrame([tuple(r) for r in rows] + grads, columns=['step', 'name', 'value']).astype({'value': float})
     df = df[~df['step'].isin(eval_steps(run, rank))]
     return df.drop_duplicates(['step', 'name']).pivot(index='step', columns='name', values='value')
@@ -218,6 +230,25 @@ def module_spikes(run:Run, rank:int, norms:pd.DataFrame, names:pd.DataFrame, win
                            module=f['module'], mtype=f['mtype'], ttype=f['ttype'], stat='rms', value=f['value'],
                            expected=_band_text(f['lo'], f['hi'], f['median'])))
     return out
+
+# %% ../nbs/03a_diagnose.ipynb #a89af57b
+FOLLOW_MIN = 5   # logged steps after a grad spike needed to tell whether the loss followed it
+
+def loss_followed(sig:pd.DataFrame, step:int, window:int, spike:float, factor:float, lead:int)->bool|None:
+    "Whether a logged scalar of `sig` left its band upward within `lead` steps from `step`; None where none is logged or too few steps came after."
+    logged = sig.drop(columns=[GRAD_NORM], errors='ignore')
+    after = logged.index[(logged.index >= step) & (logged.index <= step + lead)]
+    if logged.empty or logged.shape[1] == 0 or len(after) < min(lead, FOLLOW_MIN): return None
+    x = logged.to_numpy(float)
+    low, high = band_edges(x, window, spike, factor, min(window, MIN_BAND))[:2]
+    return bool(left_band(x, low, high, up_only=True)[logged.index.isin(after)].any())
+
+def _calm_grad_spike(f:dict, sig:pd.DataFrame, window:int, spike:float, factor:float, lead:int)->dict:
+    "Spike finding `f`, as `info` where it is of grads only and the logged values held after it."
+    grads = f['stat'] == GRAD_NORM or f['kind'] == 'spike' and f['stat'] == 'rms' and f['ttype'] == 'weight_grad'
+    if not grads or loss_followed(sig, f['step'], window, spike, factor, lead) is not False: return f
+    return {**f, 'severity': 'info', 'message': f['message'] + f"; the logged values held in the {lead} steps after it "
+            "(clipping or the optimizer absorbed it): no harm seen"}
 
 # %% ../nbs/03a_diagnose.ipynb #fbb994f6
 def zero_inputs(run:Run, rank:int, lo:int, hi:int, modules:list)->pd.Series:
@@ -390,16 +421,40 @@ def diagnose(self:Run,
              orders:float=3.0,    # weight grads changing by this many orders of magnitude across depth or over the window vanish or explode
              update_band:tuple=(1e-6, 0.03),  # ‖Δw‖/‖w‖ is usually 1e-4..1e-2 per step: above 3x that a learning rate is too large, below 1e-6 a layer barely learns
              rank:int=None,       # the rank to look at; default the run's first
-            )->pd.DataFrame:      # one finding per row, most important first: kind, severity, step, module, ..., message
+             ignore=None,         # findings judged harmless: 'kind' or 'kind:glob' (the glob on the module, or the stat), or a list of them
+            )->pd.DataFrame:      # one finding per row, most important first: kind, severity, step, iteration, module, ..., message
     "What went wrong in this run, and which module started it: non-finite values, spikes, dead outputs, vanishing or exploding grads, update ratios."
     _check_diagnose(step, window, spike, factor, lead, dead, orders, update_band)
+    quiet = _ignored(ignore)
     rank = _one_rank(self, rank)
     hi = self.last_steps.get(rank) if step is None else step
     if hi is None: return findings([])
     with ThreadPoolExecutor(1) as pool:   # the one scan of the whole run (NaN, Inf) runs beside the rest
         nonfinite = pool.submit(nonfinite_finding, self, rank, hi)
         rows = _windowed(self, rank, hi, window, spike, factor, lead, dead, orders, update_band)
-        return findings(nonfinite.result() + rows)
+        rows = [r for r in nonfinite.result() + rows if not quiet(r)]
+    return with_iterations(findings(rows), self.step_kinds(rank))
+
+def _ignored(ignore)->callable:
+    "A predicate on findings from `diagnose`'s `ignore=`: 'kind' or 'kind:glob', the glob matched on the module or the stat."
+    pats = [ignore] if isinstance(ignore, str) else list(ignore or [])
+    bad = [p for p in pats if not isinstance(p, str) or p.partition(':')[0] not in KINDS]
+    if bad: raise ValueError(f"diagnose's ignore= takes 'kind' or 'kind:glob' with a kind of {', '.join(KINDS)}, not {bad[0]!r}")
+    def quiet(f):
+        for p in pats:
+            kind, _, glob = p.partition(':')
+            if f['kind'] == kind and (not glob or any(isinstance(v, str) and fnmatchcase(v, glob) for v in (f['module'], f['stat']))): return True
+        return False
+    return quiet
+
+def with_iterations(f:pd.DataFrame, kinds:pd.DataFrame)->pd.DataFrame:
+    "Findings `f` with the `iteration` of each step (from `Run.step_kinds`); where the run's iterations are not its steps, messages say them too."
+    it = kinds.set_index('step')['iteration']
+    f['iteration'] = pd.array(f['step'].map(it), dtype='Int64')
+    if it.notna().any() and (it.dropna() != it.dropna().index).any():
+        said = lambda m: f"step {m[1]} (iteration {it[int(m[1])]})" if int(m[1]) in it.index and pd.notna(it[int(m[1])]) else m[0]
+        f['message'] = [re.sub(r'\bstep (\d+)\b', said, msg) for msg in f['message']]
+    return f
 
 def _windowed(self:Run, rank, hi, window, spike, factor, lead, dead, orders, update_band)->list:
     "The findings of every check but `nonfinite`: what the last `window` steps up to `hi` (and the logged scalars) show."
@@ -409,15 +464,16 @@ def _windowed(self:Run, rank, hi, window, spike, factor, lead, dead, orders, upd
     sig = signals(self, rank, hi, lo - window)
     order = _forward_order(self, rank, hi, names)
     rms = _grad_rms(norms)
-    return [*signal_spikes(self, rank, sig, names, window, spike, factor, lead, norms=norms, read=(lo - window, hi)),
-            *module_spikes(self, rank, norms, names, window, spike, factor, lo),
+    spikes = [*signal_spikes(self, rank, sig, names, window, spike, factor, lead, norms=norms, read=(lo - window, hi)),
+              *module_spikes(self, rank, norms, names, window, spike, factor, lo)]
+    return [*[_calm_grad_spike(f, sig, window, spike, factor, lead) for f in spikes],
             *dead_modules(norms, names, lo, dead, zeros_in=lambda ids: zero_inputs(self, rank, lo, hi, ids)),
             *(across_depth(rms.loc[hi], order, names, hi, orders) if hi in rms.index else []),
             *over_steps(rms[rms.index >= lo], order, names, orders),
             *update_ratios(self, rank, lo, hi, names, update_band)]
 
 # %% ../nbs/03a_diagnose.ipynb #c9801c05
-DIFF_COLUMNS = ['step', 'module', 'mtype', 'ttype', 'tname', 'stat', 'a', 'b']
+DIFF_COLUMNS = ['step', 'iteration', 'module', 'mtype', 'ttype', 'tname', 'stat', 'a', 'b']
 COMPARED = STAT_COLS   # every default stat column: numel, mean, std, min, max, norm, zero_frac, nan_count, inf_count
 _KEY = ['step', 'rank', 'module', 'call', 'ttype', 'tname']
 
@@ -579,7 +635,7 @@ def diff(run_a,                # a run's name, or a `Run`
          db_b=None,            # `run_b`'s store, if another
          max_steps:int=10,     # list the differences of this many divergent steps, the first ones (None: all)
          chunk:int=500,        # steps compared per read
-        )->pd.DataFrame:       # step, module, mtype, ttype, tname, stat, a, b; sorted by step then call order
+        )->pd.DataFrame:       # step, iteration, module, mtype, ttype, tname, stat, a, b; by step, then call order
     "Where two runs part: the stats that differ, first divergence first; empty if the runs agree."
     _need(_isnum(rtol), 'diff', 'rtol', rtol, 'a number')
     _need(rtol >= 0, 'diff', 'rtol', rtol, 'a number >= 0 (0: bit for bit)', ValueError)   # NaN fails this too
@@ -625,7 +681,9 @@ def diff(run_a,                # a run's name, or a `Run`
     steps = sorted(d['step'].unique())[:max_steps]
     parts = [flow_order(d[d['step'] == s].reset_index(drop=True), ra.events(int(s), int(d.loc[d['step'] == s, 'rank'].min())))
              for s in steps]
-    return pd.concat(parts, ignore_index=True)[DIFF_COLUMNS]
+    out = pd.concat(parts, ignore_index=True)
+    out['iteration'] = pd.array(out['step'].map(ra.step_kinds(int(out['rank'].min())).set_index('step')['iteration']), dtype='Int64')   # run a's
+    return out[DIFF_COLUMNS]
 
 def _step_range(run:Run)->tuple:
     "The first and last step of `run` (0, -1 if none)."

@@ -16,7 +16,8 @@ from fastcore.basics import patch
 from .core import Capture, module_tree, module_info, _Inert, _Hook
 from .stats import Recorder, TTYPES, VECTOR_MAX, default_stats
 from .instruments import hist_stats, Snapshots, Changes, UpdateTracker
-from .store import engine, create_run, claim, release, write_steps, Writer, db_url, keyed_by_rank, StoreError, store_busy, RETRY_S
+from .store import (engine, create_run, claim, release, write_steps, Writer, db_url, keyed_by_rank, StoreError, store_busy, RETRY_S,
+                    last_iteration)
 from .query import Run
 
 # %% auto #0
@@ -85,7 +86,7 @@ class torchEmber:
                              f"apart: record the {writers} ranks of this job into a new store file, or only one of them (ranks=[0])")
         self.run_id, last = create_run(self.engine, self.run_name, type(model).__name__, mods, module_tree(model),
                                        config=config, resume=resume, rank=self.rank, world_size=self.world_size, overwrite=overwrite)
-        if last is not None: self.capture.step = last
+        if last is not None: self.capture.step, self.capture.iteration = last, last_iteration(self.engine, self.run_id, self.rank)
         self.arm()
 
     def __reduce__(self): return (_Inert, ())
@@ -183,7 +184,8 @@ def _step_args(self:torchEmber, rec)->dict:
     "`write_steps`' dict for `rec`; moves the last events written and the snapshots' digests forward."
     same = rec.events and rec.events == self._last_events[1]
     kw = dict(step=rec.step, rows=rec.rows(), events=rec.events, closed=rec.closed,
-              events_step=self._last_events[0] if same else None, training=rec.training, calls=rec.call_rows(),
+              events_step=self._last_events[0] if same else None, training=rec.training, iteration=rec.iteration, kind=rec.kind,
+              calls=rec.call_rows(),
               scalars=rec.scalar_values(), snapshots=self._changes.rows(rec.snapshots))
     if rec.events and not same: self._last_events = (rec.step, rec.events)
     return kw
@@ -420,6 +422,12 @@ def log(self:torchEmber, **scalars):
 def _set_enabled(self:torchEmber, on:bool): self.capture.enabled = bool(on)
 torchEmber.enabled = property(lambda self: self.recording and self.capture.enabled, _set_enabled,
                               doc="Whether steps are recorded (the model stays armed either way); always False on a rank `ranks=` leaves out.")
+
+def _set_iteration(self:torchEmber, n:int):
+    if not (isinstance(n, int) and not isinstance(n, bool) and n >= 0): raise ValueError(f"te.iteration must be an int >= 0, not {n!r}")
+    self.capture.iteration = n
+torchEmber.iteration = property(lambda self: self.capture.iteration, _set_iteration,
+                                doc="Optimizer steps completed so far: counted from the optimizers of the model's parameters, or set by hand.")
 
 @patch
 def enable(self:torchEmber): self.enabled = True; return self

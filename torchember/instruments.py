@@ -22,13 +22,14 @@ def hist_stats(bins:int=32,        # bins between hist_lo and hist_hi
     "A stat function: `default_stats` plus a histogram (`hist`, `hist_lo`, `hist_hi`, `hist_out`), computed on the tensor's device."
     if not (isinstance(bins, int) and bins >= 1): raise ValueError(f"hist_stats needs at least one bin, got {bins!r}")
     if sample_n is not None and not (isinstance(sample_n, int) and sample_n >= 1): raise ValueError(f"sample_n must be a positive int, got {sample_n!r}")
+    gens = {}                                     # device -> this function's sampling generator
     def hist(t:torch.Tensor)->dict:
         d = default_stats(t)
         if t.device.type == 'meta' or t.layout != torch.strided: return d
         x = t.detach().reshape(-1)
         if x.is_complex(): x = x.abs()
         x = x.to(torch.float32) if x.dtype not in (torch.float32, torch.float64) else x
-        if sample_n is not None and x.numel() > sample_n: x = x[torch.randint(x.numel(), (sample_n,), device=x.device)]
+        if sample_n is not None and x.numel() > sample_n: x = _sample(x, sample_n, gens)
         if x.numel() == 0: return {**d, 'hist': [0.] * bins, 'hist_lo': math.nan, 'hist_hi': math.nan, 'hist_out': 0}
         if x.device.type == 'cpu' and not (d['nan_count'] or d['inf_count']): return {**d, **_host_hist(x, d, bins, outliers)}
         fin = x.isfinite()
@@ -50,6 +51,15 @@ def hist_stats(bins:int=32,        # bins between hist_lo and hist_hi
         return {**d, 'hist': counts, 'hist_lo': lo, 'hist_hi': hi, 'hist_out': (~inside).sum()}
     hist.__name__ = hist.__qualname__ = f'hist_stats({bins})'
     return hist
+
+def _sample(x:torch.Tensor, n:int, gens:dict)->torch.Tensor:
+    "`n` elements of the 1-d `x`, drawn uniformly with replacement by the generator in `gens` for its device."
+    g = gens.get(x.device)
+    if g is None:
+        try: g = torch.Generator(device=x.device)
+        except RuntimeError: g = torch.Generator()    # a device without generators of its own: indices drawn on the host
+        g = gens[x.device] = g.manual_seed(0)
+    return x[torch.randint(x.numel(), (n,), generator=g, device=g.device).to(x.device)]
 
 def _host_hist(x, d, bins, outliers):
     "On a CPU, where reading a number costs nothing: the range from the default stats, one `histc` pass to bin."

@@ -395,7 +395,7 @@ def measure_large(n:int=4*LARGE,   # elements of the float32 tensor timed
                   reps:int=5,      # rounds; each times the three in turn
                  )->dict:          # median ms of `native`, `torch` and `sum`
     "Time the kernel, torch's kernels for the same moments and one `torch.sum` on a float32 tensor of `n` elements, on torch's threads."
-    x = torch.randn(n)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0))
     fns = dict(native=lambda: moments([x]), torch=lambda: torch_moments(x), sum=lambda: x.sum())
     times = {k: [] for k in fns}
     for _ in range(reps):

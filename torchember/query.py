@@ -8,6 +8,7 @@ Docs: https://torchember.github.io/torchember/query.html.md"""
 from __future__ import annotations
 import json, math, zlib
 from pathlib import Path
+import numpy as np
 import pandas as pd
 import sqlalchemy as sa
 import torch
@@ -15,8 +16,8 @@ from sqlalchemy import select, func
 from .store import engine, escaped, drop_run, runs_t, ranks_t, modules_t, steps_t, events_t, stats_t, calls_t, scalars_t, snapshots_t, STAT_COLS
 
 # %% auto #0
-__all__ = ['FORWARD', 'BACKWARD', 'NONFINITE_KINDS', 'runs', 'delete_run', 'run_ranks', 'records', 'Run', 'load', 'summary',
-           'flow_order', 'decode_snapshot']
+__all__ = ['SUMMARY', 'FORWARD', 'BACKWARD', 'NONFINITE_KINDS', 'runs', 'delete_run', 'run_ranks', 'records', 'Run', 'load',
+           'applied_steps', 'summary', 'flow_order', 'decode_snapshot']
 
 # %% ../nbs/03_query.ipynb #1536ffaf
 def runs(db=None)->pd.DataFrame:
@@ -154,9 +155,47 @@ def df(self:Run, step=None, module=None, ttype=None, tname=None, steps:tuple=Non
 
 @patch
 def latest(self:Run, rank:int=None)->pd.DataFrame:
-    "Records of the newest step every rank has closed, of all ranks; with `rank`, of the newest step that rank closed."
+    "Records of the newest training step every rank has closed (with `rank`, that rank has), with its `iteration`."
     last = self.last_step if rank is None else self.last_steps.get(rank)
-    return self.df(step=-1 if last is None else last, rank=rank)
+    step, it = self.newest_train_step(last, rank)
+    df = self.df(step=-1 if step is None else step, rank=rank)
+    df.insert(2, 'iteration', pd.array([it] * len(df), dtype='Int64'))
+    return df
+
+def _is_train(st):
+    "SQL: a step of kind 'train'; in a store written before kinds, a step in training mode (or of unknown mode)."
+    return sa.or_(st.kind == 'train', sa.and_(st.kind.is_(None), sa.or_(st.training.is_(None), st.training != 0)))
+
+@patch
+def newest_train_step(self:Run, last:int=None, rank:int=None)->tuple:
+    "`(step, iteration)` of the newest 'train' step up to `last` (default the newest closed) on `rank` (default any); else of `last`."
+    last = self.last_step if last is None else last
+    if last is None: return None, None
+    st = steps_t.c
+    q = select(st.step, st.iteration).where(st.run_id == self.id, st.step <= last)
+    if rank is not None: q = q.where(st.rank == rank)
+    with engine(self.db).connect() as c:
+        row = c.execute(q.where(_is_train(st)).order_by(st.step.desc()).limit(1)).first()
+        if row is None: row = c.execute(q.where(st.step == last).limit(1)).first()
+    return (last, None) if row is None else (row[0], row[1])
+
+@patch
+def step_kinds(self:Run, rank:int=None)->pd.DataFrame:
+    "`step`, `iteration` and `kind` of every step `rank` (default: the first) closed; kinds of a store written before them from `training`."
+    st = steps_t.c
+    q = select(st.step, st.iteration, st.kind, st.training).where(st.run_id == self.id, st.rank == _one_rank(self, rank)).order_by(st.step)
+    with engine(self.db).connect() as c: rows = c.execute(q).all()
+    df = pd.DataFrame([tuple(r) for r in rows], columns=['step', 'iteration', 'kind', 'training'])
+    old = df['kind'].isna()
+    df.loc[old, 'kind'] = np.where(df.loc[old, 'training'].eq(0), 'eval', 'train')
+    return df.drop(columns='training').astype({'step': int, 'iteration': 'Int64', 'kind': str})
+
+def applied_steps(kinds:pd.DataFrame)->list:
+    "Of `step_kinds`, the training steps whose grads the optimizer applied: each iteration's last (all, where none was counted)."
+    train = kinds[kinds['kind'] == 'train']
+    its = train['iteration']
+    if its.isna().any() or its.nunique() < 2: return train['step'].tolist()   # no optimizer steps seen: every step its own
+    return train.groupby('iteration', sort=True)['step'].max().tolist()
 
 def _one_rank(run:Run, rank:int=None)->int:
     "`rank`, or the run's first rank: what a question about one rank's view of a step (its events, a snapshot) is asked of."
@@ -184,26 +223,34 @@ def sequence(self:Run, step:int=None, rank:int=None)->list:
     return [f"{k} {n}" for k, n in zip(ev['kind'], ev['module'])]
 
 # %% ../nbs/03_query.ipynb #0c6b57fe
+SUMMARY = ['module', 'mtype', 'call', 'out_mean', 'out_std', 'weight_norm', 'grad_norm', 'nonfinite', 'nonfinite_inputs']
+
 def summary(df:pd.DataFrame)->pd.DataFrame:
-    "One row per module call of the records in `df`: output mean/std, weight and grad norms, non-finite count."
-    if df.empty: return pd.DataFrame(columns=['module', 'mtype', 'call', 'out_mean', 'out_std', 'weight_norm', 'grad_norm', 'nonfinite'])
+    "One row per module call of the records in `df`: output mean/std, weight and grad norms, NaN/Inf it made or held, and in its inputs."
+    if df.empty: return pd.DataFrame(columns=SUMMARY)
+    bad = df.get('nan_count', 0).fillna(0) + df.get('inf_count', 0).fillna(0)
     d = df.assign(sq=df.get('norm', pd.Series(index=df.index, dtype=float))**2,
-                  bad=df.get('nan_count', 0).fillna(0) + df.get('inf_count', 0).fillna(0))
+                  bad=bad.where(df.ttype != 'input', 0), bad_in=bad.where(df.ttype == 'input', 0))
     keys = ['module', 'mtype', 'call']
     out = d[d.ttype == 'output'].groupby(keys, sort=False).first()[['mean', 'std']].add_prefix('out_')
     w = d[d.ttype.isin(['weight', 'weight_grad'])].groupby(['module', 'ttype'])['sq'].sum()**0.5
-    res = d.groupby(keys, sort=False)['bad'].sum().rename('nonfinite').to_frame().join(out)
+    res = d.groupby(keys, sort=False)[['bad', 'bad_in']].sum().set_axis(['nonfinite', 'nonfinite_inputs'], axis=1).join(out)
     res['weight_norm'] = [w.get((m, 'weight'), math.nan) for m, _, _ in res.index]
     res['grad_norm'] = [w.get((m, 'weight_grad'), math.nan) for m, _, _ in res.index]
-    res = res.reset_index()[['module', 'mtype', 'call', 'out_mean', 'out_std', 'weight_norm', 'grad_norm', 'nonfinite']]
+    res = res.reset_index()[SUMMARY]
     res['module'] = res['module'].where(res['module'] != '', '(root)')
     return res
 
 @patch
 def summary(self:Run, step:int=None, rank:int=None)->pd.DataFrame:
-    "One line per module call of `step` (default: the newest closed step) on `rank` (default: the first)."
-    step = self.last_step if step is None else step
-    return summary(self.df(step=-1 if step is None else step, rank=_one_rank(self, rank)))
+    "One line per module call of `step` (default: the newest training step) on `rank` (default: the first), after its `step` and `iteration`."
+    rank = _one_rank(self, rank)
+    if step is None: step, it = self.newest_train_step(self.last_steps.get(rank), rank)
+    else: it = self.step_kinds(rank).set_index('step')['iteration'].get(step)
+    res = summary(self.df(step=-1 if step is None else step, rank=rank))
+    res.insert(0, 'iteration', pd.array([it] * len(res), dtype='Int64'))
+    res.insert(0, 'step', pd.array([step] * len(res), dtype='Int64'))
+    return res
 
 # %% ../nbs/03_query.ipynb #8cb53409
 @patch
@@ -245,21 +292,24 @@ def scalars(self:Run, rank=None)->pd.DataFrame:
     with engine(self.db).connect() as c: rows = c.execute(q).all()
     return pd.DataFrame([tuple(r) for r in rows], columns=['step', 'rank', 'name', 'value']).astype({'value': float})
 
-_STEPS = ['step', 'rank', 'closed', 'training', 'n_records', 'grad_norm', 'weight_norm']
+_STEPS = ['step', 'rank', 'iteration', 'kind', 'closed', 'training', 'n_records', 'grad_norm', 'weight_norm']
 
 @patch
 def steps(self:Run, rank=None)->pd.DataFrame:
-    "One row per step closed by each rank (or `rank`(s)): when, its mode, records, global grad and weight L2 norms, and each logged scalar."
+    "One row per step closed by each rank (or `rank`(s)): its iteration and kind, when, its mode, records, global grad and weight L2 norms, and each logged scalar."
     st, s = steps_t.c, stats_t.c
     norms = (select(s.step, s.rank, s.ttype, func.sum(s.norm * s.norm), func.count(), func.count(s.norm))
              .where(s.run_id == self.id, s.ttype.in_(['weight', 'weight_grad'])).group_by(s.step, s.rank, s.ttype))
-    q = select(st.step, st.rank, st.closed, st.training, st.n_records).where(st.run_id == self.id).order_by(st.step, st.rank)
+    q = (select(st.step, st.rank, st.iteration, st.kind, st.closed, st.training, st.n_records)
+         .where(st.run_id == self.id).order_by(st.step, st.rank))
     if rank is not None: q, norms = q.where(st.rank.in_(_as_list(rank))), norms.where(s.rank.in_(_as_list(rank)))
     with engine(self.db).connect() as c:
         steps = c.execute(q).all()
         sq = pd.DataFrame([tuple(r) for r in c.execute(norms)], columns=['step', 'rank', 'ttype', 'sq', 'n', 'known'])
-    df = pd.DataFrame([tuple(r) for r in steps], columns=_STEPS[:5], dtype=object)
-    df = df.astype({'step': int, 'rank': int, 'closed': float, 'n_records': 'Int64'})
+    df = pd.DataFrame([tuple(r) for r in steps], columns=_STEPS[:7], dtype=object)
+    df = df.astype({'step': int, 'rank': int, 'iteration': 'Int64', 'closed': float, 'n_records': 'Int64'})
+    old = df['kind'].isna()   # a store written before kinds: from the mode
+    df.loc[old, 'kind'] = np.where(df.loc[old, 'training'].eq(0), 'eval', 'train')
     df['closed'], df['training'] = pd.to_datetime(df['closed'], unit='s'), df['training'].astype('boolean')
     sq['norm'] = (sq['sq'].astype(float) ** .5).where(sq['n'] == sq['known'])   # a NaN (stored as NULL) norm: unknown
     key = pd.MultiIndex.from_frame(df[['step', 'rank']])

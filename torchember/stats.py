@@ -210,6 +210,8 @@ class StepRecord:
     done: object = None                              # an accelerator event that marks the transfer complete
     closed: bool = True                              # False for grads that arrive after their step was written
     training: bool|None = None                       # the root module's mode in this step
+    iteration: int|None = None                       # optimizer steps completed when the step began
+    kind: str|None = None                            # 'train', 'eval' or 'no_grad' (`core.STEP_KINDS`)
     calls: list = field(default_factory=list)       # (mi, call, training, fwd start, fwd end, bwd start, bwd end) when timed
     scalars: dict = field(default_factory=dict)     # name -> number or 0-d tensor, from `te.log`
     snapshots: list = field(default_factory=list)   # (mi, call, ttype, tname, tensor on the host)
@@ -301,13 +303,17 @@ class Recorder:
         self.on_tensor = None      # called as `(rec, mi, call, ttype, tname, t)` for every recorded tensor (snapshots)
         self.param_extras = None   # called as `(ttype, items)`: per item a dict of more stats of weights, or None
 
-    def open(self, step:int, training:bool=None):
+    def open(self, step:int, training:bool=None, iteration:int=None, kind:str=None):
         "Start recording `step`: everything of the open step is in the attributes `_STEP_STATE` names."
-        self.rec = StepRecord(step, training=training)
+        self.rec = StepRecord(step, training=training, iteration=iteration, kind=kind)
         self._groups, self._pieces, self._nm, self._seen, self._xvals, self._weights = {}, [], 0, {}, [], None
         self._direct, self._direct_rows = None, []   # CPU tensors measured at once (`_now`)
         self._nat = native.library() is not None     # looked up once a step
         self._spent, self._t0 = {}, time.perf_counter()   # seconds per custom stat function, in a step that began at `_t0`
+
+    def set_kind(self, kind:str):
+        "What the open step turned out to be, once its forward is over (a train-mode call that built no graph: 'no_grad')."
+        if self.rec is not None: self.rec.kind = kind
 
 _STEP_STATE = ('rec', '_groups', '_pieces', '_nm', '_seen', '_xvals', '_weights', '_direct', '_direct_rows', '_nat', '_spent', '_t0')
 

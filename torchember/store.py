@@ -20,8 +20,8 @@ __all__ = ['SCHEMA_VERSION', 'MEMORY', 'metadata', 'STAT_COLS', 'Str', 'Size', '
            'steps_t', 'digests_t', 'events_t', 'stats_t', 'calls_t', 'scalars_t', 'snapshots_t', 'VIEWS',
            'RETIRED_RUN_ID', 'ROWS_PER_INSERT', 'LINGER_S', 'PENDING_STEPS', 'PENDING_BYTES', 'RETRY_S', 'EXIT_WAIT_S',
            'default_db', 'db_url', 'check_name', 'escaped', 'StoreError', 'engine', 'keyed_by_rank', 'create_run',
-           'drop_run', 'claim', 'release', 'rows_digest', 'write_step', 'write_steps', 'idle_priority', 'store_busy',
-           'Writer']
+           'drop_run', 'last_iteration', 'claim', 'release', 'rows_digest', 'write_step', 'write_steps',
+           'idle_priority', 'store_busy', 'Writer']
 
 # %% ../nbs/02_store.ipynb #2b4773a6
 SCHEMA_VERSION = 2
@@ -85,6 +85,7 @@ modules_t = Table('modules', metadata,
 steps_t = Table('steps', metadata,
     Column('run_id', Integer, nullable=False), Column('step', Integer, nullable=False), _rank(),
     Column('closed', Float), Column('n_records', Integer), Column('events_step', Integer), Column('training', Integer),
+    Column('iteration', Integer), Column('kind', Str),
     PrimaryKeyConstraint('run_id', 'step', 'rank'))
 digests_t = Table('digests', metadata,   # what a step's closing write stored, for `diff`: NULL once rows came later
     Column('run_id', Integer, nullable=False), Column('step', Integer, nullable=False), _rank(), Column('digest', Str),
@@ -358,6 +359,13 @@ def drop_run(c, run_id:int)->dict:
 
 RETIRED_RUN_ID = 'retired_run_id'   # meta key: the largest id of a deleted run
 
+def last_iteration(eng, run_id:int, rank:int=0)->int:
+    "The iteration of the newest step `rank` closed in run `run_id` (0 if none says): where a resumed run counts on from."
+    s = steps_t.c
+    with eng.connect() as c:
+        it = c.execute(select(s.iteration).where(s.run_id == run_id, s.rank == rank).order_by(s.step.desc()).limit(1)).scalar()
+    return int(it or 0)
+
 def _fresh_id(c)->dict:
     "The id for a new run, where the store would give a deleted run's id again (SQLite): one above every id it gave; else nothing."
     if c.dialect.name != 'sqlite': return {}
@@ -515,10 +523,11 @@ def rows_digest(rows:list)->str|None:
     except Exception: return None
 
 def write_step(eng, run_id:int, step:int, rows:list, events:list=(), closed:bool=True, events_step:int=None,
-               training:bool=None, calls:list=(), scalars:dict=None, snapshots:list=(), rank:int=0):
+               training:bool=None, calls:list=(), scalars:dict=None, snapshots:list=(), rank:int=0,
+               iteration:int=None, kind:str=None):
     "Write a step of `rank`: its stat `rows` (tuples in `stats` column order after `run_id, step, rank`), `events` (`(kind, module_id, call)`), `calls` (`(module_id, call, training, fwd_ms, bwd_ms)`), `scalars` and `snapshots` (`(module_id, ttype, tname, call, dtype, shape, data)`) in one transaction of engine `eng`, or in the open one of connection `eng`; `events_step`: an earlier step of the rank whose events these equal (none are written)."
     write_steps(eng, run_id, [dict(step=step, rows=rows, events=events, closed=closed, events_step=events_step, training=training,
-                                   calls=calls, scalars=scalars, snapshots=snapshots)], rank=rank)
+                                   iteration=iteration, kind=kind, calls=calls, scalars=scalars, snapshots=snapshots)], rank=rank)
 
 def write_steps(eng, run_id:int, steps:list, rank:int=0):
     "Write several steps of `rank` (each a dict of `write_step`'s arguments after `run_id`) in one transaction of `eng` (or in the open one of connection `eng`): their small rows in one statement each."
@@ -536,7 +545,7 @@ def write_steps(eng, run_id:int, steps:list, rank:int=0):
             events, events_step, training = s.get('events') or (), s.get('events_step'), s.get('training')
             if events and events_step is None: _insert_rows(c, events_t, head, [(i, *e) for i, e in enumerate(events)])
             if closed: closes.append((*head, time.time(), len(rows), step if events_step is None else events_step,
-                                      None if training is None else int(training)))
+                                      None if training is None else int(training), s.get('iteration'), s.get('kind')))
         if digests: _executemany(c, digests_t, digests, replace=True)
         if closes:
             _executemany(c, steps_t, closes)
