@@ -179,16 +179,24 @@ def newest_train_step(self:Run, last:int=None, rank:int=None)->tuple:
         if row is None: row = c.execute(q.where(st.step == last).limit(1)).first()
     return (last, None) if row is None else (row[0], row[1])
 
+_KINDS = {}   # (store, run id, rank, its newest step) -> `step_kinds`: closed steps are never changed, only added
+
 @patch
 def step_kinds(self:Run, rank:int=None)->pd.DataFrame:
     "`step`, `iteration` and `kind` of every step `rank` (default: the first) closed; kinds of a store written before them from `training`."
-    st = steps_t.c
-    q = select(st.step, st.iteration, st.kind, st.training).where(st.run_id == self.id, st.rank == _one_rank(self, rank)).order_by(st.step)
-    with engine(self.db).connect() as c: rows = c.execute(q).all()
-    df = pd.DataFrame([tuple(r) for r in rows], columns=['step', 'iteration', 'kind', 'training'])
+    st, rank, eng = steps_t.c, _one_rank(self, rank), engine(self.db)
+    mine = [st.run_id == self.id, st.rank == rank]
+    with eng.connect() as c:
+        key = (str(eng.url), self.id, rank, c.execute(select(st.step).where(*mine).order_by(st.step.desc()).limit(1)).scalar())
+        if key in _KINDS: return _KINDS[key].copy()
+        rows = c.execute(select(st.step, st.iteration, st.kind, st.training).where(*mine).order_by(st.step)).cursor.fetchall()
+    df = pd.DataFrame(rows, columns=['step', 'iteration', 'kind', 'training'])
     old = df['kind'].isna()
     df.loc[old, 'kind'] = np.where(df.loc[old, 'training'].eq(0), 'eval', 'train')
-    return df.drop(columns='training').astype({'step': int, 'iteration': 'Int64', 'kind': str})
+    df = df.drop(columns='training').astype({'step': int, 'iteration': 'Int64', 'kind': str})
+    if len(_KINDS) > 16: _KINDS.clear()
+    _KINDS[key] = df
+    return df.copy()
 
 def applied_steps(kinds:pd.DataFrame)->list:
     "Of `step_kinds`, the training steps whose grads the optimizer applied: each iteration's last (all, where none was counted)."
