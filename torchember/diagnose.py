@@ -468,7 +468,7 @@ def _windowed(self:Run, rank, hi, window, spike, factor, lead, dead, orders, upd
               *module_spikes(self, rank, norms, names, window, spike, factor, lo)]
     return [*[_calm_grad_spike(f, sig, window, spike, factor, lead) for f in spikes],
             *dead_modules(norms, names, lo, dead, zeros_in=lambda ids: zero_inputs(self, rank, lo, hi, ids)),
-            *(across_depth(rms.loc[hi], order, names, hi, orders) if hi in rms.index else []),
+            *(across_depth(rms.loc[at], order, names, at, orders) if (at := rms.index[rms.index <= hi].max()) >= lo else []),
             *over_steps(rms[rms.index >= lo], order, names, orders),
             *update_ratios(self, rank, lo, hi, names, update_band)]
 
