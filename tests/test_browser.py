@@ -1,7 +1,8 @@
 """The explorer in a real browser: JupyterLab runs a notebook that trains a tiny model and opens the explorer; headless
 Chromium (the system's, driven by Playwright) must render its plotly figures with data, live mode must bring new steps
 to the page from its thread, a click on a bar must reach Python and redraw the history, and so must a click on a cell
-of the model map, the history then showing that module, ttype and stat with the cell's step marked; and a click on a
+of the model map (whose hover names the cell's step, iteration and kind), the history then showing that module, ttype
+and stat with the cell's step (and iteration) marked; and a click on a
 finding of the list at the top (the notebook's model has a known culprit: its last layer's weights are multiplied by 4
 before step 15) must open its evidence on top and that module's history below, the step marked. Screenshots go to
 test-artifacts/explorer.png (after the bar click), test-artifacts/explorer-map-click.png and
@@ -123,6 +124,7 @@ MAP_CELL = """([j, i]) => {
 STAT_PICKED = "[...document.querySelectorAll('.widget-select-multiple select option')].filter(o => o.selected).map(o => o.textContent)"
 STATUS = "[...document.querySelectorAll('.widget-label')].map(l => l.textContent).join('|')"
 TITLES = "[...document.querySelectorAll('.js-plotly-plot .gtitle, .js-plotly-plot .annotation-text')].map(t => t.textContent)"
+HOVER = "[...document.querySelectorAll('.js-plotly-plot .hoverlayer .hovertext')].map(t => t.textContent)"
 
 def test_explorer_renders_in_jupyterlab(lab):
     ARTIFACTS.mkdir(exist_ok=True)
@@ -163,7 +165,7 @@ def test_explorer_renders_in_jupyterlab(lab):
             for attempt in range(3):
                 bars.nth(1).click(force=True)
                 try:
-                    page.wait_for_function(f"() => {TITLES}.some(t => t.includes('2 · weight_grad weight over steps'))", timeout=20_000)
+                    page.wait_for_function(f"() => {TITLES}.some(t => /2 · weight_grad weight over (applied )?steps/.test(t))", timeout=20_000)
                     break
                 except Exception:
                     if attempt == 2: raise
@@ -175,11 +177,15 @@ def test_explorer_renders_in_jupyterlab(lab):
             # a click on a cell of the model map (module 2's weight grads at step 12): its history of that ttype and stat
             page.select_option('.widget-dropdown:has(label:text-is("stat")) select', label='std')
             page.wait_for_timeout(1500)
+            x, y, _ = page.evaluate(MAP_CELL, [12, 1])                   # its hover names the step's iteration and kind
+            page.mouse.move(x, y)
+            page.wait_for_function(f"() => {HOVER}.some(t => t.includes('step 12 · iteration 12 · train'))", timeout=20_000)
             for attempt in range(3):
                 x, y, label = page.evaluate(MAP_CELL, [12, 1])
                 page.mouse.click(x, y)
                 try:
-                    page.wait_for_function(f"() => {TITLES}.some(t => t.includes('2 · weight_grad weight over steps · step 12 marked'))", timeout=20_000)
+                    page.wait_for_function(f"() => {TITLES}.some(t => /2 · weight_grad weight over (applied )?steps · step 12 marked \\(it\\. 12\\)/.test(t))",
+                                           timeout=20_000)
                     break
                 except Exception:
                     if attempt == 2: raise
@@ -195,8 +201,8 @@ def test_explorer_renders_in_jupyterlab(lab):
             for attempt in range(3):
                 option.click()
                 try:
-                    page.wait_for_function(f"() => {TITLES}.some(t => t.includes('spike at step 15: 2 (Linear), output RMS over steps'))"
-                                           f" && {TITLES}.some(t => t.includes('2 · output over steps · step 15 marked'))", timeout=20_000)
+                    page.wait_for_function(f"() => {TITLES}.some(t => t.includes('spike at step 15 (it. 15): 2 (Linear), output RMS over steps'))"
+                                           f" && {TITLES}.some(t => t.includes('2 · output over steps · step 15 marked (it. 15)'))", timeout=20_000)
                     break
                 except Exception:
                     if attempt == 2: raise

@@ -131,6 +131,9 @@ def test_cli_doctor_exit_codes(db):
     assert ok.returncode == 0, ok.stderr
     assert bad.returncode == 1 and 'nonfinite' in bad.stdout and "module '2'" in bad.stdout
     assert cli('doctor', 'nope', '--db', db).returncode == 2
+    quiet = cli('doctor', 'nan', '--db', db, '--ignore', 'nonfinite, spike')   # judged harmless: no error left
+    assert quiet.returncode == 0 and 'nonfinite' not in quiet.stdout, quiet.stdout
+    assert cli('doctor', 'nan', '--db', db, '--ignore', 'nan').returncode == 2   # not a kind: refused
 
 def test_cli_diff(db):
     for run, tweak in (('base', None), ('nudged', nudge)): train(mlp(), run, db, steps=20, tweak=tweak)

@@ -182,7 +182,7 @@ def test_nan_markers(ex, store):
     assert 'NaN/Inf' in names(ex.plots['histogram'])
     bars = ex.plots['bars'].data[0]                  # weight grads of the latest step are all NaN: the last finite step is shown
     assert all(y is not None and y > 0 for y in bars.y) and '#d62728' not in set(bars.marker.color)
-    assert ex.plots['bars'].title.startswith(f'step {BAD_FROM - 1}, the last before NaN/Inf (first at step {BAD_FROM}: 0 output)')
+    assert ex.plots['bars'].title.startswith(f'step {BAD_FROM - 1} (it. {BAD_FROM - 1}), the last before NaN/Inf (first at step {BAD_FROM}, it. {BAD_FROM}: 0 output)')
 
 def test_overlay(ex, store):
     ex.module_picker.value = '2'

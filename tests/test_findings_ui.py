@@ -53,13 +53,13 @@ def test_explorer_lists_findings_and_opens_their_evidence(scaled, store):
         i = next(i for i, l in enumerate(labels) if l.endswith('· spike · 6 (Linear) output'))
         ex.findings_picker.value = i
         ev = ex.plots['evidence']
-        assert ev.shown and ev.title == 'spike at step 40: 6 (Linear), output RMS over steps'
+        assert ev.shown and ev.title == 'spike at step 40 (it. 40): 6 (Linear), output RMS over steps'
         assert ev.yaxis.domain[1] == max(p.yaxis.domain[1] for p in ex.plots.values())   # on top of the figure
         assert [s.x0 for s in ev.shapes] == [40]
         out = next(t for t in ev.data if t.name == 'outside the band')
         assert out.x[0] == 40
         assert (ex.module_picker.value, ex.ttype_picker.value, ex.stat_picker.value, ex._mark) == ('6', 'output', ('norm',), 40)
-        assert 'step 40 marked' in ex.plots['history'].title
+        assert 'step 40 marked (it. 40)' in ex.plots['history'].title
         assert "module '6' (Linear)" in ex.finding_text.value
         ex.refresh()                                                 # a redraw keeps the finding open
         assert ex.findings_picker.value == i and ex.plots['evidence'].shown
@@ -114,5 +114,5 @@ def test_report_lists_findings_on_top_linked_to_their_evidence(scaled):
     anchors = re.findall(r'<h2 id="(finding-\d+)">', page)
     assert set(links) == set(anchors) and len(anchors) < len(links)   # the loss's spike and layer 6's share their evidence
     titles = [l.get('title', {}).get('text', '') for _, l in page_figures(page)]
-    assert 'spike at step 40: 6 (Linear), output RMS over steps' in titles
+    assert 'spike at step 40 (it. 40): 6 (Linear), output RMS over steps' in titles
     assert page.count('plotly.js v') == 1

@@ -214,7 +214,7 @@ def test_iteration_by_hand_and_on_resume(tmp_path):
     te2 = torchEmber(m, run='hand', db=db, resume=True)
     m(torch.randn(2, 4)).sum().backward(); opt.step()
     te2.disarm()
-    assert load('hand', db).steps().iteration.tolist() == [100, 101, 101]
+    assert load('hand', db).steps().iteration.tolist() == [100, 101, 102]   # on from the optimizer step after the last
 
 
 def test_counting_never_raises_into_the_optimizer(tmp_path):

@@ -88,3 +88,14 @@ def test_training_with_every_instrument_leaves_rng(fresh_cache, tmp_path, device
     bare_losses, bare_states = train(False, None, device)
     assert armed_losses == bare_losses
     assert_same_states(armed_states, bare_states)
+
+
+def test_pca_picture_of_a_large_tensor_leaves_rng():
+    "The explorer's PCA of a large snapshot is randomized on a generator of its own: the global seed and state stay the user's."
+    from torchember.figures import tensor_figure
+    torch.manual_seed(42)
+    x = torch.randn(300, 300)
+    state = torch.random.get_rng_state()
+    tensor_figure(x, kind='pca')
+    assert torch.initial_seed() == 42
+    assert torch.equal(torch.random.get_rng_state(), state)

@@ -156,6 +156,7 @@ GROUP = 16   # the most steps the writer puts in one transaction
 @patch
 def _emit(self:torchEmber, rec):
     if self._forked: return           # the parent's torchEmber, in a forked child: records nothing
+    rec.iteration_after = self.capture.iteration
     self._start_writer().submit(rec)
     if _chained and threading.get_ident() == threading.main_thread().ident: _install_handlers()   # a handler set since arming goes behind ours
 
@@ -185,7 +186,7 @@ def _step_args(self:torchEmber, rec)->dict:
     same = rec.events and rec.events == self._last_events[1]
     kw = dict(step=rec.step, rows=rec.rows(), events=rec.events, closed=rec.closed,
               events_step=self._last_events[0] if same else None, training=rec.training, iteration=rec.iteration, kind=rec.kind,
-              calls=rec.call_rows(),
+              iteration_after=rec.iteration_after, calls=rec.call_rows(),
               scalars=rec.scalar_values(), snapshots=self._changes.rows(rec.snapshots))
     if rec.events and not same: self._last_events = (rec.step, rec.events)
     return kw

@@ -20,7 +20,8 @@ from .findings import finding_label, severity_counts, evidence, evidence_figure
 from .ember import torchEmber
 from .figures import (ORANGE, RANK_COLORS, recorded_steps, history, stat_columns, module_label, history_traces,
                                 heatmap_traces, latest_times, latest_by_module, overview_traces, rank_traces, rank_spread,
-                                spread_traces, module_map, map_figure, map_labels, MAP_STATS, scalars_figure, finite_json)
+                                spread_traces, module_map, map_figure, map_labels, MAP_STATS, scalars_figure, finite_json,
+                                view_steps, with_kinds, step_name, step_title, iteration_text)
 import math
 import numpy as np
 
@@ -149,7 +150,7 @@ class Explorer(W.VBox):
         self.history_df = self.overlay_df = self.overview_df = self._ov_overlay = None
         self._first_bad, self._bad_after, self._timed = None, None, False
         self._steps, self._seen, self._updated, self._hold, self._lock = [], None, None, 0, threading.RLock()
-        self._stop, self._thread, self._ranks = threading.Event(), None, [0]
+        self._stop, self._thread, self._ranks, self._kinds = threading.Event(), None, [0], {}
         self._combos = pd.DataFrame(columns=['module', 'ttype', 'tname'])
         wide = W.Layout(width='auto')
         self.run_picker = W.Dropdown(description='run', layout=W.Layout(width='360px'))
@@ -164,6 +165,8 @@ class Explorer(W.VBox):
         self.tname_picker = W.Dropdown(description='name', layout=W.Layout(width='250px'))
         self.stat_picker = W.SelectMultiple(description='stats', rows=6, layout=W.Layout(width='250px'))
         self.log_toggle = W.Checkbox(description='log scale', indent=False, layout=W.Layout(width='100px'))
+        self.all_steps_toggle = W.Checkbox(description='all steps', indent=False, layout=W.Layout(width='100px'),
+                                           tooltip="weight grads at every training step (default: where the optimizer applied them)")
         self.ov_ttype = W.Dropdown(description='ttype', options=list(TTYPES), value='weight_grad', layout=W.Layout(width='220px'))
         self.ov_stat = W.Dropdown(description='stat', layout=W.Layout(width='200px'))
         self.findings, self._finding, self._diag_at, self._diag_key = _findings([]), None, -math.inf, None
@@ -173,7 +176,8 @@ class Explorer(W.VBox):
         self.fig = go.FigureWidget(layout=dict(width=_WIDTH, height=_TOP + _BOTTOM, template='plotly_white'))   # one figure: one copy of plotly.js
         self.plots = {n: Plot(self.fig, n) for n in PLOTS}
         self._n_axes, self._map_rows, self._mark = len(PLOTS), {}, None
-        side = W.VBox([self.module_filter, self.module_picker, self.ttype_picker, self.tname_picker, self.stat_picker, self.log_toggle],
+        side = W.VBox([self.module_filter, self.module_picker, self.ttype_picker, self.tname_picker, self.stat_picker, self.log_toggle,
+                       self.all_steps_toggle],
                       layout=W.Layout(width='260px', flex='0 0 260px'))
         hint = W.HTML('<small>map and bars: click a cell or a bar for that module\'s history of this ttype and stat</small>')
         self.children = [W.HBox([self.run_picker, self.overlay_picker, self.rank_picker, self.live_toggle, self.stop_button, self.status]),
@@ -181,7 +185,8 @@ class Explorer(W.VBox):
                          W.HBox([self.ov_ttype, self.ov_stat, hint]), W.HBox([side, self.fig])]
         for w, fn in ((self.run_picker, 'show_run'), (self.overlay_picker, '_on_overlay'), (self.rank_picker, '_on_rank'), (self.module_filter, '_on_filter'),
                       (self.module_picker, '_on_module'), (self.ttype_picker, '_on_ttype'), (self.tname_picker, '_on_history'),
-                      (self.stat_picker, '_on_history'), (self.log_toggle, '_on_log'), (self.ov_ttype, '_on_ov'),
+                      (self.stat_picker, '_on_history'), (self.log_toggle, '_on_log'), (self.all_steps_toggle, '_on_all_steps'),
+                      (self.ov_ttype, '_on_ov'),
                       (self.ov_stat, '_on_ov'), (self.live_toggle, '_on_live'), (self.findings_picker, 'show_finding')):
             w.observe(self._guard(fn), 'value')
         self.stop_button.on_click(lambda _: self.stop())
@@ -233,7 +238,7 @@ def _newest(self:Explorer)->str:
 def show_run(self:Explorer, name:str):
     "Show run `name` of the store, keeping the chosen module, tensor and stats where it has them."
     with self._lock:
-        self.run = load(name, self.db)
+        self.run, self._kinds = load(name, self.db), {}
         seen = self._state()
         self._steps = recorded_steps(self.run)
         ends = sorted({self._steps[0], self._steps[-1]}) if self._steps else [-1]
@@ -323,7 +328,8 @@ def _stamp(self:Explorer):
     n, f, many = len(self._steps), self._first_bad, len(self._ranks) > 1
     ranks = f" · {len(self._ranks)} ranks" if many else ''
     where = f" on rank {f['rank']}" if f and many else ''
-    bad = f" · first NaN/Inf: {module_label(f['module'])} ({f['mtype']}) {f['ttype']} at step {f['step']}{where}" if f else ''
+    at = step_name(f['step'], self._kinds_of(self.run, self._rank())) if f else ''
+    bad = f" · first NaN/Inf: {module_label(f['module'])} ({f['mtype']}) {f['ttype']} at {at}{where}" if f else ''
     live = ' · live' if self.live_toggle.value else ''
     self.status.value = f"last updated {self._updated} · {n} step{'s' if n != 1 else ''}{ranks}{bad}{live}"
 
@@ -333,6 +339,14 @@ def _find_first_bad(self:Explorer):
     if self._first_bad is not None or not self._steps: return
     self._first_bad = self.run.first_nonfinite(after=self._bad_after)
     self._bad_after = self._steps[-2] if len(self._steps) > 1 else None
+
+@patch
+def _kinds_of(self:Explorer, run, rank:int=None):
+    "`run.step_kinds(rank)` (rank None: its first), read once until new steps come."
+    if run is None: return None
+    key = (run.id, rank)
+    if key not in self._kinds: self._kinds[key] = run.step_kinds(rank)
+    return self._kinds[key]
 
 @patch
 def _state(self:Explorer)->tuple:
@@ -361,34 +375,48 @@ def refresh_history(self:Explorer):
     with self._lock:
         module, ttype, tname = self._tensor()
         stats, log, view, rank = list(self.stat_picker.value), self.log_toggle.value, self.rank_picker.value, self._rank()
-        h = history(self.run, module, ttype, tname, self.max_points, steps=self._steps, rank=rank) if ttype else pd.DataFrame(columns=['step', 'rank'])
+        kinds, every = self._kinds_of(self.run, rank), self.all_steps_toggle.value
+        shown = view_steps(kinds, ttype, self._steps, every)
+        h = (with_kinds(history(self.run, module, ttype, tname, self.max_points, steps=shown, rank=rank), kinds) if ttype
+             else pd.DataFrame(columns=['step', 'rank']))
+        over = 'over applied steps' if len(shown) < len(self._steps) and not every else 'over steps'   # see `view_steps`
         traces = (rank_traces(h, stats) if view == ALL else spread_traces(rank_spread(h, stats), stats) if view == SPREAD
                   else history_traces(h, stats))
         self.history_df, self.overlay_df = h, None
         if self.overlay is not None and ttype:
-            self.overlay_df = history(self.overlay, module, ttype, tname, self.max_points, rank=self._overlay_rank())
+            orank = self._overlay_rank()
+            ok = self._kinds_of(self.overlay, orank)
+            oh = history(self.overlay, module, ttype, tname, self.max_points, steps=view_steps(ok, ttype, ok['step'], every), rank=orank)
+            self.overlay_df = with_kinds(oh, ok)
             traces += history_traces(self.overlay_df, stats, run=self.overlay.name, color=ORANGE)
         what = f"{module_label(module)} · {ttype or '—'}{f' {tname}' if tname and tname != ttype else ''}"
         if len(self._ranks) > 1: what += {ALL: ' · every rank', SPREAD: ' · all ranks (spread)'}.get(view, f' · rank {view}')
         mark = [dict(type='line', x0=self._mark, x1=self._mark, yref='paper', y0=0, y1=1, line=dict(color='black', dash='dot', width=1))] if self._mark is not None else []
-        marked = f" · step {self._mark} marked" if self._mark is not None else ''
-        self._draw('history', go.Figure(traces, layout=dict(title=f"{what} over steps{marked}", height=360, xaxis_title='step', shapes=mark,
+        it = iteration_text(kinds, self._mark)
+        marked = f" · step {self._mark} marked" + (f" ({it})" if it else '') if self._mark is not None else ''
+        self._draw('history', go.Figure(traces, layout=dict(title=f"{what} {over}{marked}", height=360, shapes=mark, xaxis_title=step_title(kinds),
                                                            yaxis_type='log' if log else 'linear', yaxis_title=', '.join(stats))))
         hm = heatmap_traces(h) if ttype and rank is not None else []
-        self._draw('histogram', go.Figure(hm, layout=dict(title=f"{what}: histogram over steps", height=300, xaxis_title='step',
+        self._draw('histogram', go.Figure(hm, layout=dict(title=f"{what}: histogram {over}", height=300, xaxis_title=step_title(kinds),
                                                           yaxis_title='value')) if hm else None)
     return self
 
 @patch
 def refresh_overview(self:Explorer):
-    "Read the latest step of every module for the chosen ttype and redraw its bars."
+    "Read the latest step of every module for the chosen ttype (of weight grads: the latest applied) and redraw its bars."
     with self._lock:
-        tt, f = self.ov_ttype.value, self._first_bad
-        before = [s for s in self._steps if f and s < f['step']]
-        self._ov_step = before[-1] if before and tt != TIME and self._steps[-1] >= f['step'] else None   # blown up: its last finite step
+        tt, f, every = self.ov_ttype.value, self._first_bad, self.all_steps_toggle.value
+        shown = view_steps(self._kinds_of(self.run, self._rank()), tt, self._steps, every)
+        before = [s for s in shown if f and s < f['step']]
+        self._ov_step = before[-1] if before and tt != TIME and shown[-1] >= f['step'] else None   # blown up: its last finite step
+        at = self._ov_step if self._ov_step is not None else shown[-1] if shown and shown[-1] != self._steps[-1] else None
         read = (lambda r, k, s=None: latest_times(r, s, rank=k)) if tt == TIME else (lambda r, k, s=None: latest_by_module(r, tt, s, rank=k))
-        self.overview_df = read(self.run, self._rank(), self._ov_step) if self.run is not None else pd.DataFrame()
-        self._ov_overlay = read(self.overlay, self._overlay_rank()) if self.overlay is not None else None
+        self.overview_df = read(self.run, self._rank(), at) if self.run is not None else pd.DataFrame()
+        if self.overlay is not None:
+            ok = self._kinds_of(self.overlay, self._overlay_rank())
+            last = view_steps(ok, tt, ok['step'], every)[-1:] if len(ok) else []
+            self._ov_overlay = read(self.overlay, self._overlay_rank(), last[0] if last and last[0] != ok['step'].iloc[-1] else None)
+        else: self._ov_overlay = None
         with self._quiet(): _set_options(self.ov_stat, stat_columns(self.overview_df), prefer=['norm', 'std'])
         return self._draw_overview()
 
@@ -403,11 +431,16 @@ def _draw_overview(self:Explorer):
     else: traces = overview_traces(o, stat, self.module_picker.value, flagged=flagged)
     if self._ov_overlay is not None: traces += overview_traces(self._ov_overlay, stat, run=self.overlay.name, color=ORANGE)
     step, tt = o['step'].iloc[0] if len(o) else '—', self.ov_ttype.value
-    f = self._first_bad
-    at = (f"step {step}, the last before NaN/Inf (first at step {f['step']}: {module_label(f['module'])} {f['ttype']})"
-          if getattr(self, '_ov_step', None) is not None else f"step {step}")
+    f, kinds = self._first_bad, self._kinds_of(self.run, self._rank())
+    if getattr(self, '_ov_step', None) is not None:
+        it = iteration_text(kinds, f['step'])
+        first = f"step {f['step']}{', ' + it if it else ''}: {module_label(f['module'])} {f['ttype']}"
+        at = f"{step_name(step, kinds)}, the last before NaN/Inf (first at {first})"
+    else: at = step_name(step, kinds) if len(o) else 'step —'
+    k = kinds.loc[kinds['step'] == step, 'kind'] if kinds is not None and len(o) else []
+    kind = f" · a{'n' if k.iloc[0] == 'eval' else ''} {k.iloc[0]} step" if len(k) and k.iloc[0] != 'train' else ''
     log = self.log_toggle.value
-    self._draw('bars', go.Figure(traces, layout=dict(title=f"{at}: {stat or '—'}{'' if tt == TIME else f' of {tt}'} per module (click a bar)",
+    self._draw('bars', go.Figure(traces, layout=dict(title=f"{at}: {stat or '—'}{'' if tt == TIME else f' of {tt}'} per module (click a bar){kind}",
                                                      height=340, yaxis_type='log' if log else 'linear', yaxis_dtick=1 if log else None)))
     for t in self.plots['bars'].data:
         if t.type == 'bar': t.on_click(self._on_bar_click)
@@ -448,10 +481,14 @@ def refresh_map(self:Explorer):
         tt, stat = self.ov_ttype.value, self.ov_stat.value
         if self.run is None or tt == TIME: return self
         self._map_stat = stat if stat in MAP_STATS else 'norm'
-        m = module_map(self.run, tt, self._map_stat, rank=self._rank())
+        kinds = self._kinds_of(self.run, self._rank())
+        shown = view_steps(kinds, tt, self._steps, self.all_steps_toggle.value)
+        some = len(shown) < len(self._steps)   # weight grads at the applied steps only
+        m = module_map(self.run, tt, self._map_stat, rank=self._rank(), steps=shown if some else None)
         self.map_data = m
         self._map_rows = dict(zip(map_labels(m, self.run), m['modules']))
-        self._draw('map', map_figure(m, self.run, tt, self._map_stat, first=self._first_bad))
+        self._draw('map', map_figure(m, self.run, tt, self._map_stat, first=self._first_bad, kinds=kinds,
+                                     applied=some and not self.all_steps_toggle.value))
         for t in self.plots['map'].data: t.on_click(self._on_map_click)
     return self
 
@@ -463,7 +500,8 @@ def refresh_scalars(self:Explorer):
         other = self.overlay.steps(self._overlay_rank()) if self.overlay is not None else None
         f = self._first_bad
         fig = scalars_figure(self.run.steps(self._ranks[0] if self._rank() is None else self._rank()), other,
-                             (self.run.name, self.overlay.name if self.overlay else ''), f and f['step'], self.max_points)
+                             (self.run.name, self.overlay.name if self.overlay else ''), f and f['step'], self.max_points,
+                             all_steps=self.all_steps_toggle.value)
         self._draw('scalars', fig)
     return self
 
@@ -486,6 +524,10 @@ def _on_history(self:Explorer, _): self.refresh_history()
 @patch
 def _on_log(self:Explorer, _):
     with self._lock: self.refresh_history()._draw_overview()
+
+@patch
+def _on_all_steps(self:Explorer, _):
+    with self._lock: self.refresh_history().refresh_overview().refresh_map().refresh_scalars()
 
 @patch
 def _on_ov(self:Explorer, _):
@@ -545,7 +587,7 @@ def show_finding(self:Explorer, i:int|None, select:bool=True):
         esc = lambda s: html.escape(s, quote=False)
         self.finding_text.value = (f"<div style='max-width:1200px'>{esc(f['message'])}"
                                    + (f" <small style='color:#666'>(expected: {esc(f['expected'])})</small>" if f['expected'] else '') + '</div>')
-        try: fig = evidence_figure(evidence(self.run, f, rank=self._rank()), f)
+        try: fig = evidence_figure(evidence(self.run, f, rank=self._rank(), kinds=self._kinds_of(self.run, self._rank())), f)
         except Exception as e: fig, self.finding_text.value = None, self.finding_text.value + f"<small>no evidence: {html.escape(f'{type(e).__name__}: {e}')}</small>"
         self._draw('evidence', fig)
         if select and isinstance(f['module'], str):   # the history shows the norm where the finding judged the RMS (norm / √elements)
@@ -589,6 +631,7 @@ def poll(self:Explorer)->bool:
         if self._combos.empty: self.show_run(self.run.name)   # its first steps: learn its tensors
         else:
             self._steps += recorded_steps(self.run, after=self._steps[-1])
+            self._kinds = {}   # their iterations and kinds: read again
             self.refresh(seen)
         return True
 

@@ -15,17 +15,18 @@ from fastcore.basics import patch
 from sqlalchemy import select
 from .stats import STATS
 from .store import engine, steps_t
-from .query import Run
+from .query import Run, applied_steps
 
 # %% auto #0
-__all__ = ['BLUE', 'ORANGE', 'RED', 'RANK_COLORS', 'MAP_STATS', 'with_stats', 'stat_columns', 'combine', 'recorded_steps', 'thin',
-           'history', 'heat', 'nan_steps', 'nan_trace', 'history_traces', 'modules_in_order', 'latest_by_module',
+__all__ = ['APPLIED_ONLY', 'BLUE', 'ORANGE', 'RED', 'RANK_COLORS', 'MAP_STATS', 'with_stats', 'stat_columns', 'combine',
+           'recorded_steps', 'thin', 'history', 'view_steps', 'with_kinds', 'iteration_text', 'step_name', 'step_hover',
+           'step_title', 'heat', 'nan_steps', 'nan_trace', 'history_traces', 'modules_in_order', 'latest_by_module',
            'module_label', 'overview_traces', 'latest_times', 'heatmap_traces', 'rank_traces', 'rank_spread',
            'spread_traces', 'tensor_image', 'tensor_figure', 'forward_order', 'module_map', 'finite_json', 'map_labels',
            'map_figure', 'log_axis', 'flat_range', 'scalar_series', 'scalars_figure']
 
 # %% ../nbs/05_figures.ipynb #f654825d
-_META = ('run', 'step', 'rank', 'call', 'module', 'mtype', 'ttype', 'tname', 'shape', 'dtype')
+_META = ('run', 'step', 'iteration', 'kind', 'rank', 'call', 'module', 'mtype', 'ttype', 'tname', 'shape', 'dtype')
 _SUMS = ('numel', 'nan_count', 'inf_count')
 
 def with_stats(df:pd.DataFrame)->pd.DataFrame:
@@ -91,6 +92,62 @@ def history(run:Run,              # the run to read
     sel = thin(steps, max_points)   # named steps: the store seeks each (step, rank, module) rather than scanning the run
     return combine(with_stats(run.df(step=sel, module=module, ttype=ttype, tname=tname, rank=rank)), ['step', 'rank'])
 
+# %% ../nbs/05_figures.ipynb #8c6e970b
+APPLIED_ONLY = ('weight_grad',)   # drawn at the applied steps: a micro-step's weight grad is a running sum
+
+def view_steps(kinds:pd.DataFrame,    # `Run.step_kinds` of the rank drawn; None: unknown
+               ttype:str,             # what the view draws
+               steps:list,            # the steps it could draw, in order
+               all_steps:bool=False,  # weight grads at every training step, an accumulation's micro-steps too
+              )->list:                # the steps to draw, in order
+    "The steps of `steps` a view of `ttype` draws: weight grads where the optimizer applied them, the rest all."
+    if ttype not in APPLIED_ONLY or kinds is None or kinds.empty: return list(steps)
+    keep = set(kinds.loc[kinds['kind'] == 'train', 'step'] if all_steps else applied_steps(kinds))
+    return [s for s in steps if s in keep] or list(steps)   # no training step at all (trained in eval mode): every one
+
+def with_kinds(df:pd.DataFrame,               # rows with a `step` column
+               kinds:pd.DataFrame=None,       # `Run.step_kinds`; None: `df` as it is
+               cols=('iteration', 'kind'),    # what to add of each step
+              )->pd.DataFrame:
+    "`df` with its steps' `cols` from `kinds` after its `step` column; the columns `df` already has are left as they are."
+    if kinds is None or 'step' not in df: return df
+    ix, df = kinds.drop_duplicates('step').set_index('step'), df.copy()
+    at = df.columns.get_loc('step') + 1
+    for i, c in enumerate([c for c in cols if c not in df]): df.insert(at + i, c, ix[c].reindex(df['step']).array)
+    return df
+
+def iteration_text(kinds:pd.DataFrame, step)->str:
+    "'it. 11' for `step` of `Run.step_kinds` frame `kinds`; '' where it knows no iteration."
+    row = kinds[kinds['step'] == step] if kinds is not None and 'iteration' in kinds and step is not None else []
+    return f"it. {int(row['iteration'].iloc[0])}" if len(row) and pd.notna(row['iteration'].iloc[0]) else ''
+
+def step_name(step, kinds:pd.DataFrame=None)->str:
+    "A step as a title or a label names it: 'step 22 (it. 11)', or 'step 22' where `kinds` knows no iteration."
+    t = iteration_text(kinds, step)
+    return f"step {step} ({t})" if t else f"step {step}"
+
+def step_hover(h:pd.DataFrame)->tuple:
+    "`(customdata, text)` naming each step of `h` in a hover: 'step 22 · iteration 11 · train', as far as `h` knows."
+    n, text, need = len(h), 'step %{x}', False
+    it = h['iteration'] if 'iteration' in h else pd.Series([pd.NA] * n, index=h.index, dtype='Int64')
+    kind = h['kind'] if 'kind' in h else pd.Series([None] * n, index=h.index, dtype=object)
+    same = n and it.notna().all() and (it.astype('int64').to_numpy() == h['step'].to_numpy()).all()
+    if same: text += ' · iteration %{x}'   # one call per iteration: the step says it
+    elif it.notna().any(): text, need = text + ' · iteration %{customdata[0]}', True
+    seen = kind.dropna().unique()
+    if len(seen) == 1 and kind.notna().all(): text += f' · {seen[0]}'
+    elif len(seen): text, need = text + ' · %{customdata[1]}', True
+    cd = [[None if pd.isna(i) else int(i), None if pd.isna(k) else str(k)] for i, k in zip(it, kind)] if need else None
+    return cd, text
+
+def step_title(kinds:pd.DataFrame)->str:
+    "A step axis's title: 'step (hover for iteration)' where the iterations of `kinds` are not its steps, else 'step'."
+    if kinds is None or 'iteration' not in kinds: return 'step'
+    d = kinds[kinds['iteration'].notna()]
+    differ = (d['iteration'].astype('int64').to_numpy() != d['step'].to_numpy()).any()
+    return 'step (hover for iteration)' if differ else 'step'
+
+
 # %% ../nbs/05_figures.ipynb #0d1352c1
 def heat(h:pd.DataFrame,  # per-step records with `hist`, `hist_lo`, `hist_hi` (see `hist_stats`)
          bins:int=None,   # bins of the common axis; default: as many as recorded
@@ -127,16 +184,18 @@ def nan_trace(h:pd.DataFrame, x:str='step', y:pd.Series=None, name:str='NaN/Inf'
     b = nan_steps(h)
     ys = [0.] * len(b) if y is None else _list(y.reindex(b.index).fillna(0))
     text = [f"{int(n or 0)} NaN, {int(i or 0)} Inf" for n, i in zip(b.get('nan_count', [0]*len(b)), b.get('inf_count', [0]*len(b)))]
-    return go.Scatter(x=b[x].tolist(), y=ys, mode='markers', name=name, text=text, hovertemplate='%{x}: %{text}<extra></extra>',
-                      marker=dict(symbol='x', size=10, color=RED, line=dict(width=1, color=RED)), **kw)
+    cd, at = step_hover(b) if x == 'step' else (None, '%{x}')
+    return go.Scatter(x=b[x].tolist(), y=ys, mode='markers', name=name, text=text, customdata=cd,
+                      hovertemplate=at + ': %{text}<extra></extra>', marker=dict(symbol='x', size=10, color=RED, line=dict(width=1, color=RED)), **kw)
 
-def history_traces(h:pd.DataFrame,      # per-step records, as `history` returns them
+def history_traces(h:pd.DataFrame,      # per-step records, as `history` returns them (`with_kinds`: their iterations too)
                    stats=('mean',),     # stats to draw; `mean` is drawn with its band and envelope
                    run:str='',          # a run name to prefix trace names with (for an overlaid run)
                    color:str=BLUE,      # the run's colour
                   )->list:
     "Traces of `stats` of `h` over steps: the mean in a ±std band in a min/max envelope, other stats as lines, NaN/Inf markers."
     pre, x, tr, first = f'{run}: ' if run else '', h['step'].tolist(), [], None
+    cd, at = step_hover(h)
     stats = [s for s in stats if s in h]
     for i, s in enumerate(stats):
         if s == 'mean' and {'std', 'min', 'max'} <= set(h.columns):
@@ -148,7 +207,8 @@ def history_traces(h:pd.DataFrame,      # per-step records, as `history` returns
                    go.Scatter(x=x, y=_list(lo), name=pre + 'mean - std', showlegend=False, line=dict(width=0), **common),
                    go.Scatter(x=x, y=_list(hi), name=pre + 'mean ± std', fill='tonexty', fillcolor=_rgba(color, .3),
                               line=dict(width=0), **common)]
-        tr.append(go.Scatter(x=x, y=_list(h[s]), mode='lines', name=pre + s, line=dict(color=color, dash=_DASHES[i % len(_DASHES)])))
+        tr.append(go.Scatter(x=x, y=_list(h[s]), mode='lines', name=pre + s, customdata=cd, hovertemplate='%{y:.4g}<br>' + at,
+                             line=dict(color=color, dash=_DASHES[i % len(_DASHES)])))
         if first is None: first = h[s].where(np.isfinite(h[s].astype(float))).ffill()
     if stats and not nan_steps(h).empty: tr.append(nan_trace(h, y=first, name=pre + 'NaN/Inf'))
     return tr
@@ -197,11 +257,13 @@ def latest_times(run:Run, step:int=None, rank:int=None)->pd.DataFrame:
 
 # %% ../nbs/05_figures.ipynb #15d03818
 def heatmap_traces(h:pd.DataFrame, bins:int=None)->list:
-    "A heatmap of `h`'s histograms over steps (see `heat`) with NaN/Inf markers; empty without histograms."
+    "A heatmap of `h`'s histograms over steps (`heat`), NaN/Inf marked, steps named in the hover; empty without histograms."
     hm = heat(h, bins)
     if hm is None: return []
+    cd, at = step_hover(h)   # per cell: a heatmap's hover reads customdata[row][column]
     tr = [go.Heatmap(x=hm['x'], y=hm['y'], z=hm['z'].tolist(), colorscale='Viridis', name='histogram', colorbar=dict(title='fraction'),
-                     hovertemplate='step %{x}<br>value %{y:.4g}<br>fraction %{z:.3f}<extra></extra>')]
+                     customdata=[cd] * len(hm['y']) if cd else None,
+                     hovertemplate=at + '<br>value %{y:.4g}<br>fraction %{z:.3f}<extra></extra>')]
     if not nan_steps(h).empty: tr.append(nan_trace(h, y=pd.Series(hm['y'][-1], index=h.index)))
     return tr
 
@@ -222,16 +284,20 @@ def rank_spread(h:pd.DataFrame,     # per-step records of several ranks, as `his
         if s in h: out[s], out[f'{s}_lo'], out[f'{s}_hi'] = g[s].mean(), g[s].min(), g[s].max()
     for c in ('nan_count', 'inf_count'):
         if c in h: out[c] = g[c].sum(min_count=1)
+    for c in ('iteration', 'kind'):
+        if c in h: out[c] = g[c].first()
     return out.reset_index()
 
 def spread_traces(sp:pd.DataFrame, stats=('mean',), color:str=BLUE)->list:
     "Each stat of `rank_spread`'s `sp` as its mean over ranks inside the band from the lowest to the highest rank, and NaN/Inf markers."
     x, tr, first = sp['step'].tolist(), [], None
+    cd, at = step_hover(sp)
     for i, s in enumerate(st for st in stats if st in sp):
         common = dict(mode='lines', legendgroup=f'{s} ranks', hoverinfo='skip', line=dict(width=0))
         tr += [go.Scatter(x=x, y=_list(sp[f'{s}_lo']), name=f'{s}: lowest rank', showlegend=False, **common),
                go.Scatter(x=x, y=_list(sp[f'{s}_hi']), name=f'{s}: range over ranks', fill='tonexty', fillcolor=_rgba(color, .25), **common),
-               go.Scatter(x=x, y=_list(sp[s]), mode='lines', name=f'{s}: mean over ranks', line=dict(color=color, dash=_DASHES[i % len(_DASHES)]))]
+               go.Scatter(x=x, y=_list(sp[s]), mode='lines', name=f'{s}: mean over ranks', customdata=cd,
+                          hovertemplate='%{y:.4g}<br>' + at, line=dict(color=color, dash=_DASHES[i % len(_DASHES)]))]
         if first is None: first = sp[s].where(np.isfinite(sp[s].astype(float))).ffill()
     if first is not None and not nan_steps(sp).empty: tr.append(nan_trace(sp, y=first))
     return tr
@@ -259,12 +325,17 @@ def tensor_image(t:torch.Tensor,    # any tensor
         img[r * (h + 1):r * (h + 1) + h, k * (w + 1):k * (w + 1) + w] = tile
     return img
 
+def _top_directions(x:torch.Tensor, k:int, extra:int=8, iters:int=4)->torch.Tensor:
+    "The `k` leading right singular vectors of `x` (features x k), by a randomized range finder on a generator of its own: no draw from the user's RNG."
+    g = torch.Generator().manual_seed(0)
+    y = x @ torch.randn(x.shape[1], k + extra, generator=g, dtype=x.dtype)
+    for _ in range(iters): y = x @ (x.T @ torch.linalg.qr(y).Q)   # power iterations sharpen the leading directions
+    q = torch.linalg.qr(y).Q
+    return torch.linalg.svd(q.T @ x, full_matrices=False)[2][:k].T
+
 def _pcs(x:torch.Tensor)->tuple:
     "The rows of `x` (samples x features, centred) on their first two principal components, and each one's share of the variance."
-    if min(x.shape) > 256:   # large: randomized, on a private RNG so the caller's random state is left alone
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            p = x @ torch.pca_lowrank(x, q=2, center=False)[2][:, :2]
+    if min(x.shape) > 256: p = x @ _top_directions(x, 2)   # large: randomized
     else:
         u, s, _ = torch.linalg.svd(x, full_matrices=False)
         p = u[:, :2] * s[:2]
@@ -332,7 +403,8 @@ def picture(self:Run,
     "A picture of the stored snapshot of `module`'s `tname` as it was at `step`."
     t = self.snapshot(module, tname, step=step, ttype=ttype, call=call)
     at = self.last_step if step is None else step
-    return tensor_figure(t, kind, bins, title=f"{self.name} · {module_label(module)} {tname} at step {at} · {tuple(t.shape)}")
+    when = step_name(at, self.step_kinds())
+    return tensor_figure(t, kind, bins, title=f"{self.name} · {module_label(module)} {tname} at {when} · {tuple(t.shape)}")
 
 # %% ../nbs/05_figures.ipynb #b0b3dc59
 import sqlalchemy as sa
@@ -360,8 +432,9 @@ def module_map(run:Run,                  # the run to read
                tname:str=None,           # one tensor name, e.g. 'weight'; None: all of the module's `ttype`, taken together
                rank:int=None,            # the rank to read; default the run's first
                bins:int=500,             # at most this many columns
-              )->dict:                   # modules, x (first step of each column), width (steps a column), z (values), bad (NaN/Inf in the column)
-    "Every module's `stat` of `ttype` at the first step of each of at most `bins` columns, and whether any step of a column held NaN/Inf."
+               steps:list=None,          # only these steps (`view_steps`); None: every step
+              )->dict:                   # modules, x (each column's step), width (steps a column), z (values), bad (NaN/Inf in a column)
+    "Every module's `stat` of `ttype` at the first step (of `steps`) of each of at most `bins` columns; whether a column held NaN/Inf."
     if stat not in MAP_STATS: raise ValueError(f"a map shows one of {', '.join(MAP_STATS)}, not {stat!r}")
     rank = run.ranks[0] if rank is None else rank
     s, st = stats_t.c, steps_t.c
@@ -371,13 +444,21 @@ def module_map(run:Run,                  # the run to read
         if lo is None: return empty
         width = -(-(hi - lo + 1) // bins)          # steps a column, so that there are at most `bins`
         cols = list(range(lo, hi + 1, width))
+        if steps is not None:   # a column shows its first step of `steps`; a column with none of them goes
+            firsts = {}
+            for k in sorted(steps):
+                if lo <= k <= hi: firsts.setdefault((k - lo) // width, k)
+            cols = [firsts[j] for j in sorted(firsts)]
+            if not cols: return empty
         where = [s.run_id == run.id, s.rank == rank, s.ttype == ttype] + ([s.tname == tname] if tname is not None else [])
-        at = s.step.in_(cols) if width > 1 else s.step.between(lo, hi)   # named steps: one seek each on the key
+        at = s.step.in_(cols) if width > 1 or steps is not None else s.step.between(lo, hi)   # named steps: a seek each
         vals = c.execute(select(s.module_id, s.step, *_map_agg(stat, s), func.count(s[stat]), func.count())
                          .where(*where, at).group_by(s.step, s.module_id)).all()
         bad = c.execute(select(s.module_id, ((s.step - lo) // width).label('col'))
                         .where(*where, sa.or_(s.nan_count > 0, s.inf_count > 0)).group_by(s.module_id, 'col')).all()
         names = dict(c.execute(select(modules_t.c.id, modules_t.c.name).where(modules_t.c.run_id == run.id)).all())
+    of = {(k - lo) // width: j for j, k in enumerate(cols)}   # a span of `width` steps -> its column
+    bad = [(i, of[c]) for i, c in bad if c in of]
     if not vals and not bad: return empty
     mid, step, a, b, known, count = np.array([tuple(r) for r in vals], dtype=float).reshape(-1, 6).T
     with np.errstate(divide='ignore', invalid='ignore'):
@@ -388,7 +469,7 @@ def module_map(run:Run,                  # the run to read
     row_of = np.full(max(names) + 1, -1)
     for i, name in names.items(): row_of[i] = order.index(name) if name in have else -1
     z, nf = np.full((len(order), len(cols)), np.nan), np.zeros((len(order), len(cols)), bool)
-    z[row_of[mid.astype(int)], ((step - lo) // width).astype(int)] = v
+    z[row_of[mid.astype(int)], [of[k] for k in ((step - lo) // width).astype(int)]] = v
     for i, j in bad: nf[row_of[i], j] = True
     return dict(modules=order, x=cols, width=width, z=z, bad=nf)
 
@@ -413,6 +494,8 @@ def map_figure(m:dict,               # a `module_map`
                run:Run,              # its run, for the module classes and the first NaN/Inf
                ttype:str='weight_grad', stat:str='norm',
                first:dict=None,      # `run.first_nonfinite()`, if known
+               kinds:pd.DataFrame=None,  # `run.step_kinds(rank)`: each column's iteration and kind in the hover
+               applied:bool=False,   # `m` holds the applied steps only (`view_steps`): the title says so
               )->go.Figure:
     "The heatmap of `module_map` `m`: log10 |stat| per module and column, NaN/Inf cells red, the first one outlined."
     types = dict(zip(run.modules()['module'], run.modules()['mtype']))
@@ -420,22 +503,33 @@ def map_figure(m:dict,               # a `module_map`
     with np.errstate(divide='ignore', invalid='ignore'): z = np.log10(np.abs(m['z']))
     floor = np.nanmin(np.where(np.isfinite(z), z, np.nan), initial=0) - 1 if np.isfinite(z).any() else 0
     z = np.where(np.isfinite(z), z, np.where(m['z'] == 0, floor, np.nan))   # exact zeros (dead grads): a decade below the smallest value
-    at = 'step %{x}' if m['width'] == 1 else f"steps %{{x}}–%{{x}}+{m['width'] - 1}"
+    cd, at = step_hover(with_kinds(pd.DataFrame({'step': m['x']}, dtype=int), kinds))
+    if m['width'] > 1: at += f" (a column of {m['width']} steps)"
     hm = go.Heatmap(x=m['x'], y=labels, z=z, colorscale='Viridis', name='map', colorbar=dict(title=f'log10 {stat}', len=0.9),
-                    ygap=1, hoverongaps=False, hovertemplate='%{y}<br>' + at + '<br>log10 ' + stat + ' %{z:.3f}<extra></extra>')
+                    ygap=1, hoverongaps=False, customdata=[cd] * len(labels) if cd else None,
+                    hovertemplate='%{y}<br>' + at + '<br>log10 ' + stat + ' %{z:.3f}<extra></extra>')
     bad = go.Heatmap(x=m['x'], y=labels, z=np.where(m['bad'], 1., np.nan), colorscale=[[0, RED], [1, RED]], showscale=False,
                      name='NaN/Inf', hoverinfo='skip', ygap=1)
     fig = go.Figure([hm, bad] if m['bad'].any() else [hm])
     ij = _first_cell(m, first)
     if ij is not None:
         i, j = ij
-        fig.add_shape(type='rect', x0=m['x'][j] - m['width'] / 2, x1=m['x'][j] + m['width'] / 2, y0=i - 0.5, y1=i + 0.5,
-                      line=dict(color='black', width=3), name='first NaN/Inf')
+        x0, x1 = _cell_edges(m['x'], j, m['width'])
+        fig.add_shape(type='rect', x0=x0, x1=x1, y0=i - 0.5, y1=i + 0.5, line=dict(color='black', width=3),
+                      name='first NaN/Inf')
     span = f" · {m['width']} steps a column" if m['width'] > 1 else ''
-    fig.update_layout(title=f"{run.name}: log10 {stat} of {ttype}, every module × step{span} (click a cell for its history)",
+    step = 'applied step' if applied else 'step'
+    fig.update_layout(title=f"{run.name}: log10 {stat} of {ttype}, every module × {step}{span} (click a cell for its history)",
                       height=max(260, 60 + 18 * len(labels)), template='plotly_white', margin=dict(l=10, r=10, t=40, b=40),
-                      xaxis=dict(title='step'), yaxis=dict(autorange='reversed', automargin=True, type='category'))
+                      xaxis=dict(title=step_title(kinds)), yaxis=dict(autorange='reversed', automargin=True, type='category'))
     return fig
+
+def _cell_edges(x:list, j:int, width:int=1)->tuple:
+    "The left and right edges of column `j` of a heatmap whose columns sit at `x`: halfway to its neighbours."
+    if len(x) == 1: return x[0] - width / 2, x[0] + width / 2
+    left = (x[j - 1] + x[j]) / 2 if j else x[0] - (x[1] - x[0]) / 2
+    right = (x[j] + x[j + 1]) / 2 if j + 1 < len(x) else x[j] + (x[j] - x[j - 1]) / 2
+    return left, right
 
 def _first_cell(m:dict, first:dict=None)->tuple|None:
     "Row and column of the first NaN/Inf cell: the earliest column, and there `first`'s module if it is a row, else the first row."
@@ -466,7 +560,7 @@ def flat_range(values)->list|None:
 
 def scalar_series(st:pd.DataFrame)->list:
     "The columns of `Run.steps` frame `st` to draw: the logged scalars, then the grad and weight norms, those with a value."
-    fixed = ('step', 'rank', 'closed', 'training', 'n_records')
+    fixed = ('step', 'rank', 'iteration', 'kind', 'closed', 'training', 'n_records')
     logged = [c for c in st.columns if c not in (*fixed, 'grad_norm', 'weight_norm')]
     return [c for c in (*logged, 'grad_norm', 'weight_norm') if c in st and pd.to_numeric(st[c], errors='coerce').notna().any()]
 
@@ -476,25 +570,29 @@ def scalars_figure(st:pd.DataFrame,        # `Run.steps()` of one rank
                    first_bad:int=None,     # the first step with NaN/Inf, marked
                    max_points:int=2000,    # at most this many steps a line
                    cols:int=2,             # plots side by side
+                   all_steps:bool=False,   # grad norms at every training step; default at the applied ones (`view_steps`)
                   )->go.Figure:
-    "One small plot per logged scalar and global norm over steps, a second run overlaid."
+    "One small plot per logged scalar and global norm over steps, a second run overlaid, each step's iteration in the hover."
     series = scalar_series(st) or ['grad_norm']
     rows = -(-len(series) // cols)
     fig = make_subplots(rows=rows, cols=min(cols, len(series)), subplot_titles=series, horizontal_spacing=0.08, vertical_spacing=0.6 / rows if rows > 1 else 0)
     for k, (frame, name, color) in enumerate(((st, names[0], BLUE), (other, names[1], ORANGE))):
         if frame is None or frame.empty: continue
-        f = frame[frame['step'].isin(thin(sorted(frame['step'].unique()), max_points))]
         for i, s in enumerate(series):
-            if s not in f: continue
+            if s not in frame: continue
+            d = frame
+            if s == 'grad_norm' and 'kind' in frame: d = frame[frame['step'].isin(view_steps(frame, 'weight_grad', frame['step'], all_steps))]
+            f = d[d['step'].isin(thin(sorted(d['step'].unique()), max_points))]
+            cd, at = step_hover(f)
             fig.add_trace(go.Scatter(x=f['step'].tolist(), y=_list(pd.to_numeric(f[s], errors='coerce')), mode='lines', name=name or 'run',
-                                     legendgroup=name or 'run', showlegend=i == 0, line=dict(color=color, width=1.5),
-                                     hovertemplate=f'{s} %{{y:.4g}} at step %{{x}}<extra>{name}</extra>'), row=i // cols + 1, col=i % cols + 1)
+                                     legendgroup=name or 'run', showlegend=i == 0, line=dict(color=color, width=1.5), customdata=cd,
+                                     hovertemplate=f'{s} %{{y:.4g}} at {at}<extra>{name}</extra>'), row=i // cols + 1, col=i % cols + 1)
     for i, s in enumerate(series):
-        fig.update_xaxes(title_text='step', row=i // cols + 1, col=i % cols + 1)
+        fig.update_xaxes(title_text=step_title(st), row=i // cols + 1, col=i % cols + 1)
         vals = [*st.get(s, [])] + ([*other[s]] if other is not None and s in other else [])
         if s.endswith('norm'): fig.update_yaxes(**log_axis(vals), row=i // cols + 1, col=i % cols + 1)
         elif (r := flat_range(vals)): fig.update_yaxes(range=r, row=i // cols + 1, col=i % cols + 1)
     if first_bad is not None: fig.add_vline(x=first_bad, line=dict(color=RED, dash='dash', width=1))
     two = other is not None and not other.empty   # one run needs no legend
     return fig.update_layout(height=230 * rows + 40, template='plotly_white', margin=dict(l=50, r=20, t=40, b=40), showlegend=two,
-                             legend=dict(orientation='h', x=1, xanchor='right', y=1.02, yanchor='bottom'), title='training scalars' + (f' · first NaN/Inf at step {first_bad}' if first_bad is not None else ''))
+                             legend=dict(orientation='h', x=1, xanchor='right', y=1.02, yanchor='bottom'), title='training scalars' + (f' · first NaN/Inf at {step_name(first_bad, st)}' if first_bad is not None else ''))

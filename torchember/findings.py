@@ -14,7 +14,7 @@ from sqlalchemy import select, func
 from .store import engine, modules_t, stats_t, steps_t, scalars_t
 from .query import Run, _one_rank
 from .diagnose import band_edges, eval_steps, MIN_BAND, GRAD_NORM
-from .figures import BLUE, RED, module_label, log_axis, _list
+from .figures import BLUE, RED, module_label, log_axis, _list, with_kinds, step_hover, step_title
 
 # %% auto #0
 __all__ = ['SEVERITY_MARKS', 'EVIDENCE_COLUMNS', 'finding_label', 'severity_counts', 'step_span', 'finding_series', 'evidence',
@@ -25,9 +25,15 @@ SEVERITY_MARKS = {'error': '✖', 'warning': '▲', 'info': '·'}   # plain char
 
 def _module(f)->str|None: return f['module'] if isinstance(f['module'], str) else None
 
+def _at(f, iteration=None)->str:
+    "'step 22 (it. 11)' for finding `f`, from its `iteration` (or `iteration`) where known; else 'step 22'."
+    it = f.get('iteration', iteration)
+    it = iteration if it is None or pd.isna(it) else it
+    return f"step {f['step']}" + (f" (it. {int(it)})" if it is not None and pd.notna(it) else '')
+
 def finding_label(f)->str:
-    "One line for finding `f` (a row of `Run.diagnose`): severity, step, kind and the module it names."
-    m, head = _module(f), f"{SEVERITY_MARKS.get(f['severity'], '')} {f['severity']} · step {f['step']} · {f['kind']}"
+    "One line for finding `f` (a row of `Run.diagnose`): severity, step and its iteration, kind and the module it names."
+    m, head = _module(f), f"{SEVERITY_MARKS.get(f['severity'], '')} {f['severity']} · {_at(f)} · {f['kind']}"
     signal = f['kind'] == 'spike' and f['stat'] not in ('norm', 'rms')   # a logged scalar or the grad norm spiked; the module is the culprit
     if signal: head += f" of {f['stat']}" + (' · first off its band:' if m is not None else '')
     if m is None: return head
@@ -87,7 +93,7 @@ def _training(v:pd.Series, run:Run, rank:int, only:bool)->pd.Series:
     return v[~v.index.isin(eval_steps(run, rank))] if only else v
 
 # %% ../nbs/05b_findings.ipynb #81589140
-EVIDENCE_COLUMNS = ['step', 'value', 'lo', 'hi', 'outside']
+EVIDENCE_COLUMNS = ['step', 'iteration', 'kind', 'value', 'lo', 'hi', 'outside']
 
 def evidence(run:Run,                    # the finding's run
              f,                          # one finding: a row of `run.diagnose()` (a Series or a dict)
@@ -97,7 +103,8 @@ def evidence(run:Run,                    # the finding's run
              dead:float=0.99,            # `diagnose`'s: the zero fraction of a dead output
              update_band:tuple=(1e-6, 0.03),  # `diagnose`'s: the usual ‖Δw‖/‖w‖
              rank:int=None,              # the rank `diagnose` looked at; default the run's first
-            )->pd.DataFrame:             # step, value, lo, hi, outside
+             kinds:pd.DataFrame=None,    # `run.step_kinds(rank)`, if already read
+            )->pd.DataFrame:             # step, iteration, kind (of the step), value, lo, hi, outside
     "The series finding `f` was judged on, around its step, with the band it is judged against."
     rank = _one_rank(run, rank)
     v = finding_series(run, f, rank, *step_span(run, int(f['step']), rank, 2 * window + 1, max(window // 2, 10)))
@@ -109,7 +116,8 @@ def evidence(run:Run,                    # the finding's run
     elif judged == 'update_ratio': lo, hi = np.full(len(x), update_band[0]), np.full(len(x), update_band[1])
     with np.errstate(invalid='ignore'):
         out = (x < lo) | (x > hi) if judged not in ('nan_count', 'inf_count') else x > 0
-    return pd.DataFrame({'step': v.index.to_numpy(int), 'value': x, 'lo': lo, 'hi': hi, 'outside': out}, columns=EVIDENCE_COLUMNS)
+    ev = pd.DataFrame({'step': v.index.to_numpy(int), 'value': x, 'lo': lo, 'hi': hi, 'outside': out})
+    return with_kinds(ev, run.step_kinds(rank) if kinds is None else kinds)[EVIDENCE_COLUMNS]
 
 # %% ../nbs/05b_findings.ipynb #3d4d10ab
 _YTITLE = {'norm': '{ttype} norm', 'rms': '{ttype} RMS', 'zero_frac': 'output zero fraction', 'nan_count': 'NaN count',
@@ -121,6 +129,7 @@ def evidence_figure(ev:pd.DataFrame,   # `evidence` of `f`
                    )->go.Figure:
     "The evidence of finding `f`: its series over steps, the band it left shaded, the values outside it in red, its step marked."
     judged, x = _judged(f), ev['step'].tolist()
+    cd, at = step_hover(ev)
     what = f['stat'] if judged == 'signal' else _YTITLE.get(judged, judged).format(ttype=f['ttype'], tname=f['tname'])
     band, lo = ev['lo'].notna() | ev['hi'].notna(), ev['lo']
     pos = ev['value'][np.isfinite(ev['value']) & (ev['value'] > 0)]
@@ -132,14 +141,17 @@ def evidence_figure(ev:pd.DataFrame,   # `evidence` of `f`
         tr += [go.Scatter(x=x, y=_list(lo), name='band low', showlegend=False, **common),
                go.Scatter(x=x, y=_list(ev['hi']), name='expected band', fill='tonexty', fillcolor='rgba(31,119,180,0.15)', **common)]
     tr.append(go.Scatter(x=x, y=_list(ev['value']), mode='lines+markers', name=what, line=dict(color=BLUE), marker=dict(size=4),
-                         hovertemplate='step %{x}: %{y:.4g}<extra></extra>'))
+                         customdata=cd, hovertemplate=at + ': %{y:.4g}<extra></extra>'))
     out = ev[ev['outside']]
     tr.append(go.Scatter(x=out['step'].tolist(), y=_list(out['value']), mode='markers', name='outside the band',
                          marker=dict(color=RED, size=9, symbol='circle-open', line=dict(width=2))))
     m = _module(f)
     who = f"{module_label(m)} ({f['mtype']})" if m is not None else f['stat']
-    fig = go.Figure(tr, layout=dict(title=f"{f['kind']} at step {f['step']}: {who}, {what} over steps", height=height,
-                                    template='plotly_white', margin=dict(l=60, r=20, t=50, b=40), xaxis_title='step', yaxis_title=what,
+    it = ev.loc[ev['step'] == int(f['step']), 'iteration'] if 'iteration' in ev else []
+    at = _at(f, it.iloc[0] if len(it) else None)   # the finding's iteration, or its step's in the evidence
+    fig = go.Figure(tr, layout=dict(title=f"{f['kind']} at {at}: {who}, {what} over steps", height=height,
+                                    template='plotly_white', margin=dict(l=60, r=20, t=50, b=40),
+                                    xaxis_title=step_title(ev), yaxis_title=what,
                                     yaxis=log_axis(pd.concat([pos, lo[lo > 0], ev['hi'][ev['hi'] > 0]])) if log else {}))
     fig.add_vline(x=int(f['step']), line=dict(color='black', dash='dot', width=1))
     return fig

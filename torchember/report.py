@@ -19,18 +19,21 @@ from .query import Run, load, flow_order
 from .findings import finding_label, severity_counts, evidence, evidence_figure
 from .figures import (BLUE, ORANGE, recorded_steps, thin, with_stats, combine, history_traces, heatmap_traces,
                                 latest_by_module, overview_traces, modules_in_order, module_label, module_map, map_figure,
-                                scalars_figure, log_axis)
+                                scalars_figure, log_axis, view_steps, with_kinds, step_name, step_title, step_hover,
+                                iteration_text)
 
 # %% auto #0
 __all__ = ['TOP', 'FINDINGS_DRAWN', 'nonfinite', 'report_figures', 'report_html', 'page_figures', 'report', 'main']
 
 # %% ../nbs/06_report.ipynb #6c2a1f3c
-def nonfinite(run:Run)->pd.DataFrame:
-    "One row per module tensor of `run` that held NaN or Inf: its first such step, the steps that did, total counts."
-    q = text("""SELECT module, ttype, tname, MIN(step) AS first_step, COUNT(DISTINCT step) AS steps,
-                       SUM(nan_count) AS nan, SUM(inf_count) AS inf
-                FROM records WHERE run_id = :rid AND (nan_count > 0 OR inf_count > 0)
-                GROUP BY module_id, module, ttype, tname ORDER BY module_id, ttype, tname""")
+def nonfinite(run:Run,
+              inputs:bool=False,   # list the inputs instead: what the modules were handed, not what they made or hold
+             )->pd.DataFrame:
+    "One row per module tensor of `run` that held NaN or Inf (what modules made or hold, or their `inputs`): first step, steps, counts."
+    q = text(f"""SELECT module, ttype, tname, MIN(step) AS first_step, COUNT(DISTINCT step) AS steps,
+                        SUM(nan_count) AS nan, SUM(inf_count) AS inf
+                 FROM records WHERE run_id = :rid AND ttype {'=' if inputs else '<>'} 'input' AND (nan_count > 0 OR inf_count > 0)
+                 GROUP BY module_id, module, ttype, tname ORDER BY module_id, ttype, tname""")
     cols = ['module', 'ttype', 'tname', 'first_step', 'steps', 'nan', 'inf']
     with engine(run.db).connect() as c: df = pd.DataFrame([tuple(r) for r in c.execute(q, dict(rid=run.id))], columns=cols)
     parts = [flow_order(g, run.events(int(s))) for s, g in df.groupby('first_step', sort=True)]
@@ -40,35 +43,51 @@ def nonfinite(run:Run)->pd.DataFrame:
 _LAYOUT = dict(template='plotly_white', margin=dict(l=50, r=20, t=50, b=40))
 TOP = 5   # modules with the largest grad norms whose sections are open
 
-def _bars(run:Run, ttype:str, stat:str, rank:int, step:int=None)->go.Figure|None:
+def _bars(run:Run, ttype:str, stat:str, rank:int, step:int=None, kinds:pd.DataFrame=None)->go.Figure|None:
     o = latest_by_module(run, ttype, step, rank=rank)
     tr = overview_traces(o, stat)
     if not tr: return None
-    return go.Figure(tr, layout=dict(height=340, title=f"step {o['step'].iloc[0]}", yaxis=log_axis(o[stat]), **_LAYOUT))
+    return go.Figure(tr, layout=dict(height=340, title=step_name(o['step'].iloc[0], kinds), yaxis=log_axis(o[stat]), **_LAYOUT))
 
 def _finite_step(run:Run, steps:list, first:dict|None)->int|None:
     "The step the bars show: None (the latest) unless the run blew up, then the last step before its first NaN/Inf."
     before = [s for s in steps if first and s < first['step']]
     return before[-1] if before else None
 
+def _bar_figures(run:Run, rank:int, steps:list, first:dict|None, kinds:pd.DataFrame)->list:
+    "Bars of each module's weight grad norm and output std at their latest step, or the last before the first NaN/Inf."
+    figs = []
+    for tt, stat in (('weight_grad', 'norm'), ('output', 'std')):
+        shown = view_steps(kinds, tt, steps)
+        at = _finite_step(run, shown, first)
+        when = ('S' + step_name(at, kinds)[1:] + ', the last before NaN/Inf' if at is not None else
+                'Latest applied step' if len(shown) < len(steps) else 'Latest step')
+        step = at if at is not None else shown[-1] if shown and shown[-1] != steps[-1] else None
+        if f := _bars(run, tt, stat, rank, step, kinds): figs.append((f'{when}: {tt} {stat} per module', f, True))
+    return figs
+
 def report_figures(run:Run, max_points:int=500, rank:int=None)->list:
     "The figures of `run`'s report (of `rank`, default its first), as `(heading, figure, open)`; each line has at most `max_points` steps."
     rank = run.ranks[0] if rank is None else rank
-    steps, first = recorded_steps(run), run.first_nonfinite(rank=rank)
-    figs = []
-    if (m := module_map(run, rank=rank))['modules']:
-        figs.append(('Every module: weight_grad norm over steps', map_figure(m, run, first=first).update_layout(title=None), True))
+    steps, first, kinds = recorded_steps(run), run.first_nonfinite(rank=rank), run.step_kinds(rank)
+    gsteps = view_steps(kinds, 'weight_grad', steps)
+    some = len(gsteps) < len(steps)   # weight grads at the applied steps only
+    figs, x_title = [], step_title(kinds)
+    if (m := module_map(run, rank=rank, steps=gsteps if some else None))['modules']:
+        figs.append((f"Every module: weight_grad norm over {'applied ' if some else ''}steps",
+                     map_figure(m, run, first=first, kinds=kinds, applied=some).update_layout(title=None), True))
     if steps:
         figs.append(('Training scalars', scalars_figure(run.steps(rank), first_bad=first and first['step'], max_points=max_points)
                                            .update_layout(title=None), True))
-    at = _finite_step(run, steps, first)
-    when = f"Step {at}, the last before NaN/Inf" if at is not None else 'Latest step'
-    figs += [(f'{when}: {tt} {st} per module', f, True) for tt, st in (('weight_grad', 'norm'), ('output', 'std'))
-             if (f := _bars(run, tt, st, rank, at))]
+    figs += _bar_figures(run, rank, steps, first, kinds)
     if not steps: return figs
     sel = thin(steps, max_points)
     where = dict(step=sel) if len(sel) < len(steps) else dict(steps=(steps[0], steps[-1]))
-    out, par = (with_stats(run.df(ttype=tt, rank=rank, **where)) for tt in ('output', ['weight', 'weight_grad']))
+    params = 'weight' if some else ['weight', 'weight_grad']
+    out, par = (with_stats(run.df(ttype=tt, rank=rank, **where)) for tt in ('output', params))
+    if some:   # the grads at the applied steps, thinned on their own
+        grads = with_stats(run.df(ttype='weight_grad', rank=rank, step=thin(gsteps, max_points)))
+        par = pd.concat([d for d in (par, grads) if len(d)] or [par], ignore_index=True)
     types = dict(zip(out['module'], out['mtype'])) | dict(zip(par['module'], par['mtype']))
     g = combine(par[par['ttype'] == 'weight_grad'], ['module', 'step']).astype({'norm': float})   # float also with no grads at all
     top = g[np.isfinite(g['norm'])].groupby('module')['norm'].max().nlargest(TOP).index.tolist()
@@ -76,19 +95,21 @@ def report_figures(run:Run, max_points:int=500, rank:int=None)->list:
     for m in modules_in_order(run.tree()):
         o, p = out[out['module'] == m], par[par['module'] == m]
         if o.empty and p.empty: continue
-        h = combine(o, ['step'])
+        h = with_kinds(combine(o, ['step']), kinds)
         fig = make_subplots(rows=1, cols=2 if len(p) else 1, subplot_titles=('output', 'weight and grad norms')[:2 if len(p) else 1])
         fig.add_traces(history_traces(h, ('mean',)), rows=1, cols=1)
         for tt, color in (('weight', BLUE), ('weight_grad', ORANGE)):
-            ht = combine(p[p['ttype'] == tt], ['step'])
+            ht = with_kinds(combine(p[p['ttype'] == tt], ['step']), kinds)
+            cd, at = step_hover(ht)
             if len(ht): fig.add_trace(go.Scatter(x=ht['step'].tolist(), y=ht['norm'].tolist(), mode='lines', name=f'{tt} norm',
-                                                 line=dict(color=color)), row=1, col=2)
+                                                 line=dict(color=color), customdata=cd, hovertemplate='%{y:.4g}<br>' + at),
+                                      row=1, col=2)
         if len(p): fig.update_yaxes(**log_axis(p['norm']), row=1, col=2)
         head = f"{module_label(m)} · {types.get(m)}"
         why = ' (first NaN/Inf)' if first and m == first['module'] else f' (grad norm top {TOP})' if m in top else ''
-        figs.append((head + why, fig.update_xaxes(title_text='step').update_layout(height=340, **_LAYOUT), m in opened))
+        figs.append((head + why, fig.update_xaxes(title_text=x_title).update_layout(height=340, **_LAYOUT), m in opened))
         if hm := heatmap_traces(h):
-            figs.append((f'{head}: output histogram over steps', go.Figure(hm, layout=dict(height=300, xaxis_title='step', **_LAYOUT)), m in opened))
+            figs.append((f'{head}: output histogram over steps', go.Figure(hm, layout=dict(height=300, xaxis_title=x_title, **_LAYOUT)), m in opened))
     return figs
 
 # %% ../nbs/06_report.ipynb #df0b628b
@@ -98,11 +119,11 @@ td,th{border:1px solid #ddd;padding:.25em .6em;text-align:left}.meta td:first-ch
 .error{color:#c22;font-weight:bold}.warning{color:#b60}.info{color:#666}"""
 FINDINGS_DRAWN = 8   # findings whose evidence the report draws; the others are listed only
 
-def _evidence(run:Run, fs:pd.DataFrame, rank:int)->tuple:
+def _evidence(run:Run, fs:pd.DataFrame, rank:int, kinds:pd.DataFrame=None)->tuple:
     "The evidence figures of the first `FINDINGS_DRAWN` findings as `(heading, figure, anchor)`, one per distinct figure; and each finding's anchor."
     drawn, anchors = {}, {}
     for i, (_, f) in enumerate(fs.head(FINDINGS_DRAWN).iterrows()):
-        fig = evidence_figure(evidence(run, f, rank=rank), f)
+        fig = evidence_figure(evidence(run, f, rank=rank, kinds=kinds), f)
         key = fig.layout.title.text   # a scalar's spike and its culprit's own spike share their evidence: drawn once
         if key not in drawn: drawn[key] = ([], fig, f'finding-{i + 1}', finding_label(f))
         drawn[key][0].append(str(i + 1))
@@ -113,19 +134,33 @@ def _evidence(run:Run, fs:pd.DataFrame, rank:int)->tuple:
 def _findings_table(fs:pd.DataFrame, anchors:dict)->str:
     "The findings `fs` as an HTML table, those in `anchors` (row -> anchor) linked to their evidence."
     e, rows = html.escape, []
+    its = 'iteration' in fs and fs['iteration'].notna().any()
     for i, (_, f) in enumerate(fs.iterrows()):
         link = f'<a href="#{anchors[i]}">evidence</a>' if i in anchors else ''
         module = e(module_label(f['module'])) if isinstance(f['module'], str) else ''
-        rows.append(f"<tr><td class='{e(f['severity'])}'>{e(f['severity'])}</td><td>{f['step']}</td><td>{e(f['kind'])}</td>"
+        it = f"<td>{'' if pd.isna(f['iteration']) else int(f['iteration'])}</td>" if its else ''
+        rows.append(f"<tr><td class='{e(f['severity'])}'>{e(f['severity'])}</td><td>{f['step']}</td>{it}<td>{e(f['kind'])}</td>"
                     f"<td>{module}</td><td>{e(f['message'])}</td><td>{link}</td></tr>")
-    return ('<table class="findings"><tr><th>severity</th><th>step</th><th>kind</th><th>module</th><th>what</th><th></th></tr>'
-            + ''.join(rows) + '</table>')
+    head = f"<th>severity</th><th>step</th>{'<th>iteration</th>' if its else ''}<th>kind</th><th>module</th><th>what</th><th></th>"
+    return f'<table class="findings"><tr>{head}</tr>' + ''.join(rows) + '</table>'
+
+def _inputs_note(run:Run, kinds:pd.DataFrame, shown:int=8)->str:
+    "The inputs that arrived non-finite, in one calm line: the first `shown` of them, where they began; '' if none did."
+    ni = nonfinite(run, inputs=True)
+    if ni.empty: return ''
+    names = [f"{module_label(m)} {t}" for m, t in zip(ni['module'], ni['tname'])]
+    listed = ', '.join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else '')
+    since = step_name(int(ni['first_step'].min()), kinds)
+    return (f'<p class="info">Inputs that arrive non-finite, not counted as the model\'s (some are by design, as a causal '
+            f'attention mask\'s -inf): {html.escape(listed)}, from {html.escape(since)} on.</p>')
 
 def report_html(run:Run, max_points:int=500, rank:int=None)->str:
     "The report of `run` (its figures of `rank`, default the first) as one self-contained HTML page."
     e, ranks = html.escape, run.ranks
     rank = ranks[0] if rank is None else rank
-    meta = {'model': run.model, 'steps recorded': run.n_steps, 'last step': run.last_step,
+    kinds, last = run.step_kinds(rank), run.last_step
+    meta = {'model': run.model, 'steps recorded': run.n_steps,
+            'last step': f"{last} ({t})" if (t := iteration_text(kinds, last)) else last,
             **({'ranks': f"{', '.join(map(str, ranks))} of {run.world_size}; figures of rank {rank}"} if len(ranks) > 1 else {}),
             'started': time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(run.started)) if run.started else None,
             'store': engine(run.db).url.database or str(engine(run.db).url), 'report written': time.strftime('%Y-%m-%d %H:%M:%S')}
@@ -133,7 +168,7 @@ def report_html(run:Run, max_points:int=500, rank:int=None)->str:
              *[f"<tr><td>{e(k)}</td><td>{e(str(v))}</td></tr>" for k, v in meta.items()], '</table>', '<h2>Findings</h2>']
     try: fs, failed = run.diagnose(rank=rank), None
     except Exception as ex: fs, failed = None, f"{type(ex).__name__}: {ex}"
-    ev, anchors = ([], {}) if failed else _evidence(run, fs, rank)
+    ev, anchors = ([], {}) if failed else _evidence(run, fs, rank, kinds)
     parts.append(f"<p>diagnose() failed: {e(failed)}</p>" if failed else _findings_table(fs, anchors) if len(fs) else
                  '<p class="ok">diagnose() found nothing wrong: no NaN or Inf, spike, dead output, vanishing or exploding grads.</p>')
     parts.append('<h2>NaN and Inf</h2>')
@@ -141,10 +176,14 @@ def report_html(run:Run, max_points:int=500, rank:int=None)->str:
         on = f", rank {f['rank']}" if len(ranks) > 1 else ''
         what = f['ttype'] if f['tname'] == f['ttype'] else f"{f['ttype']} {f['tname']}"
         parts.append(f"<p>First NaN/Inf: <b>{e(module_label(f['module']))}</b> ({e(str(f['mtype']))}) {e(what)} "
-                     f"at step {f['step']}, call {f['call']}{on}</p>")
+                     f"at {e(step_name(f['step'], kinds))}, call {f['call']}{on}</p>")
     nf = nonfinite(run)
     nf = nf.assign(module=nf['module'].map(module_label), nan=nf['nan'].astype('Int64'), inf=nf['inf'].astype('Int64'))
-    parts.append(nf.to_html(index=False, border=0) if len(nf) else '<p class="ok">No NaN or Inf in any recorded tensor.</p>')
+    its = nf['first_step'].map(kinds.drop_duplicates('step').set_index('step')['iteration']).astype('Int64')
+    if its.notna().any(): nf['first_iteration'] = its
+    parts.append(nf.to_html(index=False, border=0) if len(nf) else
+                 '<p class="ok">No NaN or Inf in any output, weight or grad: nothing the model made or holds.</p>')
+    parts.append(_inputs_note(run, kinds))
     config = dict(displaylogo=False, responsive=True)
     figs = report_figures(run, max_points, rank)
     top = [(h, f, None) for h, f, shown in figs if shown] + ev
@@ -228,16 +267,18 @@ def _rm(run, db)->dict:
     return gone
 
 def _findings_text(run:str, f:pd.DataFrame)->str:
-    "Findings `f` as lines a terminal shows well: severity, kind, step and module in columns, then the message, left-aligned."
+    "Findings `f` as lines a terminal shows well: severity, kind, step, iteration and module in columns, then the message."
     if not len(f): return f"run {run!r}: no findings"
     head = f"run {run!r}: {len(f)} finding{'s' if len(f) > 1 else ''} ({severity_counts(f)})"
-    cols = pd.DataFrame({'severity': f['severity'], 'kind': f['kind'], 'step': f['step'].astype(str), 'module': f['module'].fillna('').astype(str)})
+    it = {'iteration': [('' if pd.isna(v) else str(int(v))) for v in f['iteration']]} if 'iteration' in f else {}
+    cols = pd.DataFrame({'severity': f['severity'], 'kind': f['kind'], 'step': f['step'].astype(str), **it,
+                         'module': f['module'].fillna('').astype(str)})
     w = {k: max(len(k), cols[k].str.len().max()) for k in cols}
     line = lambda r, msg: '  '.join(str(r[k]).ljust(w[k]) for k in cols) + '  ' + msg
     return '\n'.join([head, line({k: k for k in cols}, 'message'), *(line(r, m) for (_, r), m in zip(cols.iterrows(), f['message']))])
 
-def _doctor(run, db, rank, window, step)->pd.DataFrame:
-    f = load(run, db).diagnose(step=step, window=window, rank=rank)
+def _doctor(run, db, rank, window, step, ignore=None)->pd.DataFrame:
+    f = load(run, db).diagnose(step=step, window=window, rank=rank, ignore=[i.strip() for i in ignore.split(',')] if ignore else None)
     if is_cli(main):
         print(_findings_text(run, f))
         if (f['severity'] == 'error').any(): raise SystemExit(1)   # a CI gate: errors fail it
@@ -259,6 +300,7 @@ def main(command:Annotated[str, "report: write RUN's HTML report; ls: list the s
          rank:int=None,               # in a run of several ranks, the one to draw or diagnose (default: the first)
          window:int=50,               # doctor: recorded steps of each trailing band, and the steps the per-module checks look back over
          step:int=None,               # doctor: the last step to look at (default: the newest closed one)
+         ignore:str=None,             # doctor: findings judged harmless, comma-separated 'kind' or 'kind:glob' (e.g. 'spike:(grad norm)')
          version:Annotated[str, "print torchember's version", {'action': 'version'}]=f'torchember {__version__}',
         ):
     "torchember's command line: `report RUN -o report.html` writes a run's self-contained HTML report; `ls` lists the runs; `rm RUN` deletes one; `doctor RUN` prints its findings; `diff A B` where two runs part."
@@ -268,7 +310,7 @@ def main(command:Annotated[str, "report: write RUN's HTML report; ls: list the s
     try:
         if command == 'ls': return _ls(db)
         if command == 'rm': return _rm(run, db)
-        if command == 'doctor': return _doctor(run, db, rank, window, step)
+        if command == 'doctor': return _doctor(run, db, rank, window, step, ignore)
         if command == 'diff': return _diff(run, other, db, rtol)
         p = report(run, path=Output, db=db, max_points=max_points, rank=rank)
     except (KeyError, ValueError, TypeError, StoreError, OSError, sa.exc.SQLAlchemyError) as e:

@@ -211,6 +211,7 @@ class StepRecord:
     closed: bool = True                              # False for grads that arrive after their step was written
     training: bool|None = None                       # the root module's mode in this step
     iteration: int|None = None                       # optimizer steps completed when the step began
+    iteration_after: int|None = None                 # ... and when it closed (where a resumed run counts on from)
     kind: str|None = None                            # 'train', 'eval' or 'no_grad' (`core.STEP_KINDS`)
     calls: list = field(default_factory=list)       # (mi, call, training, fwd start, fwd end, bwd start, bwd end) when timed
     scalars: dict = field(default_factory=dict)     # name -> number or 0-d tensor, from `te.log`

@@ -85,7 +85,7 @@ modules_t = Table('modules', metadata,
 steps_t = Table('steps', metadata,
     Column('run_id', Integer, nullable=False), Column('step', Integer, nullable=False), _rank(),
     Column('closed', Float), Column('n_records', Integer), Column('events_step', Integer), Column('training', Integer),
-    Column('iteration', Integer), Column('kind', Str),
+    Column('iteration', Integer), Column('kind', Str), Column('iteration_after', Integer),
     PrimaryKeyConstraint('run_id', 'step', 'rank'))
 digests_t = Table('digests', metadata,   # what a step's closing write stored, for `diff`: NULL once rows came later
     Column('run_id', Integer, nullable=False), Column('step', Integer, nullable=False), _rank(), Column('digest', Str),
@@ -360,11 +360,11 @@ def drop_run(c, run_id:int)->dict:
 RETIRED_RUN_ID = 'retired_run_id'   # meta key: the largest id of a deleted run
 
 def last_iteration(eng, run_id:int, rank:int=0)->int:
-    "The iteration of the newest step `rank` closed in run `run_id` (0 if none says): where a resumed run counts on from."
+    "The optimizer steps completed when `rank`'s newest step of run `run_id` closed (0 if none says): where a resumed run counts on from."
     s = steps_t.c
     with eng.connect() as c:
-        it = c.execute(select(s.iteration).where(s.run_id == run_id, s.rank == rank).order_by(s.step.desc()).limit(1)).scalar()
-    return int(it or 0)
+        row = c.execute(select(s.iteration_after, s.iteration).where(s.run_id == run_id, s.rank == rank).order_by(s.step.desc()).limit(1)).first()
+    return 0 if row is None else int(row[0] if row[0] is not None else row[1] or 0)
 
 def _fresh_id(c)->dict:
     "The id for a new run, where the store would give a deleted run's id again (SQLite): one above every id it gave; else nothing."
@@ -545,7 +545,8 @@ def write_steps(eng, run_id:int, steps:list, rank:int=0):
             events, events_step, training = s.get('events') or (), s.get('events_step'), s.get('training')
             if events and events_step is None: _insert_rows(c, events_t, head, [(i, *e) for i, e in enumerate(events)])
             if closed: closes.append((*head, time.time(), len(rows), step if events_step is None else events_step,
-                                      None if training is None else int(training), s.get('iteration'), s.get('kind')))
+                                      None if training is None else int(training), s.get('iteration'), s.get('kind'),
+                                      s.get('iteration_after')))
         if digests: _executemany(c, digests_t, digests, replace=True)
         if closes:
             _executemany(c, steps_t, closes)
