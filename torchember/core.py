@@ -17,15 +17,23 @@ from torch.utils.hooks import RemovableHandle
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 # %% auto #0
-__all__ = ['ENTER', 'EXIT', 'STEP_KINDS', 'module_tree', 'module_info', 'named_tensors', 'arg_names', 'named_inputs', 'selector',
-           'Capture', 'elapsed_ms', 'sample_norms', 'attach']
+__all__ = ['ENTER', 'EXIT', 'STEP_KINDS', 'user_class', 'module_tree', 'module_info', 'named_tensors', 'arg_names',
+           'named_inputs', 'selector', 'Capture', 'elapsed_ms', 'sample_norms', 'attach']
 
 # %% ../nbs/00_core.ipynb #4a1aa61e
+def user_class(m:nn.Module)->type:
+    "The class the user wrote of module `m`: under FSDP2's `fully_shard`, the class its `FSDP<Name>` subclass derives from."
+    cls = type(m)
+    for c in cls.__mro__[1:]:
+        if c.__name__ == 'FSDPModule' and c.__module__.startswith('torch.distributed'):   # not imported: FSDP's import is slow
+            return next((b for b in cls.__bases__ if not issubclass(b, c)), cls)
+    return cls
+
 def module_tree(model:nn.Module)->dict:
-    "Nested dict of `model`'s modules: `name` (qualified), `short` (last part), `type` (class name) and `children`."
+    "Nested dict of `model`'s modules: `name` (qualified), `short` (last part), `type` (its `user_class`'s name) and `children`."
     nodes = {}
     for name, m in model.named_modules():
-        node = dict(name=name, short=name.rpartition('.')[2], type=type(m).__name__, children=[])
+        node = dict(name=name, short=name.rpartition('.')[2], type=user_class(m).__name__, children=[])
         if name: nodes[name.rpartition('.')[0]]['children'].append(node)
         nodes[name] = node
     return nodes['']
@@ -118,7 +126,7 @@ class Capture:
         pick = selector(modules)
         self.selected = [bool(pick(n, m)) for n, m in named]
         self.names = [n for n, _ in named]
-        self.mtypes = [type(m).__name__ for _, m in named]
+        self.mtypes = [user_class(m).__name__ for _, m in named]
         self.mods = [m for _, m in named]
         self.sigs = [arg_names(m.forward) for m in self.mods]
         self.index = {id(m): i for i, m in enumerate(self.mods)}

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from fastcore.basics import patch
-from .core import Capture, module_tree, module_info, _Inert, _Hook
+from .core import Capture, module_tree, module_info, user_class, _Inert, _Hook
 from .stats import Recorder, TTYPES, VECTOR_MAX, default_stats
 from .instruments import hist_stats, Snapshots, Changes, UpdateTracker
 from .store import (engine, create_run, claim, release, write_steps, Writer, db_url, keyed_by_rank, StoreError, store_busy, RETRY_S,
@@ -84,7 +84,7 @@ class torchEmber:
         if writers > 1 and not keyed_by_rank(self.engine):
             raise StoreError(f"store {self.engine.url.render_as_string(hide_password=True)} was made before torchember kept ranks "
                              f"apart: record the {writers} ranks of this job into a new store file, or only one of them (ranks=[0])")
-        self.run_id, last = create_run(self.engine, self.run_name, type(model).__name__, mods, module_tree(model),
+        self.run_id, last = create_run(self.engine, self.run_name, user_class(model).__name__, mods, module_tree(model),
                                        config=config, resume=resume, rank=self.rank, world_size=self.world_size, overwrite=overwrite)
         if last is not None: self.capture.step, self.capture.iteration = last, last_iteration(self.engine, self.run_id, self.rank)
         self.arm()
@@ -137,7 +137,7 @@ def process_rank()->tuple:
 def agree_run_name(run:str|None, model:nn.Module)->str:
     "`run`, or a unique default from the model's class and the time, made by rank 0 and broadcast to every rank."
     if run is not None: return run
-    name = [f"{type(model).__name__.lower()}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"]
+    name = [f"{user_class(model).__name__.lower()}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"]
     if process_rank()[1] > 1: dist.broadcast_object_list(name, src=0)
     return name[0]
 

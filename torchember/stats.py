@@ -19,7 +19,8 @@ from . import native
 # %% auto #0
 __all__ = ['MOMENTS', 'STATS', 'F64', 'SMALL', 'FLOATS', 'SLOW_COMPILE_S', 'VECTOR_MAX', 'ROW_FIELDS', 'TTYPES', 'SLOW_FRACTION',
            'SLOW_S', 'SLOW_STEPS', 'as_real', 'moments', 'stats_of_moments', 'native_moments', 'fused_moments',
-           'default_stats', 'check_stats', 'StepRecord', 'Recorder', 'dtype_name', 'shape_of', 'unwrapped']
+           'default_stats', 'check_stats', 'StepRecord', 'Recorder', 'dtype_name', 'local_shard', 'shape_of',
+           'unwrapped']
 
 # %% ../nbs/01_stats.ipynb #676c44cd
 MOMENTS = ('n', 'sum', 'sumsq', 'min', 'max', 'nonzero', 'nan', 'inf')
@@ -326,9 +327,13 @@ def dtype_name(t:torch.Tensor)->str:
     if d not in _DTYPES: _DTYPES[d] = str(d).removeprefix('torch.')
     return _DTYPES[d]
 
+def local_shard(t:torch.Tensor)->torch.Tensor:
+    "`t`, or this rank's shard of it where it is a DTensor (FSDP2, tensor parallel): what is measured, never a collective."
+    return t.to_local() if type(t) not in native._PLAIN and callable(getattr(t, 'to_local', None)) else t
+
 def shape_of(t:torch.Tensor)->tuple|None:
-    "`t`'s shape as a tuple of ints, or None where it has none (a nested tensor's ragged dimension)."
-    try: return tuple(map(int, t.shape))
+    "`t`'s shape as a tuple of ints (a DTensor's: its local shard's, as its stats are), or None where it has none (a nested tensor's ragged dimension)."
+    try: return tuple(map(int, local_shard(t).shape))
     except Exception: return None         # e.g. the ragged size of a jagged nested tensor
 
 _functorch = torch._C._functorch
@@ -366,7 +371,7 @@ def _default(self, t, copy:bool, where=None, row:int=None):
     try:
         if self._nat and self._now(t, row): return row
         t = t.detach()
-        if type(t) not in native._PLAIN and callable(getattr(t, 'to_local', None)): t = t.to_local()   # a DTensor: this rank's shard
+        t = local_shard(t)
         if t.dtype in FLOATS and t.layout == torch.strided and not t.is_nested and t.device.type != 'meta':
             if t.numel() > SMALL: self._pieces.append(([row], fused_moments(t)[None]))
             else: self._groups.setdefault((t.device, t.dtype, t.shape), []).append((row, t.clone() if copy else t))
@@ -419,6 +424,10 @@ def _custom(self, fn, t, mi, ttype, tname):
 @patch_to(Recorder)
 def _run_custom(self, fn, t, mi, ttype, tname):
     name = getattr(fn, '__name__', repr(fn))
+    if (shard := local_shard(t)) is not t:   # a DTensor's own ops are collectives: a function of it could hang ranks that do not record
+        t = shard
+        self._warn(('shard', name), f"stat function {name!r} is given this rank's shard of sharded tensors (a DTensor's to_local()): "
+                                    "its values are per shard, each rank's own")
     try:
         with torch.no_grad():
             d = check_stats(fn(t), name)
