@@ -157,3 +157,13 @@ def test_report_counts_what_the_model_made_not_its_mask(tmp_path):
     assert note and 'enc mask' in note[0] and 'enc.layers.0.self_attn attn_mask' in note[0]
     masks = nonfinite(r, inputs=True)                                # listed apart
     assert set(masks['ttype']) == {'input'} and (masks['inf'] > 0).all() and masks['nan'].sum() == 0
+
+
+def test_a_value_logged_once_an_iteration_draws_a_line():
+    "A loss logged at each iteration's last micro-step is drawn through those steps, not as a line broken at every other step."
+    import numpy as np, pandas as pd
+    from torchember.figures import scalars_figure
+    st = pd.DataFrame({'step': range(8), 'rank': 0, 'iteration': [0] * 4 + [1] * 4, 'kind': 'train', 'grad_norm': np.arange(8.),
+                       'weight_norm': 1.0, 'loss': [np.nan] * 3 + [3.0] + [np.nan] * 3 + [2.5]})
+    loss = [t for t in scalars_figure(st).data if t.hovertemplate.startswith('loss')][0]
+    assert (list(loss.x), list(loss.y)) == ([3, 7], [3.0, 2.5])

@@ -137,7 +137,7 @@ def test_runs_steps_calls_scalars_equal_sqlite(both):
     mine = ['name', 'model', 'steps', 'last_step', 'user', 'host', 'torch']
     assert_frame_equal(runs(url)[mine], runs(lite)[mine])
     st = pg.steps()
-    assert st.columns.tolist() == ['step', 'rank', 'closed', 'training', 'n_records', 'grad_norm', 'weight_norm', 'Loss', 'a_c', 'acc']
+    assert st.columns.tolist() == ['step', 'rank', 'iteration', 'kind', 'closed', 'training', 'n_records', 'grad_norm', 'weight_norm', 'Loss', 'a_c', 'acc']
     assert_frame_equal(st.drop(columns='closed'), sl.steps().drop(columns='closed'), check_dtype=False)
     assert st['grad_norm'].iloc[:BAD_AT].notna().all() and st['grad_norm'].isna().iloc[BAD_AT]
     assert_frame_equal(pg.scalars(), sl.scalars(), check_dtype=False)
@@ -172,7 +172,7 @@ def test_explorer_and_report(both, tmp_path):
     url, _ = both
     e = explore(url, run='cnn')
     try:
-        assert e.run.name == 'cnn' and e.status.value.endswith(f' {STEPS} steps · first NaN/Inf: 0 (Conv2d) output at step {BAD_AT}')
+        assert e.run.name == 'cnn' and e.status.value.endswith(f' {STEPS} steps · first NaN/Inf: 0 (Conv2d) output at step {BAD_AT} (it. {BAD_AT})')
         e.module_picker.value = '2'
         mean = next(t for t in e.plots['history'].data if t.name == 'mean')
         assert list(mean.x) == list(range(STEPS))

@@ -582,6 +582,7 @@ def scalars_figure(st:pd.DataFrame,        # `Run.steps()` of one rank
             if s not in frame: continue
             d = frame
             if s == 'grad_norm' and 'kind' in frame: d = frame[frame['step'].isin(view_steps(frame, 'weight_grad', frame['step'], all_steps))]
+            elif s not in ('grad_norm', 'weight_norm'): d = frame[frame[s].notna()]   # a logged value: the steps it was logged at, joined
             f = d[d['step'].isin(thin(sorted(d['step'].unique()), max_points))]
             cd, at = step_hover(f)
             fig.add_trace(go.Scatter(x=f['step'].tolist(), y=_list(pd.to_numeric(f[s], errors='coerce')), mode='lines', name=name or 'run',
