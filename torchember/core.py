@@ -17,8 +17,8 @@ from torch.utils.hooks import RemovableHandle
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 # %% auto #0
-__all__ = ['ENTER', 'EXIT', 'STEP_KINDS', 'user_class', 'module_tree', 'module_info', 'named_tensors', 'arg_names',
-           'named_inputs', 'selector', 'Capture', 'elapsed_ms', 'sample_norms', 'attach']
+__all__ = ['WRAPPERS', 'ENTER', 'EXIT', 'STEP_KINDS', 'user_class', 'is_wrapper', 'user_modules', 'module_tree', 'module_info',
+           'named_tensors', 'arg_names', 'named_inputs', 'selector', 'Capture', 'elapsed_ms', 'sample_norms', 'attach']
 
 # %% ../nbs/00_core.ipynb #4a1aa61e
 def user_class(m:nn.Module)->type:
@@ -29,10 +29,25 @@ def user_class(m:nn.Module)->type:
             return next((b for b in cls.__bases__ if not issubclass(b, c)), cls)
     return cls
 
-def module_tree(model:nn.Module)->dict:
-    "Nested dict of `model`'s modules: `name` (qualified), `short` (last part), `type` (its `user_class`'s name) and `children`."
-    nodes = {}
+WRAPPERS = {'CheckpointWrapper': '_checkpoint_wrapped_module', 'OptimizedModule': '_orig_mod'}   # class -> where it keeps the module
+
+def is_wrapper(m:nn.Module)->bool:
+    "Whether `m` only wraps another module: activation checkpointing's `checkpoint_wrapper`, or `torch.compile` of a submodule."
+    attr = WRAPPERS.get(type(m).__name__)
+    return attr is not None and isinstance(getattr(m, attr, None), nn.Module)
+
+def user_modules(model:nn.Module)->list:
+    "`(name, module)` of `model`'s modules as its user named them: wrappers around submodules left out, and from names."
+    out, skip = [], set(WRAPPERS.values())
     for name, m in model.named_modules():
+        if name and is_wrapper(m): continue
+        out.append(('.'.join(p for p in name.split('.') if p not in skip), m))
+    return out
+
+def module_tree(model:nn.Module)->dict:
+    "Nested dict of `model`'s modules (`user_modules`): `name` (qualified), `short` (last part), `type` (its `user_class`'s name) and `children`."
+    nodes = {}
+    for name, m in user_modules(model):
         node = dict(name=name, short=name.rpartition('.')[2], type=user_class(m).__name__, children=[])
         if name: nodes[name.rpartition('.')[0]]['children'].append(node)
         nodes[name] = node
@@ -122,7 +137,7 @@ class Capture:
         if not (isinstance(every, int) and every >= 1): raise ValueError(f"every must be a positive int, got {every!r}")
         self.model, self.recorder, self.every = model, recorder, every
         self.record_eval, self.timing, self.io_grad = record_eval, timing, io_grad
-        named = list(model.named_modules())
+        named = user_modules(model)
         pick = selector(modules)
         self.selected = [bool(pick(n, m)) for n, m in named]
         self.names = [n for n, _ in named]

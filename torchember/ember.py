@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from fastcore.basics import patch
-from .core import Capture, module_tree, module_info, user_class, _Inert, _Hook
+from .core import Capture, module_tree, module_info, user_class, is_wrapper, WRAPPERS, _Inert, _Hook
 from .stats import Recorder, TTYPES, VECTOR_MAX, default_stats
 from .instruments import hist_stats, Snapshots, Changes, UpdateTracker
 from .store import (engine, create_run, claim, release, write_steps, Writer, db_url, keyed_by_rank, StoreError, store_busy, RETRY_S,
@@ -120,10 +120,9 @@ def _check_args(run, db, every, hist, sample_n, outliers, snapshot, snapshot_fn,
 
 # %% ../nbs/04_ember.ipynb #34287e9d
 def unwrap(model:nn.Module)->nn.Module:
-    "The model inside `torch.compile`'s, `DistributedDataParallel`'s and `DataParallel`'s wrappers (nested ones too), else `model`."
+    "The model inside `torch.compile`'s, `checkpoint_wrapper`'s, `DistributedDataParallel`'s and `DataParallel`'s wrappers (nested ones too), else `model`."
     while True:
-        inner = getattr(model, '_orig_mod', None)
-        if type(model).__name__ == 'OptimizedModule' and isinstance(inner, nn.Module): model = inner
+        if is_wrapper(model): model = getattr(model, WRAPPERS[type(model).__name__])
         elif isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)): model = model.module
         else: return model
 
