@@ -45,7 +45,7 @@ def user_modules(model:nn.Module)->list:
     return out
 
 def module_tree(model:nn.Module)->dict:
-    "Nested dict of `model`'s modules (`user_modules`): `name` (qualified), `short` (last part), `type` (its `user_class`'s name) and `children`."
+    "Nested dict of `model`'s `user_modules`: `name` (qualified), `short` (last part), `type` (`user_class`) and `children`."
     nodes = {}
     for name, m in user_modules(model):
         node = dict(name=name, short=name.rpartition('.')[2], type=user_class(m).__name__, children=[])

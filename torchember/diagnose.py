@@ -235,7 +235,7 @@ def module_spikes(run:Run, rank:int, norms:pd.DataFrame, names:pd.DataFrame, win
 FOLLOW_MIN = 5   # logged steps after a grad spike needed to tell whether the loss followed it
 
 def loss_followed(sig:pd.DataFrame, step:int, window:int, spike:float, factor:float, lead:int)->bool|None:
-    "Whether a logged scalar of `sig` left its band upward within `lead` steps from `step`; None where none is logged or too few steps came after."
+    "Whether a logged scalar of `sig` left its band upward within `lead` steps from `step` (None: none logged, or too few steps after)."
     logged = sig.drop(columns=[GRAD_NORM], errors='ignore')
     after = logged.index[(logged.index >= step) & (logged.index <= step + lead)]
     if logged.empty or logged.shape[1] == 0 or len(after) < min(lead, FOLLOW_MIN): return None
@@ -443,12 +443,13 @@ def _ignored(ignore)->callable:
     def quiet(f):
         for p in pats:
             kind, _, glob = p.partition(':')
-            if f['kind'] == kind and (not glob or any(isinstance(v, str) and fnmatchcase(v, glob) for v in (f['module'], f['stat']))): return True
+            named = [v for v in (f['module'], f['stat']) if isinstance(v, str)]
+            if f['kind'] == kind and (not glob or any(fnmatchcase(v, glob) for v in named)): return True
         return False
     return quiet
 
 def with_iterations(f:pd.DataFrame, kinds:pd.DataFrame)->pd.DataFrame:
-    "Findings `f` with the `iteration` of each step (from `Run.step_kinds`); where the run's iterations are not its steps, messages say them too."
+    "Findings `f` with each step's `iteration` (`Run.step_kinds`), said in messages where a run's iterations are not its steps."
     it = kinds.set_index('step')['iteration']
     f['iteration'] = pd.array(f['step'].map(it), dtype='Int64')
     if it.notna().any() and (it.dropna() != it.dropna().index).any():
@@ -682,7 +683,8 @@ def diff(run_a,                # a run's name, or a `Run`
     parts = [flow_order(d[d['step'] == s].reset_index(drop=True), ra.events(int(s), int(d.loc[d['step'] == s, 'rank'].min())))
              for s in steps]
     out = pd.concat(parts, ignore_index=True)
-    out['iteration'] = pd.array(out['step'].map(ra.step_kinds(int(out['rank'].min())).set_index('step')['iteration']), dtype='Int64')   # run a's
+    its = ra.step_kinds(int(out['rank'].min())).set_index('step')['iteration']   # run a's
+    out['iteration'] = pd.array(out['step'].map(its), dtype='Int64')
     return out[DIFF_COLUMNS]
 
 def _step_range(run:Run)->tuple:

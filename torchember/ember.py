@@ -120,7 +120,7 @@ def _check_args(run, db, every, hist, sample_n, outliers, snapshot, snapshot_fn,
 
 # %% ../nbs/04_ember.ipynb #34287e9d
 def unwrap(model:nn.Module)->nn.Module:
-    "The model inside `torch.compile`'s, `checkpoint_wrapper`'s, `DistributedDataParallel`'s and `DataParallel`'s wrappers (nested ones too), else `model`."
+    "The model inside wrappers (`torch.compile`, `checkpoint_wrapper`, `DistributedDataParallel`, `DataParallel`, nested too)."
     while True:
         if is_wrapper(model): model = getattr(model, WRAPPERS[type(model).__name__])
         elif isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)): model = model.module
@@ -427,7 +427,7 @@ def _set_iteration(self:torchEmber, n:int):
     if not (isinstance(n, int) and not isinstance(n, bool) and n >= 0): raise ValueError(f"te.iteration must be an int >= 0, not {n!r}")
     self.capture.iteration = n
 torchEmber.iteration = property(lambda self: self.capture.iteration, _set_iteration,
-                                doc="Optimizer steps completed so far: counted from the optimizers of the model's parameters, or set by hand.")
+                                doc="Optimizer steps completed so far (of the model's parameters' optimizers), or as set by hand.")
 
 @patch
 def enable(self:torchEmber): self.enabled = True; return self

@@ -326,7 +326,7 @@ def tensor_image(t:torch.Tensor,    # any tensor
     return img
 
 def _top_directions(x:torch.Tensor, k:int, extra:int=8, iters:int=4)->torch.Tensor:
-    "The `k` leading right singular vectors of `x` (features x k), by a randomized range finder on a generator of its own: no draw from the user's RNG."
+    "The `k` leading right singular vectors of `x` (features x k): a randomized range finder on its own generator, not the user's."
     g = torch.Generator().manual_seed(0)
     y = x @ torch.randn(x.shape[1], k + extra, generator=g, dtype=x.dtype)
     for _ in range(iters): y = x @ (x.T @ torch.linalg.qr(y).Q)   # power iterations sharpen the leading directions

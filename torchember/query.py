@@ -251,7 +251,7 @@ def summary(df:pd.DataFrame)->pd.DataFrame:
 
 @patch
 def summary(self:Run, step:int=None, rank:int=None)->pd.DataFrame:
-    "One line per module call of `step` (default: the newest training step) on `rank` (default: the first), after its `step` and `iteration`."
+    "One line per module call of `step` (default: the newest training step) on `rank` (default: the first), with its iteration."
     rank = _one_rank(self, rank)
     if step is None: step, it = self.newest_train_step(self.last_steps.get(rank), rank)
     else: it = self.step_kinds(rank).set_index('step')['iteration'].get(step)
@@ -304,7 +304,7 @@ _STEPS = ['step', 'rank', 'iteration', 'kind', 'closed', 'training', 'n_records'
 
 @patch
 def steps(self:Run, rank=None)->pd.DataFrame:
-    "One row per step closed by each rank (or `rank`(s)): its iteration and kind, when, its mode, records, global grad and weight L2 norms, and each logged scalar."
+    "One row per step closed by each rank (or `rank`(s)): iteration, kind, when, mode, records, global norms, logged scalars."
     st, s = steps_t.c, stats_t.c
     norms = (select(s.step, s.rank, s.ttype, func.sum(s.norm * s.norm), func.count(), func.count(s.norm))
              .where(s.run_id == self.id, s.ttype.in_(['weight', 'weight_grad'])).group_by(s.step, s.rank, s.ttype))

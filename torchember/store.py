@@ -363,7 +363,8 @@ def last_iteration(eng, run_id:int, rank:int=0)->int:
     "The optimizer steps completed when `rank`'s newest step of run `run_id` closed (0 if none says): where a resumed run counts on from."
     s = steps_t.c
     with eng.connect() as c:
-        row = c.execute(select(s.iteration_after, s.iteration).where(s.run_id == run_id, s.rank == rank).order_by(s.step.desc()).limit(1)).first()
+        q = select(s.iteration_after, s.iteration).where(s.run_id == run_id, s.rank == rank).order_by(s.step.desc()).limit(1)
+        row = c.execute(q).first()
     return 0 if row is None else int(row[0] if row[0] is not None else row[1] or 0)
 
 def _fresh_id(c)->dict:
