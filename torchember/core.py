@@ -32,7 +32,7 @@ def user_class(m:nn.Module)->type:
 WRAPPERS = {'CheckpointWrapper': '_checkpoint_wrapped_module', 'OptimizedModule': '_orig_mod'}   # class -> where it keeps the module
 
 def is_wrapper(m:nn.Module)->bool:
-    "Whether `m` only wraps another module: activation checkpointing's `checkpoint_wrapper`, or `torch.compile` of a submodule."
+    "Whether `m` only wraps another module: `checkpoint_wrapper`'s wrapper, or `torch.compile`'s of a submodule."
     attr = WRAPPERS.get(type(m).__name__)
     return attr is not None and isinstance(getattr(m, attr, None), nn.Module)
 

@@ -110,12 +110,12 @@ def _names(run:Run)->pd.DataFrame:
     return pd.DataFrame([tuple(r) for r in rows], columns=['module_id', 'module', 'mtype']).set_index('module_id')
 
 def eval_steps(run:Run, rank:int)->set:
-    "The steps of `rank` that were no training steps: calls in eval mode (validation) or in train mode without a graph ('no_grad')."
+    "The steps of `rank` that were no training steps: kinds 'eval' (validation) and 'no_grad' (train mode, no graph)."
     k = run.step_kinds(rank)
     return set(k.loc[k['kind'] != 'train', 'step'])
 
 def micro_steps(run:Run, rank:int)->set:
-    "The training steps of `rank` whose weight grads the optimizer did not apply as they are: gradient accumulation's earlier micro-steps."
+    "The training steps of `rank` whose grads the optimizer did not apply as they are: accumulation's earlier micro-steps."
     k = run.step_kinds(rank)
     train = k.loc[k['kind'] == 'train', 'step']
     return set(train) - set(applied_steps(k))
@@ -235,7 +235,7 @@ def module_spikes(run:Run, rank:int, norms:pd.DataFrame, names:pd.DataFrame, win
 FOLLOW_MIN = 5   # logged steps after a grad spike needed to tell whether the loss followed it
 
 def loss_followed(sig:pd.DataFrame, step:int, window:int, spike:float, factor:float, lead:int)->bool|None:
-    "Whether a logged scalar of `sig` left its band upward within `lead` steps from `step` (None: none logged, or too few steps after)."
+    "Whether a logged scalar of `sig` left its band upward within `lead` steps of `step` (None: nothing logged, or too near the end)."
     logged = sig.drop(columns=[GRAD_NORM], errors='ignore')
     after = logged.index[(logged.index >= step) & (logged.index <= step + lead)]
     if logged.empty or logged.shape[1] == 0 or len(after) < min(lead, FOLLOW_MIN): return None
@@ -449,7 +449,7 @@ def _ignored(ignore)->callable:
     return quiet
 
 def with_iterations(f:pd.DataFrame, kinds:pd.DataFrame)->pd.DataFrame:
-    "Findings `f` with each step's `iteration` (`Run.step_kinds`), said in messages where a run's iterations are not its steps."
+    "Findings `f` with each step's `iteration` (`Run.step_kinds`), in messages too where iterations are not steps."
     it = kinds.set_index('step')['iteration']
     f['iteration'] = pd.array(f['step'].map(it), dtype='Int64')
     if it.notna().any() and (it.dropna() != it.dropna().index).any():

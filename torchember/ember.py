@@ -120,7 +120,7 @@ def _check_args(run, db, every, hist, sample_n, outliers, snapshot, snapshot_fn,
 
 # %% ../nbs/04_ember.ipynb #34287e9d
 def unwrap(model:nn.Module)->nn.Module:
-    "The model inside wrappers (`torch.compile`, `checkpoint_wrapper`, `DistributedDataParallel`, `DataParallel`, nested too)."
+    "The model inside `torch.compile`, `checkpoint_wrapper`, `DistributedDataParallel` or `DataParallel` (nested too)."
     while True:
         if is_wrapper(model): model = getattr(model, WRAPPERS[type(model).__name__])
         elif isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)): model = model.module

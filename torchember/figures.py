@@ -326,7 +326,7 @@ def tensor_image(t:torch.Tensor,    # any tensor
     return img
 
 def _top_directions(x:torch.Tensor, k:int, extra:int=8, iters:int=4)->torch.Tensor:
-    "The `k` leading right singular vectors of `x` (features x k): a randomized range finder on its own generator, not the user's."
+    "The `k` leading right singular vectors of `x` (features x k), randomized on a generator of its own, not the user's."
     g = torch.Generator().manual_seed(0)
     y = x @ torch.randn(x.shape[1], k + extra, generator=g, dtype=x.dtype)
     for _ in range(iters): y = x @ (x.T @ torch.linalg.qr(y).Q)   # power iterations sharpen the leading directions
@@ -434,7 +434,7 @@ def module_map(run:Run,                  # the run to read
                bins:int=500,             # at most this many columns
                steps:list=None,          # only these steps (`view_steps`); None: every step
               )->dict:                   # modules, x (each column's step), width (steps a column), z (values), bad (NaN/Inf in a column)
-    "Every module's `stat` of `ttype` at the first step (of `steps`) of each of at most `bins` columns; whether a column held NaN/Inf."
+    "Every module's `stat` of `ttype` at the first step (of `steps`) of at most `bins` columns; whether each held NaN/Inf."
     if stat not in MAP_STATS: raise ValueError(f"a map shows one of {', '.join(MAP_STATS)}, not {stat!r}")
     rank = run.ranks[0] if rank is None else rank
     s, st = stats_t.c, steps_t.c

@@ -168,7 +168,7 @@ def _is_train(st):
 
 @patch
 def newest_train_step(self:Run, last:int=None, rank:int=None)->tuple:
-    "`(step, iteration)` of the newest 'train' step up to `last` (default the newest closed) on `rank` (default any); else of `last`."
+    "`(step, iteration)` of the newest 'train' step up to `last` (default: the newest closed) on `rank` (default: any)."
     last = self.last_step if last is None else last
     if last is None: return None, None
     st = steps_t.c
@@ -183,7 +183,7 @@ _KINDS = {}   # (store, run id, rank, its newest step) -> `step_kinds`: closed s
 
 @patch
 def step_kinds(self:Run, rank:int=None)->pd.DataFrame:
-    "`step`, `iteration` and `kind` of every step `rank` (default: the first) closed; kinds of a store written before them from `training`."
+    "`step`, `iteration` and `kind` of every step `rank` (default: the first) closed (older stores: kind from `training`)."
     st, rank, eng = steps_t.c, _one_rank(self, rank), engine(self.db)
     mine = [st.run_id == self.id, st.rank == rank]
     with eng.connect() as c:
@@ -199,7 +199,7 @@ def step_kinds(self:Run, rank:int=None)->pd.DataFrame:
     return df.copy()
 
 def applied_steps(kinds:pd.DataFrame)->list:
-    "Of `step_kinds`, the training steps whose grads the optimizer applied: each iteration's last (all, where none was counted)."
+    "Of `step_kinds`, the training steps whose grads the optimizer applied: each iteration's last (all, if none counted)."
     train = kinds[kinds['kind'] == 'train']
     its = train['iteration']
     if its.isna().any() or its.nunique() < 2: return train['step'].tolist()   # no optimizer steps seen: every step its own
@@ -234,7 +234,7 @@ def sequence(self:Run, step:int=None, rank:int=None)->list:
 SUMMARY = ['module', 'mtype', 'call', 'out_mean', 'out_std', 'weight_norm', 'grad_norm', 'nonfinite', 'nonfinite_inputs']
 
 def summary(df:pd.DataFrame)->pd.DataFrame:
-    "One row per module call of the records in `df`: output mean/std, weight and grad norms, NaN/Inf it made or held, and in its inputs."
+    "One row per module call of `df`'s records: output mean/std, weight and grad norms, NaN/Inf made or held, and in inputs."
     if df.empty: return pd.DataFrame(columns=SUMMARY)
     bad = df.get('nan_count', 0).fillna(0) + df.get('inf_count', 0).fillna(0)
     d = df.assign(sq=df.get('norm', pd.Series(index=df.index, dtype=float))**2,
@@ -251,7 +251,7 @@ def summary(df:pd.DataFrame)->pd.DataFrame:
 
 @patch
 def summary(self:Run, step:int=None, rank:int=None)->pd.DataFrame:
-    "One line per module call of `step` (default: the newest training step) on `rank` (default: the first), with its iteration."
+    "One line per module call of `step` (default: the newest training step) on `rank` (default: the first), and its iteration."
     rank = _one_rank(self, rank)
     if step is None: step, it = self.newest_train_step(self.last_steps.get(rank), rank)
     else: it = self.step_kinds(rank).set_index('step')['iteration'].get(step)

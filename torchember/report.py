@@ -29,7 +29,7 @@ __all__ = ['TOP', 'FINDINGS_DRAWN', 'nonfinite', 'report_figures', 'report_html'
 def nonfinite(run:Run,
               inputs:bool=False,   # list the inputs instead: what the modules were handed, not what they made or hold
              )->pd.DataFrame:
-    "One row per module tensor of `run` that held NaN or Inf (what modules made or hold, or their `inputs`): first step, steps, counts."
+    "One row per module tensor of `run` that held NaN or Inf (made or held; or `inputs`): first step, steps, counts."
     q = text(f"""SELECT module, ttype, tname, MIN(step) AS first_step, COUNT(DISTINCT step) AS steps,
                         SUM(nan_count) AS nan, SUM(inf_count) AS inf
                  FROM records WHERE run_id = :rid AND ttype {'=' if inputs else '<>'} 'input' AND (nan_count > 0 OR inf_count > 0)

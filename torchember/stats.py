@@ -332,7 +332,7 @@ def local_shard(t:torch.Tensor)->torch.Tensor:
     return t.to_local() if type(t) not in native._PLAIN and callable(getattr(t, 'to_local', None)) else t
 
 def shape_of(t:torch.Tensor)->tuple|None:
-    "`t`'s shape as ints (a DTensor's: its local shard's, as its stats), or None where it has none (a nested tensor's ragged dim)."
+    "`t`'s shape as ints (a DTensor's local shard's, as its stats), or None where it has none (a ragged nested tensor)."
     try: return tuple(map(int, local_shard(t).shape))
     except Exception: return None         # e.g. the ragged size of a jagged nested tensor
 

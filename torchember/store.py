@@ -360,7 +360,7 @@ def drop_run(c, run_id:int)->dict:
 RETIRED_RUN_ID = 'retired_run_id'   # meta key: the largest id of a deleted run
 
 def last_iteration(eng, run_id:int, rank:int=0)->int:
-    "The optimizer steps completed when `rank`'s newest step of run `run_id` closed (0 if none says): where a resumed run counts on from."
+    "Optimizer steps completed when `rank`'s newest step of run `run_id` closed (0 if unknown): where a resumed run goes on."
     s = steps_t.c
     with eng.connect() as c:
         q = select(s.iteration_after, s.iteration).where(s.run_id == run_id, s.rank == rank).order_by(s.step.desc()).limit(1)
