@@ -190,13 +190,17 @@ def step_kinds(self:Run, rank:int=None)->pd.DataFrame:
         key = (str(eng.url), self.id, rank, c.execute(select(st.step).where(*mine).order_by(st.step.desc()).limit(1)).scalar())
         if key in _KINDS: return _KINDS[key].copy()
         rows = c.execute(select(st.step, st.iteration, st.kind, st.training).where(*mine).order_by(st.step)).cursor.fetchall()
-    df = pd.DataFrame(rows, columns=['step', 'iteration', 'kind', 'training'])
-    old = df['kind'].isna()
-    df.loc[old, 'kind'] = np.where(df.loc[old, 'training'].eq(0), 'eval', 'train')
+    df = _old_kinds(pd.DataFrame(rows, columns=['step', 'iteration', 'kind', 'training']))
     df = df.drop(columns='training').astype({'step': int, 'iteration': 'Int64', 'kind': str})
     if len(_KINDS) > 16: _KINDS.clear()
     _KINDS[key] = df
     return df.copy()
+
+def _old_kinds(df:pd.DataFrame)->pd.DataFrame:
+    "`df` (steps with `kind` and `training`) with the kinds a store written before them lacks: 'eval' in eval mode, else 'train'."
+    old = df['kind'].isna()
+    df.loc[old, 'kind'] = np.where(df.loc[old, 'training'].eq(0), 'eval', 'train')
+    return df
 
 def applied_steps(kinds:pd.DataFrame)->list:
     "Of `step_kinds`, the training steps whose grads the optimizer applied: each iteration's last (all, if none counted)."
@@ -315,9 +319,7 @@ def steps(self:Run, rank=None)->pd.DataFrame:
         steps = c.execute(q).all()
         sq = pd.DataFrame([tuple(r) for r in c.execute(norms)], columns=['step', 'rank', 'ttype', 'sq', 'n', 'known'])
     df = pd.DataFrame([tuple(r) for r in steps], columns=_STEPS[:7], dtype=object)
-    df = df.astype({'step': int, 'rank': int, 'iteration': 'Int64', 'closed': float, 'n_records': 'Int64'})
-    old = df['kind'].isna()   # a store written before kinds: from the mode
-    df.loc[old, 'kind'] = np.where(df.loc[old, 'training'].eq(0), 'eval', 'train')
+    df = _old_kinds(df.astype({'step': int, 'rank': int, 'iteration': 'Int64', 'closed': float, 'n_records': 'Int64'}))
     df['closed'], df['training'] = pd.to_datetime(df['closed'], unit='s'), df['training'].astype('boolean')
     sq['norm'] = (sq['sq'].astype(float) ** .5).where(sq['n'] == sq['known'])   # a NaN (stored as NULL) norm: unknown
     key = pd.MultiIndex.from_frame(df[['step', 'rank']])
