@@ -1,70 +1,20 @@
-"""Sharded training, first steps (issue 26): FSDP2 on two CPU ranks (gloo), armed as it is.
+"""Sharded training (issue 26): two CPU ranks (gloo), each setup trained bare and armed by `sharded_worker.py`.
 
-What holds today, and is checked here: training stays bit-identical to the bare sharded model; module types are the
-classes the user wrote, not FSDP2's `FSDP<Name>` subclasses; each rank's weight and weight-grad rows describe one
-and the same tensor, its local shard (shape, numel and stats agree, an empty shard is numel 0); a custom stat
-function is handed the shard, never the DTensor, so it can make no collective, and with `ranks=[0]` the job
-finishes instead of hanging. Not yet: one row per parameter with the full parameter's stats merged from the shards.
+Setups: FSDP2 (per block and the root), FSDP2 with activation checkpointing (`checkpoint_wrapper`), FSDP1 with
+`use_orig_params` False and True, tensor parallel (colwise + rowwise), 2-D (FSDP2 over a data-parallel dimension of 1
+with tensor parallel over 2) and HSDP (2 replicas of a 1-way shard, so each piece is held twice).
+Checked for each: training stays bit-identical; names and types are the user's; every parameter has one weight and one
+weight_grad row per rank and step, with its full shape, whose stats equal those of the gathered tensor at every recorded
+step; `ranks=[0]` on a sharded model is refused at arm time on every rank, and the job ends (never hangs).
 """
-import json, math, os, socket, subprocess, sys, textwrap
+import json, math, os, socket, subprocess, sys
+from pathlib import Path
 import pytest, torch
 from torchember import load
+from torchember.stats import STATS
 
-WORKER = textwrap.dedent('''
-    import json, sys
-    import torch, torch.distributed as dist
-    from torch import nn
-    from torch.distributed.fsdp import fully_shard
-    from torchember import torchEmber
-
-    db, out = sys.argv[1], sys.argv[2]
-    dist.init_process_group('gloo')
-    rank = dist.get_rank()
-
-    class Block(nn.Module):
-        def __init__(self, d=6):
-            super().__init__()
-            self.fc1, self.act, self.fc2 = nn.Linear(d, 2 * d), nn.ReLU(), nn.Linear(2 * d, d)
-        def forward(self, x): return x + self.fc2(self.act(self.fc1(x)))
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inp, self.blocks = nn.Linear(3, 6), nn.ModuleList([Block(), Block()])
-            self.head, self.out = nn.Linear(6, 5), nn.Linear(5, 1)   # 5 rows split 3/2; 1 row leaves rank 1 an empty shard
-        def forward(self, x):
-            x = self.inp(x)
-            for b in self.blocks: x = b(x)
-            return self.out(torch.relu(self.head(x)))
-
-    def train(run=None, steps=3, custom=False, **kw):
-        torch.manual_seed(0)
-        net = Net()
-        for b in net.blocks: fully_shard(b)
-        fully_shard(net)
-        opt = torch.optim.SGD(net.parameters(), lr=0.1)
-        g = torch.Generator().manual_seed(100 + rank)
-        te = torchEmber(net, run=run, db=db, **kw) if run else None
-        if custom:
-            @te.how_record_weight
-            def mean_norm(t): return {'mean': t.mean(), 'norm': t.norm()}
-        losses, shards, before = [], {}, []
-        for step in range(steps):
-            before.append(net.inp.weight.to_local().detach().double().mean().item())   # the shard the step's weights row sees
-            loss = net(torch.randn(4, 3, generator=g)).pow(2).mean()
-            loss.backward(); opt.step(); opt.zero_grad()
-            losses.append(loss.item())
-        for n, p in net.named_parameters():
-            loc = p.to_local().detach()
-            shards[n] = dict(shape=list(loc.shape), full=list(p.shape), sum=loc.double().sum().item())
-        if te: te.disarm()
-        return dict(losses=losses, shards=shards, before=before)
-
-    res = dict(bare=train(), armed=train('fsdp2'), rank0=train('fsdp2-rank0', custom=True, ranks=[0]))
-    with open(f'{out}.{rank}.json', 'w') as f: json.dump(res, f)
-    dist.barrier()
-    dist.destroy_process_group()
-''')
+SETUPS = ('fsdp2', 'fsdp2_ac', 'fsdp1', 'fsdp1_orig', 'tp', '2d', 'hsdp')
+WORKER = Path(__file__).parent/'sharded_worker.py'
 
 def free_port()->int:
     with socket.socket() as s:
@@ -72,22 +22,21 @@ def free_port()->int:
         return s.getsockname()[1]
 
 @pytest.fixture(scope='module')
-def fsdp2(tmp_path_factory):
-    "One two-rank FSDP2 job: bare, armed, and armed on rank 0 only with a custom stat function; the store and each rank's results."
+def job(tmp_path_factory):
+    "One two-rank job over every setup: the store and each rank's results."
     pytest.importorskip('torch.distributed.fsdp')
     if not torch.distributed.is_available(): pytest.skip('torch.distributed is not available')
-    tmp = tmp_path_factory.mktemp('fsdp2')
-    db, script, out = str(tmp/'store.db'), tmp/'worker.py', tmp/'result'
-    script.write_text(WORKER)
+    tmp = tmp_path_factory.mktemp('sharded')
+    db, out = str(tmp/'store.db'), tmp/'result'
     env = {**os.environ, 'MASTER_ADDR': '127.0.0.1', 'MASTER_PORT': str(free_port()), 'WORLD_SIZE': '2',
            'TORCHEMBER_COMPILE': '0', 'OMP_NUM_THREADS': '1'}
     if sys.platform == 'linux': env.setdefault('GLOO_SOCKET_IFNAME', 'lo')
-    ps = [subprocess.Popen([sys.executable, str(script), db, str(out)], env={**env, 'RANK': str(r)},
+    ps = [subprocess.Popen([sys.executable, str(WORKER), db, str(out), ','.join(SETUPS)], env={**env, 'RANK': str(r)},
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     failed = []
     try:
         for r, p in enumerate(ps):
-            _, err = p.communicate(timeout=180)           # a hang (a collective only one rank makes) fails here
+            _, err = p.communicate(timeout=300)           # a hang (a collective only one rank makes) fails here
             if p.returncode: failed.append(f'rank {r} exited with {p.returncode}:\n{err[-3000:]}')
     finally:
         for p in ps:
@@ -95,42 +44,83 @@ def fsdp2(tmp_path_factory):
     assert not failed, '\n'.join(failed)
     return db, [json.loads((tmp/f'result.{r}.json').read_text()) for r in range(2)]
 
-def test_training_is_bit_identical(fsdp2):
-    _, res = fsdp2
-    for r in res: assert r['armed']['losses'] == r['bare']['losses'] and r['rank0']['losses'] == r['bare']['losses']
+def full_name(module:str, tname:str)->str: return f'{module}.{tname}' if module else tname
 
-def test_types_are_the_users_classes(fsdp2):
-    db, _ = fsdp2
+def same(got, want)->bool:
+    if want is None or (isinstance(want, float) and math.isnan(want)): return got is None or math.isnan(got)
+    return got is not None and math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-12)
+
+@pytest.mark.parametrize('setup', SETUPS)
+def test_training_is_bit_identical(job, setup):
+    _, res = job
+    for r in res: assert r[setup]['armed'] == r[setup]['bare']
+
+@pytest.mark.parametrize('setup', SETUPS)
+def test_names_and_types_are_the_users(job, setup):
+    db, res = job
+    run = load(setup, db)
+    mods = run.modules()
+    assert run.model == ('MLP' if setup in ('tp', '2d') else 'Net')
+    assert not any(t.startswith(('FSDP', 'FullySharded', 'Checkpoint')) for t in mods['mtype'])
+    assert not any(w in n for n in mods['module'] for w in ('_fsdp_wrapped_module', '_checkpoint_wrapped_module', '_orig_mod'))
+    if setup not in ('tp', '2d'):
+        types = dict(zip(mods['module'], mods['mtype']))
+        assert (types['blocks.0'], types['blocks.1.fc2'], types['norm']) == ('Block', 'Linear', 'LayerNorm')
+    assert not any('flat_param' in t for t in run.df(step=0)['tname'])
+
+@pytest.mark.parametrize('setup', SETUPS)
+def test_whole_parameters_equal_the_gathered_tensors(job, setup):
+    "Every parameter and grad, every recorded step, on both ranks: one row with its full shape and the gathered tensor's stats."
+    db, res = job
+    df = load(setup, db).df()
+    ref = res[0][setup]['ref']
+    assert len(ref) == 3
+    for step, want in enumerate(ref):
+        for ttype in ('weight', 'weight_grad'):
+            got = df[(df['step'] == step) & (df['ttype'] == ttype)]
+            assert sorted(set(got.apply(lambda r: full_name(r['module'], r['tname']), axis=1))) == sorted(want[ttype])
+            for _, row in got.iterrows():
+                stats = want[ttype][full_name(row['module'], row['tname'])]
+                assert row['numel'] == stats[0] == math.prod(row['shape'])
+                bad = {k: (row[k], v) for k, v in zip(STATS, stats) if not same(row[k], v)}
+                assert not bad, (step, ttype, row['module'], row['tname'], row['rank'], bad)
+            assert (got.groupby(['module', 'tname'])['rank'].apply(sorted) == pd_list([0, 1])).all()
+
+def pd_list(v): return type('L', (), {'__eq__': lambda s, o: list(o) == v, '__ne__': lambda s, o: list(o) != v})()
+
+def test_latest_and_summary_read_whole_parameters(job):
+    db, res = job
     run = load('fsdp2', db)
-    assert run.model == 'Net'
-    types = dict(zip(run.modules()['module'], run.modules()['mtype']))
-    assert types[''] == 'Net' and types['blocks.0'] == 'Block' and types['blocks.1.fc2'] == 'Linear'
-    assert not any(t.startswith('FSDP') for t in set(run.df()['mtype']))
+    w = run.latest().query("ttype == 'weight'")
+    assert (w['shape'].apply(math.prod) == w['numel']).all()
+    assert w.query("module == 'out' and tname == 'weight'")['numel'].tolist() == [5, 5]   # rank 1's piece was empty
+    s = run.summary()
+    assert s.loc[s['module'] == 'head', 'weight_norm'].notna().all()
 
-def test_each_rank_records_its_shard_consistently(fsdp2):
-    db, res = fsdp2
-    run = load('fsdp2', db)
-    assert run.ranks == [0, 1]
-    last = run.df(step=2, ttype='weight')   # the weights step 2 began with: the shards after two optimizer steps
-    for rank in (0, 1):
-        mine = last[last['rank'] == rank]
-        for _, row in mine.iterrows():
-            name = f"{row['module']}.{row['tname']}" if row['module'] else row['tname']
-            shard = res[rank]['armed']['shards'][name]
-            assert list(row['shape']) == shard['shape'] and row['numel'] == math.prod(shard['shape'])
-    both = last.groupby(['module', 'tname'])['numel'].sum()
-    assert both[('head', 'weight')] == 30 and both[('out', 'weight')] == 5      # the shards of each parameter add up to it
-    empty = last[(last['module'] == 'out') & (last['tname'] == 'weight') & (last['rank'] == 1)]
-    assert empty['numel'].tolist() == [0]
-    grads = run.df(step=2, ttype='weight_grad')
-    assert set(grads['rank']) == {0, 1} and (grads['numel'] == [math.prod(s) for s in grads['shape']]).all()
+def test_merged_extras_and_pieces_of_what_cannot_merge(job):
+    "`track_updates`: norms merge exactly; `hist`: the whole's default stats, the histogram per piece; a stat without a count: per rank."
+    db, res = job
+    run = load('fsdp2-custom', db)
+    df = run.df()
+    ref = res[0]['fsdp2-custom']['ref']
+    for step, want in enumerate(ref):
+        w = df[(df['step'] == step) & (df['ttype'] == 'weight')]
+        for _, row in w.iterrows():
+            stats = want['weight'][full_name(row['module'], row['tname'])]
+            assert all(same(row[k], v) for k, v in zip(STATS, stats[:len(STATS)]))
+            assert same(row['update_norm'], stats[-1]), (step, row['module'], row['tname'], row['update_norm'], stats[-1])
+    g = df[df['ttype'] == 'weight_grad']
+    assert g['numel'].isna().all() and g[g['shape'].apply(math.prod) > 0]['mean'].notna().all()   # mean_norm's own, per piece
+    inp = g[(g['module'] == 'inp') & (g['tname'] == 'weight')]
+    assert sorted(map(tuple, inp['shape'])) == [(3, 3)] * 6                        # each rank's half of (6, 3), 3 steps
+    from torchember.store import engine
+    with engine(db).connect() as c:
+        hists = c.exec_driver_sql("SELECT extra FROM shards s JOIN runs r ON r.id = s.run_id "
+                                  "WHERE r.name = 'fsdp2-custom' AND ttype = 'weight'").scalars().all()
+    assert hists and all('hist' in json.loads(h) for h in hists)
 
-def test_a_custom_stat_gets_the_shard_and_rank_0_alone_does_not_hang(fsdp2):
-    db, res = fsdp2
-    run = load('fsdp2-rank0', db)
-    assert run.ranks == [0]
-    w = run.df(ttype='weight')
-    assert len(w) and w['mean'].notna().all() and w['norm'].notna().all()
-    inp = w[(w['module'] == 'inp') & (w['tname'] == 'weight')].sort_values('step')
-    assert inp['shape'].tolist() == [(3, 3)] * 3                                  # rank 0's half of inp.weight (6, 3)
-    assert inp['mean'].to_numpy() == pytest.approx(res[0]['rank0']['before'], rel=1e-5)   # the custom stat of that half
+def test_rank_0_alone_is_refused_on_every_rank(job):
+    _, res = job
+    for r in res:
+        for setup, msg in r['refused'].items():
+            assert 'sharded' in msg and 'every rank' in msg, (setup, msg)

@@ -6,7 +6,7 @@ Docs: https://torchember.github.io/torchember/core.html.md"""
 
 # %% ../nbs/00_core.ipynb #fc509c35
 from __future__ import annotations
-import copyreg, dataclasses, inspect, sys, threading, time, warnings, weakref
+import copyreg, dataclasses, inspect, json, sys, threading, time, warnings, weakref
 from collections import OrderedDict
 from contextlib import contextmanager
 from fnmatch import fnmatchcase
@@ -17,8 +17,9 @@ from torch.utils.hooks import RemovableHandle
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 # %% auto #0
-__all__ = ['WRAPPERS', 'ENTER', 'EXIT', 'STEP_KINDS', 'user_class', 'is_wrapper', 'user_modules', 'module_tree', 'module_info',
-           'named_tensors', 'arg_names', 'named_inputs', 'selector', 'Capture', 'elapsed_ms', 'sample_norms', 'attach']
+__all__ = ['WRAPPERS', 'ENTER', 'EXIT', 'STEP_KINDS', 'user_class', 'is_wrapper', 'user_modules', 'module_tree', 'dtensor_piece',
+           'flat_params', 'module_info', 'named_tensors', 'arg_names', 'named_inputs', 'selector', 'Capture',
+           'elapsed_ms', 'sample_norms', 'attach']
 
 # %% ../nbs/00_core.ipynb #4a1aa61e
 def user_class(m:nn.Module)->type:
@@ -29,11 +30,12 @@ def user_class(m:nn.Module)->type:
             return next((b for b in cls.__bases__ if not issubclass(b, c)), cls)
     return cls
 
-WRAPPERS = {'CheckpointWrapper': '_checkpoint_wrapped_module', 'OptimizedModule': '_orig_mod'}   # class -> where it keeps the module
+WRAPPERS = {'CheckpointWrapper': '_checkpoint_wrapped_module', 'OptimizedModule': '_orig_mod',
+            'FullyShardedDataParallel': '_fsdp_wrapped_module'}   # class -> where it keeps the module
 
 def is_wrapper(m:nn.Module)->bool:
-    "Whether `m` only wraps another module: `checkpoint_wrapper`'s wrapper, or `torch.compile`'s of a submodule."
-    attr = WRAPPERS.get(type(m).__name__)
+    "Whether `m` only wraps another module: `checkpoint_wrapper`'s, FSDP1's, or `torch.compile`'s of a submodule."
+    attr = WRAPPERS.get(user_class(m).__name__)   # FSDP2 may shard the wrapper itself: `FSDPCheckpointWrapper`
     return attr is not None and isinstance(getattr(m, attr, None), nn.Module)
 
 def user_modules(model:nn.Module)->list:
@@ -52,6 +54,30 @@ def module_tree(model:nn.Module)->dict:
         if name: nodes[name.rpartition('.')[0]]['children'].append(node)
         nodes[name] = node
     return nodes['']
+
+# %% ../nbs/00_core.ipynb #cb777598
+def dtensor_piece(p:torch.Tensor)->tuple|None:
+    "`(piece, full_shape)` of DTensor `p` (JSON texts): which piece this rank holds, named alike on its replicas; None if not a piece."
+    mesh, placements = getattr(p, 'device_mesh', None), getattr(p, 'placements', None)
+    if mesh is None or placements is None or type(p) in (torch.Tensor, nn.Parameter): return None
+    if any(pl.is_partial() for pl in placements): return None
+    coord = mesh.get_coordinate()
+    if coord is None: return None      # a rank outside the mesh holds nothing
+    return json.dumps([None if pl.is_replicate() else c for c, pl in zip(coord, placements)]), str(list(p.shape))
+
+def flat_params(model:nn.Module)->list:
+    "`(flat_param, [(module, name, piece, full_shape, offset, numel)])` for each FSDP1 flat parameter in `model`."
+    out = []
+    for m in model.modules():
+        fp = getattr(getattr(m, '_handle', None), 'flat_param', None)
+        if fp is None or not hasattr(fp, '_shard_param_infos'): continue
+        es = []
+        for info, spi, shape in zip(fp._param_infos, fp._shard_param_infos, fp._shapes):
+            if spi.in_shard: piece, off, n = f'{spi.intra_param_start_idx}:{spi.intra_param_end_idx + 1}', spi.offset_in_shard, spi.numel_in_shard
+            else: piece, off, n = 'none', 0, 0
+            es.append((info.module, info.param_name, piece, str(list(shape)), off, n))
+        out.append((fp, es))
+    return out
 
 # %% ../nbs/00_core.ipynb #76d528bd
 def module_info(m:nn.Module)->tuple:
@@ -131,6 +157,7 @@ class Capture:
                  record_eval:bool=True, # record calls made in eval mode (False: they are not steps)
                  timing:bool=False,     # time each call's forward and backward
                  io_grad:bool=False,    # record the grads w.r.t. each module's inputs and outputs
+                 flats:list=None,       # FSDP1's flat parameters, `flat_params` of the model as wrapped (its root outside `model`)
                 ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"torchember arms an nn.Module, not {type(model).__name__}")
@@ -145,7 +172,9 @@ class Capture:
         self.mods = [m for _, m in named]
         self.sigs = [arg_names(m.forward) for m in self.mods]
         self.index = {id(m): i for i, m in enumerate(self.mods)}
+        self._flats(flats or [])
         self.params = self.current_params()
+        self.pieces = self.piece_map()
         self.step, self.enabled, self.armed = -1, True, False
         self.recording, self._depth, self._open, self._skip = False, 0, False, False
         self._root, self._made, self._hooked = [], None, None
@@ -161,8 +190,45 @@ class Capture:
         for mi, m in enumerate(self.mods):
             if not self.selected[mi]: continue
             for pn, p in m._parameters.items():
-                if p is not None and id(p) not in seen: seen.add(id(p)); out.append((mi, pn, p))
+                if p is None or id(p) in seen or id(p) in self._flat_ids or (id(m), pn) in self._in_flats: continue
+                seen.add(id(p)); out.append((mi, pn, p))
         return out
+
+    def _flats(self, flats:list):
+        "Keep FSDP1's flat parameters as `(flat_param, [(mi, name, piece, full_shape, offset, numel)])` of the selected modules."
+        self._flat_ids = {id(fp) for fp, _ in flats}
+        self._in_flats = {(id(m), pn) for _, es in flats for m, pn, *_ in es}   # the parameters a flat one holds: read through it
+        self.flats = []
+        for fp, es in flats:
+            mine = [(self.index[id(m)], pn, *rest) for m, pn, *rest in es if id(m) in self.index and self.selected[self.index[id(m)]]]
+            if mine: self.flats.append((fp, mine))
+
+    def piece_map(self)->dict:
+        "`(mi, name) -> (piece, full_shape)` of each sharded parameter: what `stats` merges (see `dtensor_piece`)."
+        out = {(mi, pn): pc for mi, pn, p in self.params if (pc := dtensor_piece(p)) is not None}
+        out.update({(mi, pn): (piece, full) for _, es in self.flats for mi, pn, piece, full, _, _ in es})
+        return out
+
+    def flat_weights(self)->list:
+        "`(mi, name, tensor)` of every parameter a flat one holds: its piece of this rank's shard (empty where none)."
+        out = []
+        with torch.no_grad():
+            for fp, es in self.flats:
+                local = getattr(fp, '_local_shard', fp).detach()
+                out += [(mi, pn, local[off:off + n]) for mi, pn, _, _, off, n in es]
+        return out
+
+    def flat_grads(self, fi:int)->list:
+        "`(mi, name, grad)` of the parameters flat parameter `fi` holds, from its sharded grad; none while it is unsharded (`no_sync`)."
+        fp, es = self.flats[fi]
+        g = fp.grad
+        if g is None or g.numel() != getattr(fp, '_local_shard', fp).numel(): return []
+        g = g.detach()
+        return [(mi, pn, g[off:off + n]) for mi, pn, _, _, off, n in es]
+
+    def hooked(self)->list:
+        "The parameters that get grad hooks: the plain ones, and the flat ones that hold others."
+        return [p for _, _, p in self.params] + [fp for fp, _ in self.flats]
 
     def __reduce__(self): return (_Inert, ())
     def __deepcopy__(self, memo): return _Inert()
@@ -276,6 +342,10 @@ def _install(self:Capture):
         if not p.requires_grad: continue
         if p._post_accumulate_grad_hooks is None: p._post_accumulate_grad_hooks = OrderedDict()
         p._post_accumulate_grad_hooks[key] = _Hook(self._grad_hook, pi)
+    for fi, (fp, _) in enumerate(self.flats):
+        if not fp.requires_grad: continue
+        if fp._post_accumulate_grad_hooks is None: fp._post_accumulate_grad_hooks = OrderedDict()
+        fp._post_accumulate_grad_hooks[key] = _Hook(self._grad_hook, ('flat', fi))
 
 def _hook_dicts(m:nn.Module)->tuple:
     "The dicts of `m`'s forward pre-hooks and forward hooks, keyed alike, that a recorded step's hooks go into."
@@ -285,7 +355,7 @@ def _hook_dicts(m:nn.Module)->tuple:
 def _key_taken(self:Capture, key:int)->bool:
     "Whether a hook of the model already sits under `key` (hooks unpickled with a model keep the keys of the process that saved it)."
     return (any(key in d for m, _, _ in self._made for d in _hook_dicts(m))
-            or any(p._post_accumulate_grad_hooks is not None and key in p._post_accumulate_grad_hooks for _, _, p in self.params))
+            or any(p._post_accumulate_grad_hooks is not None and key in p._post_accumulate_grad_hooks for p in self.hooked()))
 
 @patch
 def _uninstall(self:Capture):
@@ -294,7 +364,7 @@ def _uninstall(self:Capture):
     if key is None: return
     for m, _, _ in self._made:
         for d in _hook_dicts(m): d.pop(key, None)
-    for _, _, p in self.params:
+    for p in self.hooked():
         if (d := p._post_accumulate_grad_hooks) is not None:
             d.pop(key, None)
             if not d: p._post_accumulate_grad_hooks = None
@@ -356,6 +426,7 @@ def _root_pre(self:Capture, mod, args, kwargs, inference:bool=False):
                 # a parameter was replaced, e.g. by load_state_dict(assign=True)
                 self._uninstall()
                 self.params = params
+                self.pieces = self.piece_map()
         if rec and self._hooked is None: self._install()
         elif not rec: self._uninstall()
         self.recording = rec
@@ -363,7 +434,7 @@ def _root_pre(self:Capture, mod, args, kwargs, inference:bool=False):
             self._open, self._events, self._calls, self._stack = True, [], [0]*len(self.mods), []
             self.kind = 'train' if training and torch.is_grad_enabled() else 'no_grad' if training else 'eval'
             self.recorder.open(self.step, training=training, iteration=self.iteration, kind=self.kind)
-            self.recorder.params(self.step, 'weight', [(mi, pn, p) for mi, pn, p in self.params])
+            self.recorder.params(self.step, 'weight', [(mi, pn, p) for mi, pn, p in self.params] + self.flat_weights())
     self._depth += 1
     if self.recording and self.selected[0]: self._pre(0, mod, args, kwargs, inference)
 
@@ -475,7 +546,7 @@ def sample_norms(g:torch.Tensor)->torch.Tensor:
 # %% ../nbs/00_core.ipynb #bba5f788
 @patch
 def _grad_hook(self:Capture, pi, p):
-    if self.timing and self._open:
+    if self.timing and self._open and not isinstance(pi, tuple):
         now, mi = self.clock(), self.params[pi][0]
         for c in range(self._calls[mi]):            # every call of the module that owns `p` ends its backward no earlier
             if (t := self._times.get((mi, c))) is not None: _ended(t, now)
@@ -490,7 +561,9 @@ def _grads_done(self:Capture, again:bool=False):
         try: return torch.autograd.Variable._execution_engine.queue_callback(_Hook(self._grads_done))
         except RuntimeError: pass
     grads, self._grads, self._backward_due = self._grads, None, False
-    items = [(self.params[pi][0], self.params[pi][1], p.grad) for pi, p in grads.items() if p.grad is not None]
+    items = [(self.params[pi][0], self.params[pi][1], p.grad) for pi, p in grads.items() if not isinstance(pi, tuple) and p.grad is not None]
+    for pi in grads:
+        if isinstance(pi, tuple): items += self.flat_grads(pi[1])
     if items and self.step >= 0: self.recorder.params(self.step, 'weight_grad', items)
 
 @patch

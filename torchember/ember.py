@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from fastcore.basics import patch
-from .core import Capture, module_tree, module_info, user_class, is_wrapper, WRAPPERS, _Inert, _Hook
+from .core import Capture, module_tree, module_info, user_class, is_wrapper, flat_params, WRAPPERS, _Inert, _Hook
 from .stats import Recorder, TTYPES, VECTOR_MAX, default_stats
 from .instruments import hist_stats, Snapshots, Changes, UpdateTracker
 from .store import (engine, create_run, claim, release, write_steps, Writer, db_url, keyed_by_rank, StoreError, store_busy, RETRY_S,
@@ -50,6 +50,7 @@ class torchEmber:
                     record_eval=record_eval, timing=timing, io_grad=io_grad, track_updates=track_updates, overwrite=overwrite)
         if not isinstance(model, nn.Module):
             raise TypeError(f"torchEmber arms an nn.Module, not {type(model).__name__}")
+        flats = flat_params(model)       # FSDP1's root holds some, outside the model it wraps
         model = unwrap(model)
         pick = rank_selector(ranks)
         self.rank, self.world_size = process_rank()
@@ -63,7 +64,12 @@ class torchEmber:
         self.recorder = Recorder(self._emit, strict=strict)
         self.stat_fns = self.recorder.stat_fns
         self.capture = Capture(model, self.recorder, every=every, modules=modules, record_eval=record_eval,
-                               timing=timing, io_grad=io_grad)
+                               timing=timing, io_grad=io_grad, flats=flats)
+        writers = sum(bool(pick(r)) for r in range(self.world_size))
+        if self.capture.pieces and writers < self.world_size:
+            raise ValueError(f"this model is sharded (FSDP or tensor parallel): each rank holds a piece of each parameter, so the "
+                             f"whole parameter's stats need every rank's piece, and ranks={ranks!r} records {writers} of "
+                             f"{self.world_size} ranks; leave out ranks= (each rank writes its own pieces, with no collective)")
         self.recorder.names = self.capture.names
         if hist: self.stat_fns.update({tt: hist_stats(hist, sample_n, outliers) for tt in TTYPES})
         if snapshot is not None: self.recorder.on_tensor = Snapshots(snapshot, self.capture.names, snapshot_fn)
@@ -80,7 +86,6 @@ class torchEmber:
         mods = [(n, t, idx.get(n.rpartition('.')[0]) if n else None, *module_info(m))
                 for n, t, m in zip(self.capture.names, self.capture.mtypes, self.capture.mods)]
         self.engine = engine(db)
-        writers = sum(bool(pick(r)) for r in range(self.world_size))
         if writers > 1 and not keyed_by_rank(self.engine):
             raise StoreError(f"store {self.engine.url.render_as_string(hide_password=True)} was made before torchember kept ranks "
                              f"apart: record the {writers} ranks of this job into a new store file, or only one of them (ranks=[0])")
@@ -120,9 +125,9 @@ def _check_args(run, db, every, hist, sample_n, outliers, snapshot, snapshot_fn,
 
 # %% ../nbs/04_ember.ipynb #34287e9d
 def unwrap(model:nn.Module)->nn.Module:
-    "The model inside `torch.compile`, `checkpoint_wrapper`, `DistributedDataParallel` or `DataParallel` (nested too)."
+    "The model inside `torch.compile`, `checkpoint_wrapper`, FSDP1, `DistributedDataParallel` or `DataParallel` (nested too)."
     while True:
-        if is_wrapper(model): model = getattr(model, WRAPPERS[type(model).__name__])
+        if is_wrapper(model): model = getattr(model, WRAPPERS[user_class(model).__name__])
         elif isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)): model = model.module
         else: return model
 
@@ -183,12 +188,25 @@ def _write_steps(self:torchEmber, recs:list):
 def _step_args(self:torchEmber, rec)->dict:
     "`write_steps`' dict for `rec`; moves the last events written and the snapshots' digests forward."
     same = rec.events and rec.events == self._last_events[1]
-    kw = dict(step=rec.step, rows=rec.rows(), events=rec.events, closed=rec.closed,
+    rows, pieces = self._pieces(rec.rows())
+    kw = dict(step=rec.step, rows=rows, pieces=pieces, events=rec.events, closed=rec.closed,
               events_step=self._last_events[0] if same else None, training=rec.training, iteration=rec.iteration, kind=rec.kind,
               iteration_after=rec.iteration_after, calls=rec.call_rows(),
               scalars=rec.scalar_values(), snapshots=self._changes.rows(rec.snapshots))
     if rec.events and not same: self._last_events = (rec.step, rec.events)
     return kw
+
+@patch
+def _pieces(self:torchEmber, rows:list)->tuple:
+    "`(rows, pieces)`: the weight and grad rows of sharded parameters, as `shards` rows, apart; a custom stat function's own stay rows."
+    where = self.capture.pieces
+    if not where: return rows, []
+    out, pieces = [], []
+    for r in rows:
+        pc = where.get((r[0], r[3])) if r[2] in ('weight', 'weight_grad') else None
+        if pc is None or r[6] is None or r[7] is None or r[8] is None: out.append(r)   # numel, mean and std make a merge
+        else: pieces.append((*r[:4], *pc, *r[4:]))
+    return out, pieces
 
 @patch
 def _written(self:torchEmber)->tuple:

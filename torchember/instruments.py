@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib, json, math, zlib
 from fnmatch import fnmatchcase
 import torch
-from .stats import default_stats, dtype_name
+from .stats import default_stats, dtype_name, local_shard
 
 # %% auto #0
 __all__ = ['hist_stats', 'tensor_key', 'encode_tensor', 'decode_tensor', 'Snapshots', 'Changes', 'UpdateTracker']
@@ -129,14 +129,14 @@ class Changes:
 
 # %% ../nbs/01a_instruments.ipynb #29228d1e
 class UpdateTracker:
-    "Per weight: `update_norm` since the last recorded step and `init_dist` from the first; the recorder's `param_extras`."
+    "Per weight: `update_norm` since the last recorded step and `init_dist` from the first (of this rank's piece if sharded); `param_extras`."
     def __init__(self): self.prev, self.init = {}, {}
     def __call__(self, ttype:str, items:list)->list|None:
         if ttype != 'weight': return None
         out = []
         with torch.no_grad():
             for mi, tname, t in items:
-                k = (mi, tname)
+                t, k = local_shard(t), (mi, tname)   # a DTensor's own ops are collectives; the store merges the pieces' norms
                 prev, init = self.prev.get(k), self.init.get(k)
                 if prev is None or prev.shape != t.shape or prev.device != t.device or prev.dtype != t.dtype:
                     self.init[k], self.prev[k] = t.detach().clone(), t.detach().clone()

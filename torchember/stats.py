@@ -7,7 +7,7 @@ Docs: https://torchember.github.io/torchember/stats.html.md"""
 # %% ../nbs/01_stats.ipynb #57cf6cb2
 from __future__ import annotations
 import json, math, os, time, warnings, weakref
-from functools import partial
+from functools import partial, reduce
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 import numpy as np
@@ -17,10 +17,10 @@ from .core import elapsed_ms, _transforms_on
 from . import native
 
 # %% auto #0
-__all__ = ['MOMENTS', 'STATS', 'F64', 'SMALL', 'FLOATS', 'SLOW_COMPILE_S', 'VECTOR_MAX', 'ROW_FIELDS', 'TTYPES', 'SLOW_FRACTION',
-           'SLOW_S', 'SLOW_STEPS', 'as_real', 'moments', 'stats_of_moments', 'native_moments', 'fused_moments',
-           'default_stats', 'check_stats', 'StepRecord', 'Recorder', 'dtype_name', 'local_shard', 'shape_of',
-           'unwrapped']
+__all__ = ['MOMENTS', 'STATS', 'F64', 'SMALL', 'FLOATS', 'SLOW_COMPILE_S', 'NORM_EXTRAS', 'VECTOR_MAX', 'ROW_FIELDS', 'TTYPES',
+           'SLOW_FRACTION', 'SLOW_S', 'SLOW_STEPS', 'as_real', 'moments', 'stats_of_moments', 'native_moments',
+           'fused_moments', 'default_stats', 'merge_stats', 'check_stats', 'StepRecord', 'Recorder', 'dtype_name',
+           'local_shard', 'shape_of', 'unwrapped']
 
 # %% ../nbs/01_stats.ipynb #676c44cd
 MOMENTS = ('n', 'sum', 'sumsq', 'min', 'max', 'nonzero', 'nan', 'inf')
@@ -169,6 +169,32 @@ def default_stats(t:torch.Tensor)->dict:
     with torch.no_grad():
         m = fused_moments(t) if t.numel() > SMALL or _native(t) else moments(as_real(t)[None])[0]
         return dict(zip(STATS, stats_of_moments(m[None])[0].unbind()))
+
+# %% ../nbs/01_stats.ipynb #9f46d610
+NORM_EXTRAS = ('update_norm', 'init_dist')   # extra stats that are L2 norms: a whole tensor's is the root of its pieces' summed squares
+
+def _chan(a:tuple, b:tuple)->tuple:
+    "Merge two `(n, mean, M2)` of disjoint pieces into the whole's (Chan et al.)."
+    na, ma, m2a = a
+    nb, mb, m2b = b
+    n = na + nb
+    delta = mb - ma
+    return n, ma + delta * nb / n, m2a + m2b + delta * delta * na * nb / n
+
+def _nan_extreme(xs, f):
+    "The min or max `f` of `xs`, NaN if any of them is NaN (as torch's `amin`/`amax` of a tensor holding one)."
+    return math.nan if any(x != x for x in xs) else f(xs)
+
+def merge_stats(parts:list)->tuple:
+    "The default `STATS` of a tensor from those of its disjoint pieces (each a sequence in `STATS` order); empty pieces add nothing."
+    parts = [[math.nan if v is None else float(v) for v in p] for p in parts if p[0]]
+    if not parts: return (0., math.nan, math.nan, math.nan, math.nan, 0., math.nan, 0., 0.)
+    mom = [(p[0], p[1], (p[0] - 1) * p[2] ** 2 if p[0] > 1 else 0.) for p in parts]
+    n, mean, m2 = reduce(_chan, mom)
+    nonzero = sum(p[0] * (1 - p[6]) for p in parts)
+    return (n, mean, math.sqrt(m2 / (n - 1)) if n > 1 else math.nan, _nan_extreme([p[3] for p in parts], min),
+            _nan_extreme([p[4] for p in parts], max), math.sqrt(sum(p[5] ** 2 for p in parts)), 1 - nonzero / n,
+            sum(p[7] for p in parts), sum(p[8] for p in parts))
 
 # %% ../nbs/01_stats.ipynb #61084eac
 VECTOR_MAX = 4096    # values one stat may hold (a histogram, quantiles); a longer one is refused
@@ -427,7 +453,8 @@ def _run_custom(self, fn, t, mi, ttype, tname):
     if (shard := local_shard(t)) is not t:   # a DTensor's own ops are collectives: a function of it could hang ranks that do not record
         t = shard
         self._warn(('shard', name), f"stat function {name!r} is given this rank's shard of sharded tensors (a DTensor's to_local()): "
-                                    "its values are per shard, each rank's own")
+                                    "of weights and grads, the default stats it returns are merged into the whole parameter's; "
+                                    "its other values are per shard, each rank's own (in the `shards` table)")
     try:
         with torch.no_grad():
             d = check_stats(fn(t), name)
@@ -560,6 +587,7 @@ def _plan(batches, nat:bool=False)->tuple:
     return metas, natives, native.Batch(nts) if nts else None, list(groups.values()), large, other
 
 _PLANS = {}
+_PLAIN = native._PLAIN
 
 @patch_to(Recorder)
 def _planned(self, batches):
@@ -568,7 +596,8 @@ def _planned(self, batches):
     nat = lib is not None
     try:
         sig = (nat and lib.openmp, nat, torch.get_num_threads(),
-               *[(ttype, *[(mi, tname, type(t), t.dtype, t.shape, t.device) for mi, tname, t in items]) for ttype, items in batches])
+               *[(ttype, *[(mi, tname, type(t), t.dtype, t.shape if type(t) in _PLAIN else shape_of(t), t.device) for mi, tname, t in items])
+                 for ttype, items in batches])   # a DTensor's shard, not its whole shape: a run of another layout plans anew
         plan = _PLANS.get(sig)
         if plan is None:
             if len(_PLANS) > 64: _PLANS.clear()

@@ -6,7 +6,7 @@ Docs: https://torchember.github.io/torchember/store.html.md"""
 
 # %% ../nbs/02_store.ipynb #2645585c
 from __future__ import annotations
-import getpass, hashlib, itertools, json, os, pickle, queue, socket, sqlite3, threading, time, warnings, atexit, weakref
+import getpass, hashlib, itertools, json, math, os, pickle, queue, socket, sqlite3, threading, time, warnings, atexit, weakref
 from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
@@ -14,13 +14,14 @@ import sqlalchemy as sa
 from sqlalchemy import (BigInteger, Column, Float, ForeignKey, Integer, LargeBinary, MetaData, PrimaryKeyConstraint, String,
                         Table, Text, bindparam, event, insert, select, update, func)
 from sqlalchemy.dialects.postgresql import insert as pg_insert
+from .stats import merge_stats, NORM_EXTRAS
 
 # %% auto #0
 __all__ = ['SCHEMA_VERSION', 'MEMORY', 'metadata', 'STAT_COLS', 'Str', 'Size', 'meta_t', 'runs_t', 'ranks_t', 'modules_t',
-           'steps_t', 'digests_t', 'events_t', 'stats_t', 'calls_t', 'scalars_t', 'snapshots_t', 'VIEWS',
+           'steps_t', 'digests_t', 'events_t', 'stats_t', 'calls_t', 'scalars_t', 'shards_t', 'snapshots_t', 'VIEWS',
            'RETIRED_RUN_ID', 'ROWS_PER_INSERT', 'LINGER_S', 'PENDING_STEPS', 'PENDING_BYTES', 'RETRY_S', 'EXIT_WAIT_S',
            'default_db', 'db_url', 'check_name', 'escaped', 'StoreError', 'engine', 'keyed_by_rank', 'create_run',
-           'drop_run', 'last_iteration', 'claim', 'release', 'rows_digest', 'write_step', 'write_steps',
+           'drop_run', 'last_iteration', 'claim', 'release', 'rows_digest', 'write_step', 'write_steps', 'merge_pieces',
            'idle_priority', 'store_busy', 'Writer']
 
 # %% ../nbs/02_store.ipynb #2b4773a6
@@ -111,6 +112,13 @@ scalars_t = Table('scalars', metadata,
     Column('run_id', Integer, nullable=False), Column('step', Integer, nullable=False), _rank(),
     Column('name', Str, nullable=False), Column('value', Float),
     PrimaryKeyConstraint('run_id', 'step', 'rank', 'name'), sqlite_with_rowid=False)
+shards_t = Table('shards', metadata,   # each rank's piece of a sharded weight or grad; `stats` holds the whole, merged
+    Column('run_id', Integer, nullable=False), Column('step', Integer, nullable=False), _rank(),
+    Column('module_id', Integer, nullable=False), Column('call', Integer, nullable=False),
+    Column('ttype', Str, nullable=False), Column('tname', Str, nullable=False),
+    Column('piece', Str), Column('full_shape', Str), Column('shape', Str), Column('dtype', Str),
+    *[Column(c, Float) for c in STAT_COLS], Column('extra', Text), Column('nbytes', Size),
+    PrimaryKeyConstraint('run_id', 'step', 'rank', 'module_id', 'call', 'ttype', 'tname'), sqlite_with_rowid=False)
 snapshots_t = Table('snapshots', metadata,
     Column('run_id', Integer, nullable=False), Column('module_id', Integer, nullable=False),
     Column('ttype', Str, nullable=False), Column('tname', Str, nullable=False), Column('call', Integer, nullable=False),
@@ -525,20 +533,25 @@ def rows_digest(rows:list)->str|None:
 
 def write_step(eng, run_id:int, step:int, rows:list, events:list=(), closed:bool=True, events_step:int=None,
                training:bool=None, calls:list=(), scalars:dict=None, snapshots:list=(), rank:int=0,
-               iteration:int=None, kind:str=None):
-    "Write a step of `rank`: its stat `rows` (tuples in `stats` column order after `run_id, step, rank`), `events` (`(kind, module_id, call)`), `calls` (`(module_id, call, training, fwd_ms, bwd_ms)`), `scalars` and `snapshots` (`(module_id, ttype, tname, call, dtype, shape, data)`) in one transaction of engine `eng`, or in the open one of connection `eng`; `events_step`: an earlier step of the rank whose events these equal (none are written)."
+               iteration:int=None, kind:str=None, pieces:list=()):
+    "Write a step of `rank`: its stat `rows` (tuples in `stats` column order after `run_id, step, rank`), `events` (`(kind, module_id, call)`), `calls` (`(module_id, call, training, fwd_ms, bwd_ms)`), `scalars` `snapshots` (`(module_id, ttype, tname, call, dtype, shape, data)`) and `pieces` of sharded tensors (`shards` rows) in one transaction of engine `eng`, or in the open one of connection `eng`; `events_step`: an earlier step of the rank whose events these equal (none are written)."
     write_steps(eng, run_id, [dict(step=step, rows=rows, events=events, closed=closed, events_step=events_step, training=training,
-                                   iteration=iteration, kind=kind, calls=calls, scalars=scalars, snapshots=snapshots)], rank=rank)
+                                   iteration=iteration, kind=kind, calls=calls, scalars=scalars, snapshots=snapshots, pieces=pieces)], rank=rank)
 
 def write_steps(eng, run_id:int, steps:list, rank:int=0):
     "Write several steps of `rank` (each a dict of `write_step`'s arguments after `run_id`) in one transaction of `eng` (or in the open one of connection `eng`): their small rows in one statement each."
-    digests, closes = [], []
+    digests, closes, pieced = [], [], []
     with (nullcontext(eng) if isinstance(eng, sa.Connection) else eng.begin()) as c:
+        if any(s.get('pieces') for s in steps) and c.dialect.name == 'postgresql':
+            c.exec_driver_sql('SELECT pg_advisory_xact_lock(%(k)s)', dict(k=_pg_key(run_id, -1)))   # merging ranks take turns
         for s in steps:
-            step, rows, closed = s['step'], s.get('rows') or [], s.get('closed', True)
+            step, rows, closed, pieces = s['step'], s.get('rows') or [], s.get('closed', True), s.get('pieces') or []
             head = (run_id, step, rank)
             if rows: _insert_rows(c, stats_t, head, rows, replace=True)
-            if rows or closed: digests.append((*head, rows_digest(rows) if closed else None))
+            if pieces:
+                _insert_rows(c, shards_t, head, pieces, replace=True)
+                pieced.append(step)
+            if rows or pieces or closed: digests.append((*head, rows_digest(rows + pieces) if closed else None))
             if calls := s.get('calls'): _insert_rows(c, calls_t, head, calls, replace=True)
             if scalars := s.get('scalars'): _insert_rows(c, scalars_t, head, list(scalars.items()), replace=True)
             if snapshots := s.get('snapshots'):
@@ -548,12 +561,37 @@ def write_steps(eng, run_id:int, steps:list, rank:int=0):
             if closed: closes.append((*head, time.time(), len(rows), step if events_step is None else events_step,
                                       None if training is None else int(training), s.get('iteration'), s.get('kind'),
                                       s.get('iteration_after')))
+        if pieced: merge_pieces(c, run_id, pieced)
         if digests: _executemany(c, digests_t, digests, replace=True)
         if closes:
             _executemany(c, steps_t, closes)
             sql, order = _compiled(c, 'last_step', _last_step_update)
             params = dict(rid=run_id, st=max(r[1] for r in closes))
             c.exec_driver_sql(sql, tuple(params[n] for n in order) if order else params)
+
+def merge_pieces(c, run_id:int, steps:list):
+    "In transaction `c`, write to `stats` the whole of each sharded weight and grad of `steps` whose pieces are all in, under each rank holding one."
+    sh = shards_t.c
+    q = (select(sh.step, sh.rank, sh.module_id, sh.call, sh.ttype, sh.tname, sh.piece, sh.full_shape, sh.shape, sh.dtype,
+                *[sh[k] for k in STAT_COLS], sh.extra, sh.nbytes)
+         .where(sh.run_id == run_id, sh.step.in_(sorted(set(steps)))).order_by(sh.step, sh.rank))
+    groups, out = {}, {}
+    for r in c.execute(q): groups.setdefault((r.step, r.module_id, r.call, r.ttype, r.tname), []).append(r)
+    for (step, mi, call, ttype, tname), rs in groups.items():
+        parts = list({r.piece: r for r in reversed(rs)}.values())   # a piece that replicas hold: the lowest rank's
+        full = json.loads(rs[0].full_shape)
+        if sum(math.prod(json.loads(p.shape)) for p in parts) != math.prod(full): continue   # pieces still to come
+        st = merge_stats([[getattr(p, k) for k in STAT_COLS] for p in parts])
+        nbytes = None if any(p.nbytes is None for p in parts) else sum(p.nbytes for p in parts)
+        row = (mi, call, ttype, tname, rs[0].full_shape, rs[0].dtype, *st, _merged_extras(parts), nbytes)
+        for rank in sorted({r.rank for r in rs}): out.setdefault((step, rank), []).append(row)
+    for (step, rank), rows in out.items(): _insert_rows(c, stats_t, (run_id, step, rank), rows, replace=True)
+
+def _merged_extras(parts:list)->str|None:
+    "The extra stats of a whole tensor that its pieces' give exactly (`NORM_EXTRAS`), as JSON; None if none."
+    xs = [json.loads(p.extra) if p.extra else {} for p in parts]
+    d = {k: math.sqrt(sum(x[k] ** 2 for x in xs)) for k in NORM_EXTRAS if all(isinstance(x.get(k), (int, float)) for x in xs)}
+    return json.dumps(d) if d else None
 
 def _last_step_update(dialect):
     last = runs_t.c.last_step
