@@ -139,6 +139,34 @@ def refused(setup:str, db:str)->str:
     except ValueError as e: return str(e)
     return ''
 
+def by_callback(db:str)->list:
+    "FSDP2 trained under `EmberCallback` (as a trainer's main rank would set it up): the ranks that recorded."
+    from torchember.callbacks import EmberCallback
+    model, rank = build('fsdp2'), dist.get_rank()
+    cb = EmberCallback(db=db)
+    te = cb.begin(model, 'fsdp2-callback', rank=rank, main=rank == 0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for _ in range(2):
+        model(torch.randn(8, 3)).pow(2).mean().backward()
+        opt.step(); opt.zero_grad()
+    cb.end()
+    return [] if te is None else [te.run_name, rank]
+
+def lone(db:str)->list:
+    "FSDP2 armed on rank 0 alone, by hand: what it warns."
+    import warnings
+    model, rank = build('fsdp2'), dist.get_rank()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter('always')
+        te = torchEmber(model, run='fsdp2-lone', db=db) if rank == 0 else None
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        for _ in range(5):
+            model(torch.randn(8, 3)).pow(2).mean().backward()
+            opt.step(); opt.zero_grad()
+            if te: te.flush()
+        if te: te.disarm()
+    return [str(w.message) for w in said if 'torchember' in str(w.message)]
+
 if __name__ == '__main__':
     db, out = sys.argv[1], sys.argv[2]
     dist.init_process_group('gloo')
@@ -150,6 +178,7 @@ if __name__ == '__main__':
     _, ref, _ = train('fsdp2', db, custom=True)
     res['fsdp2-custom'] = dict(ref=ref)
     res['refused'] = {s: refused(s, db) for s in ('fsdp2', 'fsdp1', 'tp')}
+    res['callback'], res['lone'] = by_callback(db), lone(db)
     with open(f'{out}.{dist.get_rank()}.json', 'w') as f: json.dump(res, f)
     dist.barrier()
     dist.destroy_process_group()

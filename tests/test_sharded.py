@@ -124,3 +124,44 @@ def test_rank_0_alone_is_refused_on_every_rank(job):
     for r in res:
         for setup, msg in r['refused'].items():
             assert 'sharded' in msg and 'every rank' in msg, (setup, msg)
+
+def test_a_trainers_callback_records_every_rank_of_a_sharded_model(job):
+    db, res = job
+    assert [r['callback'][1] for r in res] == [0, 1] and res[0]['callback'][0] == res[1]['callback'][0]
+    run = load(res[0]['callback'][0], db)
+    w = run.df(ttype='weight')
+    assert run.ranks == [0, 1] and len(w) and (w['shape'].apply(math.prod) == w['numel']).all()
+
+def test_one_rank_armed_by_hand_is_told_and_keeps_its_pieces(job):
+    db, res = job
+    assert any('1 of 2 ranks' in m and 'shards' in m for m in res[0]['lone']), res[0]['lone']
+    run = load('fsdp2-lone', db)
+    w = run.df(ttype='weight')        # no half parameters: only those rank 0 holds whole (rank 1's pieces of `out` are empty)
+    assert set(zip(w['module'], w['tname'])) == {('out', 'weight'), ('out', 'bias')} and (w['shape'].apply(math.prod) == w['numel']).all()
+    assert len(run.df(ttype='output'))   # activations as ever
+    from torchember.store import engine
+    with engine(db).connect() as c:
+        n = c.exec_driver_sql("SELECT COUNT(*) FROM shards s JOIN runs r ON r.id = s.run_id WHERE r.name = 'fsdp2-lone'").scalar()
+    assert n > 0
+
+def test_parameters_partitioned_away_are_said_once_not_recorded():
+    "A DeepSpeed ZeRO-3 parameter holds nothing between steps: one warning, no empty rows."
+    import warnings
+    from torch import nn
+    from torchember import torchEmber
+    class Partitioned(nn.Module):     # `b` is gathered for its own forward only, which this step does not make
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 3), nn.Linear(3, 1)
+            for p in self.b.parameters(): p.data, p.ds_numel = torch.empty(0), p.numel()
+        def forward(self, x): return self.a(x)
+    m = Partitioned()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter('always')
+        te = torchEmber(m, db=':memory:')
+        for _ in range(3): m(torch.randn(4, 2)).sum().backward()
+    msgs = [str(w.message) for w in said if 'partitioned away' in str(w.message)]
+    assert len(msgs) == 1 and 'b.weight' in msgs[0]
+    te.disarm()
+    w = te.df(ttype='weight')
+    assert set(w['module']) == {'a'} and len(w) == 6

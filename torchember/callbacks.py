@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from fastcore.basics import patch
+from .core import sharded
 from .ember import torchEmber
 from .store import engine
 from .query import runs
@@ -24,7 +25,7 @@ class EmberCallback:
     "Arm a trainer's model at train start, log its numbers, flush each epoch, disarm at train end."
     def __init__(self,
                  run:str=None,          # the run's name; default: the trainer's run, made unique in the store
-                 all_ranks:bool=False,  # record on every rank: in a process group one run, rows tagged by rank (else runs end in `-rank<N>`)
+                 all_ranks:bool=False,  # record on every rank, one run with rows tagged by rank (a sharded model: always); else the main one
                  module=None,           # arm this submodule of the trainer's model: its name, the module, or a function of the model
                  **kwargs,              # options of `torchEmber`: db=, every=, timing=, hist=, resume=, strict=, ...
                 ):
@@ -64,14 +65,15 @@ def begin(self:EmberCallback,
          )->torchEmber|None:
     "Arm `model` (or the chosen submodule of it) for this training; None, recording nothing, on a rank that does not record."
     self.end()
-    if not (main or self.all_ranks): return None
+    every_rank = self.all_ranks or (_world() > 1 and sharded(model))   # a sharded parameter's stats need every rank's piece
+    if not (main or every_rank): return None
     model = _unwrap_parallel(model)
     if isinstance(self.module, str): model = model.get_submodule(self.module)
     elif isinstance(self.module, nn.Module): model = self.module
     elif callable(self.module): model = self.module(model)
     name = self.name or run
     fresh = self.name is None and not self.kwargs.get('resume')
-    if self.all_ranks and _world() > 1:
+    if every_rank and _world() > 1:
         # one run for the whole job: rank 0 picks a free name, every rank joins it and torchEmber tags its rows by rank
         box = [_unique(name, self.kwargs.get('db')) if fresh and rank == 0 else name]
         torch.distributed.broadcast_object_list(box, src=0)

@@ -18,7 +18,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 # %% auto #0
 __all__ = ['WRAPPERS', 'ENTER', 'EXIT', 'STEP_KINDS', 'user_class', 'is_wrapper', 'user_modules', 'module_tree', 'dtensor_piece',
-           'flat_params', 'module_info', 'named_tensors', 'arg_names', 'named_inputs', 'selector', 'Capture',
+           'sharded', 'flat_params', 'module_info', 'named_tensors', 'arg_names', 'named_inputs', 'selector', 'Capture',
            'elapsed_ms', 'sample_norms', 'attach']
 
 # %% ../nbs/00_core.ipynb #4a1aa61e
@@ -64,6 +64,10 @@ def dtensor_piece(p:torch.Tensor)->tuple|None:
     coord = mesh.get_coordinate()
     if coord is None: return None      # a rank outside the mesh holds nothing
     return json.dumps([None if pl.is_replicate() else c for c, pl in zip(coord, placements)]), str(list(p.shape))
+
+def sharded(model:nn.Module)->bool:
+    "Whether `model` holds its parameters in pieces across ranks: DTensors (FSDP2, tensor parallel) or FSDP1's flat parameters."
+    return bool(flat_params(model)) or any(dtensor_piece(p) is not None for p in model.parameters())
 
 def flat_params(model:nn.Module)->list:
     "`(flat_param, [(module, name, piece, full_shape, offset, numel)])` for each FSDP1 flat parameter in `model`."
@@ -186,12 +190,19 @@ class Capture:
 
     def current_params(self)->list:
         "`(mi, name, parameter)` for every parameter, each under the first module that owns it."
-        seen, out = set(), []
+        seen, out, away = set(), [], []
         for mi, m in enumerate(self.mods):
             if not self.selected[mi]: continue
             for pn, p in m._parameters.items():
                 if p is None or id(p) in seen or id(p) in self._flat_ids or (id(m), pn) in self._in_flats: continue
-                seen.add(id(p)); out.append((mi, pn, p))
+                seen.add(id(p))
+                if p.numel() == 0 or hasattr(p, 'ds_numel'): away.append(f"{self.names[mi]}.{pn}".lstrip('.'))
+                else: out.append((mi, pn, p))
+        if away and not getattr(self, '_said_away', False):
+            self._said_away = True
+            warnings.warn(f"torchember: {len(away)} parameters hold no elements on this rank between steps ({', '.join(away[:3])}"
+                          f"{', ...' if len(away) > 3 else ''}): partitioned away, as DeepSpeed ZeRO-3 does; their weights and "
+                          "grads are not recorded", stacklevel=3)
         return out
 
     def _flats(self, flats:list):

@@ -17,11 +17,13 @@ from .core import Capture, module_tree, module_info, user_class, is_wrapper, fla
 from .stats import Recorder, TTYPES, VECTOR_MAX, default_stats
 from .instruments import hist_stats, Snapshots, Changes, UpdateTracker
 from .store import (engine, create_run, claim, release, write_steps, Writer, db_url, keyed_by_rank, StoreError, store_busy, RETRY_S,
-                    last_iteration)
+                    last_iteration, ranks_t)
 from .query import Run
+from sqlalchemy import select, func
 
 # %% auto #0
-__all__ = ['GROUP', 'SIGNAL_WAIT_S', 'FLUSH_WAIT_S', 'torchEmber', 'unwrap', 'process_rank', 'agree_run_name', 'rank_selector']
+__all__ = ['GROUP', 'LONE_WRITES', 'SIGNAL_WAIT_S', 'FLUSH_WAIT_S', 'torchEmber', 'unwrap', 'process_rank', 'agree_run_name',
+           'rank_selector']
 
 # %% ../nbs/04_ember.ipynb #654a6fa8
 class torchEmber:
@@ -77,6 +79,7 @@ class torchEmber:
         self._changes = Changes()
         self.writer, self._disarm_hook, self._last_events = None, _Hook(self.disarm), (None, None)
         self._forked, self._dropped, self._released = False, 0, False
+        self._piece_writes = 0   # writes with pieces of sharded parameters, until every rank is known to record
         self.engine = self.run_id = None
         if not self.recording: return        # a rank left out: nothing armed, nothing written
         config = dict(every=every, modules=None if modules is None else repr(modules), record_eval=record_eval,
@@ -179,10 +182,27 @@ def _write_steps(self:torchEmber, recs:list):
     "Write `recs` in one transaction; if it fails, put back what writing moved forward, and raise."
     kept = self._written()
     try:
-        write_steps(self.engine, self.run_id, [self._step_args(rec) for rec in recs], rank=self.rank)
+        args = [self._step_args(rec) for rec in recs]
+        write_steps(self.engine, self.run_id, args, rank=self.rank)
     except BaseException:
         self._put_back(kept)
         raise
+    if self._piece_writes >= 0 and any(a['pieces'] for a in args): self._lone_rank()
+
+LONE_WRITES = 3   # writes with pieces after which a sharded run that not every rank joined is said to be missing pieces
+
+@patch
+def _lone_rank(self:torchEmber):
+    "Warn once if the ranks recording this sharded model are fewer than the job's: its parameters' pieces never all arrive."
+    self._piece_writes += 1
+    if self._piece_writes < LONE_WRITES: return
+    self._piece_writes = -1           # checked: never again
+    with self.engine.connect() as c:
+        joined = c.execute(select(func.count()).select_from(ranks_t).where(ranks_t.c.run_id == self.run_id)).scalar()
+    if joined < self.world_size:
+        warnings.warn(f"torchember: run {self.run_name!r} records a sharded model on {joined} of {self.world_size} ranks, so no "
+                      "parameter's pieces all arrive and its weights and grads stay per piece (table `shards`); arm it on every rank",
+                      RuntimeWarning)
 
 @patch
 def _step_args(self:torchEmber, rec)->dict:
