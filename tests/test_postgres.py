@@ -320,3 +320,13 @@ def test_version_1_store_upgraded_in_place(pg):
     assert 'calls' in sa.inspect(engine(pg)).get_table_names()
     assert len(r.latest()) and 'nbytes' not in r.df().columns      # old rows read back, without the sizes they never had
     assert sql(pg, "SELECT count(*) FROM latest") == [(len(r.df()),)]
+
+
+# ---------------------------------------------------------------- a sharded job: ranks merge their pieces in turn
+
+def test_sharded_pieces_merge_in_postgresql(pg, tmp_path):
+    "Two ranks writing their pieces concurrently: the last to close a step writes the whole parameters (advisory lock)."
+    pytest.importorskip('torch.distributed.fsdp')
+    from test_sharded import run_job, check_whole
+    res = run_job(pg, tmp_path/'result', ('fsdp2', 'fsdp1', 'hsdp'))
+    for setup in ('fsdp2', 'fsdp1', 'hsdp'): check_whole(pg, res, setup)

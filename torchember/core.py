@@ -57,7 +57,7 @@ def module_tree(model:nn.Module)->dict:
 
 # %% ../nbs/00_core.ipynb #cb777598
 def dtensor_piece(p:torch.Tensor)->tuple|None:
-    "`(piece, full_shape)` of DTensor `p` (JSON texts): which piece this rank holds, named alike on its replicas; None if not a piece."
+    "`(piece, full_shape)` of DTensor `p` (JSON): which piece this rank holds, named alike on replicas; None if no piece."
     mesh, placements = getattr(p, 'device_mesh', None), getattr(p, 'placements', None)
     if mesh is None or placements is None or type(p) in (torch.Tensor, nn.Parameter): return None
     if any(pl.is_partial() for pl in placements): return None
@@ -66,7 +66,7 @@ def dtensor_piece(p:torch.Tensor)->tuple|None:
     return json.dumps([None if pl.is_replicate() else c for c, pl in zip(coord, placements)]), str(list(p.shape))
 
 def sharded(model:nn.Module)->bool:
-    "Whether `model` holds its parameters in pieces across ranks: DTensors (FSDP2, tensor parallel) or FSDP1's flat parameters."
+    "Whether `model` holds its parameters in pieces across ranks: DTensors (FSDP2, TP) or FSDP1's flat parameters."
     return bool(flat_params(model)) or any(dtensor_piece(p) is not None for p in model.parameters())
 
 def flat_params(model:nn.Module)->list:
@@ -230,7 +230,7 @@ class Capture:
         return out
 
     def flat_grads(self, fi:int)->list:
-        "`(mi, name, grad)` of the parameters flat parameter `fi` holds, from its sharded grad; none while it is unsharded (`no_sync`)."
+        "`(mi, name, grad)` of the parameters flat parameter `fi` holds, from its sharded grad; none while unsharded (`no_sync`)."
         fp, es = self.flats[fi]
         g = fp.grad
         if g is None or g.numel() != getattr(fp, '_local_shard', fp).numel(): return []

@@ -129,7 +129,7 @@ class Changes:
 
 # %% ../nbs/01a_instruments.ipynb #29228d1e
 class UpdateTracker:
-    "Per weight: `update_norm` since the last recorded step and `init_dist` from the first (of this rank's piece if sharded); `param_extras`."
+    "Per weight (this rank's piece if sharded): `update_norm` since the last recorded step, `init_dist` from the first."
     def __init__(self): self.prev, self.init = {}, {}
     def __call__(self, ttype:str, items:list)->list|None:
         if ttype != 'weight': return None

@@ -7,7 +7,7 @@ Docs: https://torchember.github.io/torchember/stats.html.md"""
 # %% ../nbs/01_stats.ipynb #57cf6cb2
 from __future__ import annotations
 import json, math, os, time, warnings, weakref
-from functools import partial, reduce
+from functools import partial
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 import numpy as np
@@ -173,28 +173,27 @@ def default_stats(t:torch.Tensor)->dict:
 # %% ../nbs/01_stats.ipynb #9f46d610
 NORM_EXTRAS = ('update_norm', 'init_dist')   # extra stats that are L2 norms: a whole tensor's is the root of its pieces' summed squares
 
-def _chan(a:tuple, b:tuple)->tuple:
-    "Merge two `(n, mean, M2)` of disjoint pieces into the whole's (Chan et al.)."
-    na, ma, m2a = a
-    nb, mb, m2b = b
-    n = na + nb
-    delta = mb - ma
-    return n, ma + delta * nb / n, m2a + m2b + delta * delta * na * nb / n
-
-def _nan_extreme(xs, f):
-    "The min or max `f` of `xs`, NaN if any of them is NaN (as torch's `amin`/`amax` of a tensor holding one)."
-    return math.nan if any(x != x for x in xs) else f(xs)
+def _f(v)->float: return math.nan if v is None else v   # SQL's NULL: a NaN stat
 
 def merge_stats(parts:list)->tuple:
-    "The default `STATS` of a tensor from those of its disjoint pieces (each a sequence in `STATS` order); empty pieces add nothing."
-    parts = [[math.nan if v is None else float(v) for v in p] for p in parts if p[0]]
-    if not parts: return (0., math.nan, math.nan, math.nan, math.nan, 0., math.nan, 0., 0.)
-    mom = [(p[0], p[1], (p[0] - 1) * p[2] ** 2 if p[0] > 1 else 0.) for p in parts]
-    n, mean, m2 = reduce(_chan, mom)
-    nonzero = sum(p[0] * (1 - p[6]) for p in parts)
-    return (n, mean, math.sqrt(m2 / (n - 1)) if n > 1 else math.nan, _nan_extreme([p[3] for p in parts], min),
-            _nan_extreme([p[4] for p in parts], max), math.sqrt(sum(p[5] ** 2 for p in parts)), 1 - nonzero / n,
-            sum(p[7] for p in parts), sum(p[8] for p in parts))
+    "The default `STATS` of a tensor from those of its disjoint pieces (each in `STATS` order); empty pieces add nothing."
+    n = mean = m2 = sq = nonzero = nans = infs = 0.
+    lo, hi = math.inf, -math.inf
+    for k, mk, sk, mn, mx, norm, zf, na, inf in parts:
+        if not k: continue
+        mk, mn, mx = _f(mk), _f(mn), _f(mx)
+        m2k = (k - 1) * _f(sk) ** 2 if k > 1 else 0.
+        if n:      # Chan et al.: merge (n, mean, M2) of the pieces so far with this one's
+            total, delta = n + k, mk - mean
+            mean, m2 = mean + delta * k / total, m2 + m2k + delta * delta * n * k / total
+            n = total
+        else: n, mean, m2 = k, mk, m2k
+        if lo == lo: lo = mn if mn != mn else min(lo, mn)   # a NaN anywhere makes the extreme NaN, as torch's amin does
+        if hi == hi: hi = mx if mx != mx else max(hi, mx)
+        sq, nonzero = sq + _f(norm) ** 2, nonzero + k * (1 - _f(zf))
+        nans, infs = nans + (na or 0.), infs + (inf or 0.)
+    if not n: return (0., math.nan, math.nan, math.nan, math.nan, 0., math.nan, 0., 0.)
+    return (n, mean, math.sqrt(m2 / (n - 1)) if n > 1 else math.nan, lo, hi, math.sqrt(sq), 1 - nonzero / n, nans, infs)
 
 # %% ../nbs/01_stats.ipynb #61084eac
 VECTOR_MAX = 4096    # values one stat may hold (a histogram, quantiles); a longer one is refused

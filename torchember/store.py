@@ -561,35 +561,48 @@ def write_steps(eng, run_id:int, steps:list, rank:int=0):
             if closed: closes.append((*head, time.time(), len(rows), step if events_step is None else events_step,
                                       None if training is None else int(training), s.get('iteration'), s.get('kind'),
                                       s.get('iteration_after')))
-        if pieced: merge_pieces(c, run_id, pieced)
         if digests: _executemany(c, digests_t, digests, replace=True)
         if closes:
             _executemany(c, steps_t, closes)
             sql, order = _compiled(c, 'last_step', _last_step_update)
             params = dict(rid=run_id, st=max(r[1] for r in closes))
             c.exec_driver_sql(sql, tuple(params[n] for n in order) if order else params)
+        if pieced: merge_pieces(c, run_id, pieced)
 
 def merge_pieces(c, run_id:int, steps:list):
-    "In transaction `c`, write to `stats` the whole of each sharded weight and grad of `steps` whose pieces are all in, under each rank holding one."
-    sh = shards_t.c
+    "In transaction `c`, write to `stats` each sharded weight and grad of `steps` that every rank has written, whole."
+    sh, st = shards_t.c, steps_t.c
+    world = c.execute(select(runs_t.c.world_size).where(runs_t.c.id == run_id)).scalar() or 1
+    closed = select(st.step).where(st.run_id == run_id, st.step.in_(sorted(set(steps)))).group_by(st.step)
+    ready = c.execute(closed.having(func.count() >= world)).scalars().all()   # every rank has written the step: a few rows read
+    if not ready: return
     q = (select(sh.step, sh.rank, sh.module_id, sh.call, sh.ttype, sh.tname, sh.piece, sh.full_shape, sh.shape, sh.dtype,
                 *[sh[k] for k in STAT_COLS], sh.extra, sh.nbytes)
-         .where(sh.run_id == run_id, sh.step.in_(sorted(set(steps)))).order_by(sh.step, sh.rank))
-    groups, out = {}, {}
-    for r in c.execute(q): groups.setdefault((r.step, r.module_id, r.call, r.ttype, r.tname), []).append(r)
+         .where(sh.run_id == run_id, sh.step.in_(ready)).order_by(sh.step, sh.rank))
+    groups, out, k = {}, {}, len(STAT_COLS)
+    for r in c.execute(q).tuples(): groups.setdefault(r[:1] + r[2:6], []).append(r)
     for (step, mi, call, ttype, tname), rs in groups.items():
-        parts = list({r.piece: r for r in reversed(rs)}.values())   # a piece that replicas hold: the lowest rank's
-        full = json.loads(rs[0].full_shape)
-        if sum(math.prod(json.loads(p.shape)) for p in parts) != math.prod(full): continue   # pieces still to come
-        st = merge_stats([[getattr(p, k) for k in STAT_COLS] for p in parts])
-        nbytes = None if any(p.nbytes is None for p in parts) else sum(p.nbytes for p in parts)
-        row = (mi, call, ttype, tname, rs[0].full_shape, rs[0].dtype, *st, _merged_extras(parts), nbytes)
-        for rank in sorted({r.rank for r in rs}): out.setdefault((step, rank), []).append(row)
+        parts = list({r[6]: r for r in reversed(rs)}.values())   # a piece that replicas hold: the lowest rank's
+        full = rs[0][7]
+        if sum(_numel(p[8]) for p in parts) != _numel(full): continue   # pieces still to come
+        st = merge_stats([p[10:10 + k] for p in parts])
+        nbytes = None if any(p[-1] is None for p in parts) else sum(p[-1] for p in parts)
+        extra = _merged_extras([p[-2] for p in parts]) if any(p[-2] for p in parts) else None
+        row = (mi, call, ttype, tname, full, rs[0][9], *st, extra, nbytes)
+        for rank in sorted({r[1] for r in rs}): out.setdefault((step, rank), []).append(row)
     for (step, rank), rows in out.items(): _insert_rows(c, stats_t, (run_id, step, rank), rows, replace=True)
 
-def _merged_extras(parts:list)->str|None:
-    "The extra stats of a whole tensor that its pieces' give exactly (`NORM_EXTRAS`), as JSON; None if none."
-    xs = [json.loads(p.extra) if p.extra else {} for p in parts]
+_NUMELS = {}
+def _numel(shape:str)->int:
+    "Elements of a shape stored as JSON text, cached."
+    if shape not in _NUMELS:
+        if len(_NUMELS) > 4096: _NUMELS.clear()
+        _NUMELS[shape] = math.prod(json.loads(shape))
+    return _NUMELS[shape]
+
+def _merged_extras(extras:list)->str|None:
+    "The extra stats of a whole tensor that its pieces' (JSON texts) give exactly (`NORM_EXTRAS`), as JSON; None if none."
+    xs = [json.loads(e) if e else {} for e in extras]
     d = {k: math.sqrt(sum(x[k] ** 2 for x in xs)) for k in NORM_EXTRAS if all(isinstance(x.get(k), (int, float)) for x in xs)}
     return json.dumps(d) if d else None
 
