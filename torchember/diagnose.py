@@ -693,3 +693,28 @@ def _step_range(run:Run)->tuple:
     with engine(run.db).connect() as c:
         lo, hi = (c.execute(select(f(s.step)).where(s.run_id == run.id)).scalar() for f in (func.min, func.max))   # apart: each one seek
     return (0, -1) if lo is None else (int(lo), int(hi))
+
+# %% ../nbs/03a_diagnose.ipynb #01e56167
+from .store import thin_steps
+
+@patch
+def thin(self:Run,
+         every:int,            # keep one step in `every` (steps divisible by it)
+         before:int=None,      # thin only the steps before this one; default every step
+         keep=(),              # steps to keep besides those with findings or NaN/Inf
+         vacuum:bool=False,    # SQLite: give the space back to the file (rewrites it)
+        )->dict:               # table -> rows deleted
+    "Delete the rows of all but one step in `every` before step `before`, keeping steps with findings or NaN/Inf; rollups and steps stay."
+    _need(_isint(every) and every >= 1, 'thin', 'every', every, 'an int >= 1', ValueError)
+    _need(before is None or _isint(before), 'thin', 'before', before, 'an int or None')
+    s = stats_t.c
+    with engine(self.db).connect() as c:
+        steps = c.execute(select(steps_t.c.step).where(steps_t.c.run_id == self.id).distinct()).scalars().all()
+        bad = c.execute(select(s.step).where(s.run_id == self.id, (s.nan_count > 0) | (s.inf_count > 0)).distinct()).scalars().all()
+    fs = self.diagnose() if self.last_step is not None else None
+    kept = set(keep) | set(bad) | (set(fs['step'].dropna().astype(int)) if fs is not None and len(fs) else set())
+    gone = sorted(k for k in steps if (before is None or k < before) and k % every and k not in kept)
+    with engine(self.db).begin() as c: out = thin_steps(c, self.id, gone)
+    if vacuum and engine(self.db).dialect.name == 'sqlite':
+        with engine(self.db).connect() as c: c.execution_options(isolation_level='AUTOCOMMIT').exec_driver_sql('VACUUM')
+    return out

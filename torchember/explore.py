@@ -21,7 +21,7 @@ from .ember import torchEmber
 from .figures import (ORANGE, RANK_COLORS, recorded_steps, history, stat_columns, module_label, history_traces,
                                 heatmap_traces, latest_times, latest_by_module, overview_traces, rank_traces, rank_spread,
                                 spread_traces, module_map, map_figure, map_labels, MAP_STATS, scalars_figure, finite_json,
-                                view_steps, with_kinds, step_name, step_title, iteration_text)
+                                view_steps, with_kinds, step_name, step_title, iteration_text, module_envelope, envelope_traces)
 import math
 import numpy as np
 
@@ -382,6 +382,8 @@ def refresh_history(self:Explorer):
         over = 'over applied steps' if len(shown) < len(self._steps) and not every else 'over steps'   # see `view_steps`
         traces = (rank_traces(h, stats) if view == ALL else spread_traces(rank_spread(h, stats), stats) if view == SPREAD
                   else history_traces(h, stats))
+        if ttype and rank is not None and len(shown) > self.max_points:   # a thinned line: every step's extremes behind it
+            traces = envelope_traces(module_envelope(self.run, module, ttype, rank)) + traces
         self.history_df, self.overlay_df = h, None
         if self.overlay is not None and ttype:
             orank = self._overlay_rank()

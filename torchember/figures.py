@@ -19,11 +19,12 @@ from .query import Run, applied_steps
 
 # %% auto #0
 __all__ = ['APPLIED_ONLY', 'BLUE', 'ORANGE', 'RED', 'RANK_COLORS', 'MAP_STATS', 'with_stats', 'stat_columns', 'combine',
-           'recorded_steps', 'thin', 'history', 'view_steps', 'with_kinds', 'iteration_text', 'step_name', 'step_hover',
-           'step_title', 'heat', 'nan_steps', 'nan_trace', 'history_traces', 'modules_in_order', 'latest_by_module',
-           'module_label', 'overview_traces', 'latest_times', 'heatmap_traces', 'rank_traces', 'rank_spread',
-           'spread_traces', 'tensor_image', 'tensor_figure', 'forward_order', 'module_map', 'finite_json', 'map_labels',
-           'map_figure', 'log_axis', 'flat_range', 'scalar_series', 'scalars_figure']
+           'recorded_steps', 'thin', 'peaks', 'history', 'view_steps', 'with_kinds', 'iteration_text', 'step_name',
+           'step_hover', 'step_title', 'heat', 'nan_steps', 'nan_trace', 'history_traces', 'modules_in_order',
+           'latest_by_module', 'module_label', 'overview_traces', 'latest_times', 'heatmap_traces', 'rank_traces',
+           'rank_spread', 'spread_traces', 'tensor_image', 'tensor_figure', 'forward_order', 'module_map',
+           'module_envelope', 'envelope_traces', 'finite_json', 'map_labels', 'map_figure', 'log_axis', 'flat_range',
+           'scalar_series', 'scalars_figure']
 
 # %% ../nbs/05_figures.ipynb #f654825d
 _META = ('run', 'step', 'iteration', 'kind', 'rank', 'call', 'module', 'mtype', 'ttype', 'tname', 'shape', 'dtype')
@@ -77,6 +78,18 @@ def thin(steps:list, n:int)->list:
     "At most `n` of `steps`, evenly spaced, the first and last kept."
     if len(steps) <= n: return list(steps)
     return [steps[i] for i in np.unique(np.linspace(0, len(steps) - 1, max(n, 2)).round().astype(int))]
+
+def peaks(steps, values, n:int)->list:
+    "About `n` of `steps` (in order) whose `values` draw the line's shape: per bin its lowest, highest and first NaN, first and last kept."
+    steps, v = np.asarray(steps), np.asarray(values, dtype=float)
+    if len(steps) <= n: return steps.tolist()
+    edges, keep = np.linspace(0, len(steps), max(n // 2, 1) + 1).astype(int), {0, len(steps) - 1}
+    for a, b in zip(edges[:-1], edges[1:]):
+        seg = v[a:b]
+        if not len(seg): continue
+        if (nan := np.flatnonzero(np.isnan(seg))).size: keep.add(a + int(nan[0]))
+        if nan.size < len(seg): keep.update((a + int(np.nanargmin(seg)), a + int(np.nanargmax(seg))))
+    return steps[sorted(keep)].tolist()
 
 def history(run:Run,              # the run to read
             module:str,           # module name ('' for the model itself)
@@ -409,7 +422,8 @@ def picture(self:Run,
 # %% ../nbs/05_figures.ipynb #b0b3dc59
 import sqlalchemy as sa
 from sqlalchemy import func
-from .store import stats_t, modules_t
+from .store import stats_t, modules_t, rollups_t, ROLLUP_WIDTHS
+from .stats import TTYPES
 
 MAP_STATS = ('norm', 'std', 'mean', 'max', 'min', 'zero_frac')   # what a map can show, each taken over tensors and steps
 
@@ -443,6 +457,7 @@ def module_map(run:Run,                  # the run to read
         lo, hi = c.execute(select(func.min(st.step), func.max(st.step)).where(st.run_id == run.id, st.rank == rank)).one()
         if lo is None: return empty
         width = -(-(hi - lo + 1) // bins)          # steps a column, so that there are at most `bins`
+        if width > 1 and steps is None and tname is None: return _extremes(c, run, rank, ttype, stat, lo, width)
         cols = list(range(lo, hi + 1, width))
         if steps is not None:   # a column shows its first step of `steps`; a column with none of them goes
             firsts = {}
@@ -472,6 +487,80 @@ def module_map(run:Run,                  # the run to read
     z[row_of[mid.astype(int)], [of[k] for k in ((step - lo) // width).astype(int)]] = v
     for i, j in bad: nf[row_of[i], j] = True
     return dict(modules=order, x=cols, width=width, z=z, bad=nf)
+
+# %% ../nbs/05_figures.ipynb #3ffed3df
+_PER_STEP = ("SELECT module_id, step, SUM(norm * norm) AS norm_sq, SUM(std * std * numel) / NULLIF(SUM(numel), 0) AS std_sq, "
+             "SUM(mean * numel) / NULLIF(SUM(numel), 0) AS mean, SUM(zero_frac * numel) / NULLIF(SUM(numel), 0) AS zero_frac, "
+             "MAX(max) AS hi, MIN(min) AS lo, MIN(CASE WHEN nan_count > 0 OR inf_count > 0 THEN step END) AS bad_step "
+             "FROM stats WHERE run_id = {run} AND rank = {rank} AND ttype = '{ttype}' GROUP BY step, module_id")
+_BINNED = ("SELECT module_id, ({key} - {first}) / {k} AS col, MAX(norm_sq), MAX(std_sq), MAX({hi_mean}), MIN({lo_mean}), "
+           "MAX(zero_frac), MAX(hi), MIN(lo), MIN(bad_step) FROM {src} GROUP BY module_id, ({key} - {first}) / {k}")
+
+def _extremes(c, run:Run, rank:int, ttype:str, stat:str, lo:int, width:int)->dict:
+    "`module_map` of columns of `width` steps or more, each showing its extreme: from `rollups` where they cover the run, else the rows."
+    level = max((w for w in ROLLUP_WIDTHS if w <= width), default=None)
+    if ttype not in TTYPES: raise ValueError(f"unknown ttype {ttype!r}")
+    r = rollups_t.c
+    if level is not None and c.execute(select(r.bin).where(r.run_id == run.id, r.rank == rank, r.ttype == ttype, r.width == level,
+                                                            r.bin == lo // level).limit(1)).first() is not None:
+        k, first = -(-width // level), lo // level       # bins a column; the run's first bin
+        src = (f"rollups WHERE run_id = {int(run.id)} AND rank = {int(rank)} AND ttype = '{ttype}' AND width = {level}")
+        sql = _BINNED.format(key='bin', first=first, k=k, hi_mean='mean_hi', lo_mean='mean_lo', src=src)
+        width, x0 = k * level, first * level
+    else:                                                # rows read: fewer than the rollups' first width times `bins` a module
+        per_step = _PER_STEP.format(run=int(run.id), rank=int(rank), ttype=ttype)
+        sql = _BINNED.format(key='step', first=lo, k=width, hi_mean='mean', lo_mean='mean', src=f'({per_step}) per_step')
+        x0 = lo
+    rows = c.exec_driver_sql(sql).all()
+    names = dict(c.execute(select(modules_t.c.id, modules_t.c.name).where(modules_t.c.run_id == run.id)).all())
+    if not rows: return dict(modules=[], x=[], width=width, z=np.zeros((0, 0)), bad=np.zeros((0, 0), bool))
+    a = np.array([tuple(row) for row in rows], dtype=float)
+    mid, col = a[:, 0].astype(int), a[:, 1].astype(int)
+    hi_mean, lo_mean = a[:, 4], a[:, 5]
+    with np.errstate(invalid='ignore'):
+        v = {'norm': np.sqrt(a[:, 2]), 'std': np.sqrt(a[:, 3]), 'mean': np.where(np.abs(lo_mean) > np.abs(hi_mean), lo_mean, hi_mean),
+             'zero_frac': a[:, 6], 'max': a[:, 7], 'min': a[:, 8]}[stat]
+    have = {names[int(i)] for i in np.unique(mid)}
+    order = [m for m in forward_order(run, rank=rank) if m in have]
+    row = {name: order.index(name) for name in order}
+    ncols = int(col.max()) + 1
+    z, bad = np.full((len(order), ncols), np.nan), np.zeros((len(order), ncols), bool)
+    rows_of = np.array([row[names[int(i)]] for i in mid])
+    z[rows_of, col] = v
+    bad[rows_of, col] = ~np.isnan(a[:, 9])
+    x = [max(lo, x0 + j * width) for j in range(ncols)]
+    return dict(modules=order, x=x, width=width, z=z, bad=bad)
+
+# %% ../nbs/05_figures.ipynb #cbb34d15
+def module_envelope(run:Run, module:str, ttype:str, rank:int=None, bins:int=500)->pd.DataFrame|None:
+    "Per bin of at most `bins` over the run: `step` (its first), `lo`, `hi` and `bad_step` of `module`'s `ttype`; None without rollups."
+    rank = run.ranks[0] if rank is None else rank
+    r, st = rollups_t.c, steps_t.c
+    with engine(run.db).connect() as c:
+        lo, hi = c.execute(select(func.min(st.step), func.max(st.step)).where(st.run_id == run.id, st.rank == rank)).one()
+        mid = c.execute(select(modules_t.c.id).where(modules_t.c.run_id == run.id, modules_t.c.name == module)).scalar()
+        if lo is None or mid is None: return None
+        width = -(-(hi - lo + 1) // bins)
+        level = max((w for w in ROLLUP_WIDTHS if w <= width), default=ROLLUP_WIDTHS[0])
+        k, first = -(-width // level), lo // level
+        col = ((r.bin - first) // k).label('col')
+        rows = c.execute(select(col, func.max(r.hi), func.min(r.lo), func.min(r.bad_step))
+                         .where(r.run_id == run.id, r.rank == rank, r.ttype == ttype, r.width == level, r.module_id == mid)
+                         .group_by(col).order_by(col)).all()
+    if not rows: return None
+    df = pd.DataFrame([tuple(x) for x in rows], columns=['col', 'hi', 'lo', 'bad_step'])
+    return df.assign(step=[max(lo, (first + int(j) * k) * level) for j in df['col']]).drop(columns='col')[['step', 'lo', 'hi', 'bad_step']]
+
+def envelope_traces(e:pd.DataFrame, color:str=BLUE)->list:
+    "A `module_envelope` as a light band between its bins' min and max, and a red mark at each bin's first NaN/Inf step."
+    if e is None or e.empty: return []
+    common = dict(mode='lines', line=dict(width=0.5, color=_rgba(color, .25)), legendgroup='every step', hoverinfo='skip', line_shape='hv')
+    tr = [go.Scatter(x=e['step'].tolist(), y=_list(e['lo']), name='every step: min', showlegend=False, **common),
+          go.Scatter(x=e['step'].tolist(), y=_list(e['hi']), name='every step: min–max', fill='tonexty', fillcolor=_rgba(color, .08), **common)]
+    bad = e[e['bad_step'].notna()]
+    if len(bad): tr.append(go.Scatter(x=bad['bad_step'].astype(int).tolist(), y=_list(bad['hi'].where(bad['hi'].notna(), bad['lo'])),
+                                      mode='markers', name='NaN/Inf (every step)', marker=dict(color=RED, symbol='x', size=9)))
+    return tr
 
 # %% ../nbs/05_figures.ipynb #3e417a5b
 def finite_json(x):
@@ -583,7 +672,8 @@ def scalars_figure(st:pd.DataFrame,        # `Run.steps()` of one rank
             d = frame
             if s == 'grad_norm' and 'kind' in frame: d = frame[frame['step'].isin(view_steps(frame, 'weight_grad', frame['step'], all_steps))]
             elif s not in ('grad_norm', 'weight_norm'): d = frame[frame[s].notna()]   # a logged value: the steps it was logged at, joined
-            f = d[d['step'].isin(thin(sorted(d['step'].unique()), max_points))]
+            f = d[d['step'].isin(peaks(d['step'], pd.to_numeric(d[s], errors='coerce'), max_points))] if d['step'].is_unique \
+                else d[d['step'].isin(thin(sorted(d['step'].unique()), max_points))]   # several ranks: evenly spaced steps
             cd, at = step_hover(f)
             fig.add_trace(go.Scatter(x=f['step'].tolist(), y=_list(pd.to_numeric(f[s], errors='coerce')), mode='lines', name=name or 'run',
                                      legendgroup=name or 'run', showlegend=i == 0, line=dict(color=color, width=1.5), customdata=cd,

@@ -310,15 +310,21 @@ _STEPS = ['step', 'rank', 'iteration', 'kind', 'closed', 'training', 'n_records'
 def steps(self:Run, rank=None)->pd.DataFrame:
     "One row per step closed by each rank (or `rank`(s)): iteration, kind, when, mode, records, global norms, logged scalars."
     st, s = steps_t.c, stats_t.c
-    norms = (select(s.step, s.rank, s.ttype, func.sum(s.norm * s.norm), func.count(), func.count(s.norm))
-             .where(s.run_id == self.id, s.ttype.in_(['weight', 'weight_grad'])).group_by(s.step, s.rank, s.ttype))
-    q = (select(st.step, st.rank, st.iteration, st.kind, st.closed, st.training, st.n_records)
+    q = (select(st.step, st.rank, st.iteration, st.kind, st.closed, st.training, st.n_records, st.weight_sq, st.grad_sq, st.summed)
          .where(st.run_id == self.id).order_by(st.step, st.rank))
-    if rank is not None: q, norms = q.where(st.rank.in_(_as_list(rank))), norms.where(s.rank.in_(_as_list(rank)))
+    if rank is not None: q = q.where(st.rank.in_(_as_list(rank)))
     with engine(self.db).connect() as c:
         steps = c.execute(q).all()
-        sq = pd.DataFrame([tuple(r) for r in c.execute(norms)], columns=['step', 'rank', 'ttype', 'sq', 'n', 'known'])
-    df = pd.DataFrame([tuple(r) for r in steps], columns=_STEPS[:7], dtype=object)
+        unsummed = sorted({r[0] for r in steps if r[9] is None})   # steps written before the store kept their sums
+        norms = (select(s.step, s.rank, s.ttype, func.sum(s.norm * s.norm), func.count(), func.count(s.norm))
+                 .where(s.run_id == self.id, s.ttype.in_(['weight', 'weight_grad'])).group_by(s.step, s.rank, s.ttype))
+        if rank is not None: norms = norms.where(s.rank.in_(_as_list(rank)))
+        if len(unsummed) < len(steps) / 2: norms = norms.where(s.step.in_(unsummed))   # a few: one seek each, not a scan
+        sq = pd.DataFrame([tuple(r) for r in c.execute(norms)] if unsummed else [], columns=['step', 'rank', 'ttype', 'sq', 'n', 'known'])
+    summed = pd.DataFrame([(r[0], r[1], tt, r[i], 1, 1) for r in steps if r[9] is not None for tt, i in (('weight', 7), ('weight_grad', 8))],
+                          columns=sq.columns)
+    sq = pd.concat([d for d in (sq, summed) if len(d)] or [sq], ignore_index=True)
+    df = pd.DataFrame([tuple(r)[:7] for r in steps], columns=_STEPS[:7], dtype=object)
     df = _old_kinds(df.astype({'step': int, 'rank': int, 'iteration': 'Int64', 'closed': float, 'n_records': 'Int64'}))
     df['closed'], df['training'] = pd.to_datetime(df['closed'], unit='s'), df['training'].astype('boolean')
     sq['norm'] = (sq['sq'].astype(float) ** .5).where(sq['n'] == sq['known'])   # a NaN (stored as NULL) norm: unknown

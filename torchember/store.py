@@ -18,11 +18,12 @@ from .stats import merge_stats, NORM_EXTRAS
 
 # %% auto #0
 __all__ = ['SCHEMA_VERSION', 'MEMORY', 'metadata', 'STAT_COLS', 'Str', 'Size', 'meta_t', 'runs_t', 'ranks_t', 'modules_t',
-           'steps_t', 'digests_t', 'events_t', 'stats_t', 'calls_t', 'scalars_t', 'shards_t', 'snapshots_t', 'VIEWS',
-           'RETIRED_RUN_ID', 'ROWS_PER_INSERT', 'LINGER_S', 'PENDING_STEPS', 'PENDING_BYTES', 'RETRY_S', 'EXIT_WAIT_S',
-           'default_db', 'db_url', 'check_name', 'escaped', 'StoreError', 'engine', 'keyed_by_rank', 'create_run',
-           'drop_run', 'last_iteration', 'claim', 'release', 'rows_digest', 'write_step', 'write_steps', 'merge_pieces',
-           'idle_priority', 'store_busy', 'Writer']
+           'steps_t', 'digests_t', 'events_t', 'stats_t', 'calls_t', 'scalars_t', 'shards_t', 'rollups_t',
+           'snapshots_t', 'VIEWS', 'RETIRED_RUN_ID', 'ROWS_PER_INSERT', 'ROLLUP_WIDTHS', 'THINNED', 'LINGER_S',
+           'PENDING_STEPS', 'PENDING_BYTES', 'RETRY_S', 'EXIT_WAIT_S', 'default_db', 'db_url', 'check_name', 'escaped',
+           'StoreError', 'engine', 'keyed_by_rank', 'create_run', 'drop_run', 'last_iteration', 'claim', 'release',
+           'rows_digest', 'write_step', 'write_steps', 'merge_pieces', 'roll_up', 'thin_steps', 'idle_priority',
+           'store_busy', 'Writer']
 
 # %% ../nbs/02_store.ipynb #2b4773a6
 SCHEMA_VERSION = 2
@@ -87,6 +88,7 @@ steps_t = Table('steps', metadata,
     Column('run_id', Integer, nullable=False), Column('step', Integer, nullable=False), _rank(),
     Column('closed', Float), Column('n_records', Integer), Column('events_step', Integer), Column('training', Integer),
     Column('iteration', Integer), Column('kind', Str), Column('iteration_after', Integer),
+    Column('weight_sq', Float), Column('grad_sq', Float), Column('summed', Integer),
     PrimaryKeyConstraint('run_id', 'step', 'rank'))
 digests_t = Table('digests', metadata,   # what a step's closing write stored, for `diff`: NULL once rows came later
     Column('run_id', Integer, nullable=False), Column('step', Integer, nullable=False), _rank(), Column('digest', Str),
@@ -119,6 +121,11 @@ shards_t = Table('shards', metadata,   # each rank's piece of a sharded weight o
     Column('piece', Str), Column('full_shape', Str), Column('shape', Str), Column('dtype', Str),
     *[Column(c, Float) for c in STAT_COLS], Column('extra', Text), Column('nbytes', Size),
     PrimaryKeyConstraint('run_id', 'step', 'rank', 'module_id', 'call', 'ttype', 'tname'), sqlite_with_rowid=False)
+rollups_t = Table('rollups', metadata,   # per module, ttype and bin of `width` steps: the extremes of its per-step values
+    Column('run_id', Integer, nullable=False), _rank(), Column('ttype', Str, nullable=False),
+    Column('width', Integer, nullable=False), Column('bin', Integer, nullable=False), Column('module_id', Integer, nullable=False),
+    *[Column(c, Float) for c in ('norm_sq', 'std_sq', 'mean_hi', 'mean_lo', 'zero_frac', 'hi', 'lo')], Column('bad_step', Integer),
+    PrimaryKeyConstraint('run_id', 'rank', 'ttype', 'width', 'bin', 'module_id'), sqlite_with_rowid=False)
 snapshots_t = Table('snapshots', metadata,
     Column('run_id', Integer, nullable=False), Column('module_id', Integer, nullable=False),
     Column('ttype', Str, nullable=False), Column('tname', Str, nullable=False), Column('call', Integer, nullable=False),
@@ -560,7 +567,7 @@ def write_steps(eng, run_id:int, steps:list, rank:int=0):
             if events and events_step is None: _insert_rows(c, events_t, head, [(i, *e) for i, e in enumerate(events)])
             if closed: closes.append((*head, time.time(), len(rows), step if events_step is None else events_step,
                                       None if training is None else int(training), s.get('iteration'), s.get('kind'),
-                                      s.get('iteration_after')))
+                                      s.get('iteration_after'), None, None, None))   # the sums: set below, once the rows are in
         if digests: _executemany(c, digests_t, digests, replace=True)
         if closes:
             _executemany(c, steps_t, closes)
@@ -568,6 +575,9 @@ def write_steps(eng, run_id:int, steps:list, rank:int=0):
             params = dict(rid=run_id, st=max(r[1] for r in closes))
             c.exec_driver_sql(sql, tuple(params[n] for n in order) if order else params)
         if pieced: merge_pieces(c, run_id, pieced)
+        if rolled := sorted({s['step'] for s in steps if s.get('rows') or s.get('pieces')}):
+            roll_up(c, run_id, rolled)
+            c.exec_driver_sql(_sums_sql(run_id, rolled))
 
 def merge_pieces(c, run_id:int, steps:list):
     "In transaction `c`, write to `stats` each sharded weight and grad of `steps` that every rank has written, whole."
@@ -591,6 +601,51 @@ def merge_pieces(c, run_id:int, steps:list):
         row = (mi, call, ttype, tname, full, rs[0][9], *st, extra, nbytes)
         for rank in sorted({r[1] for r in rs}): out.setdefault((step, rank), []).append(row)
     for (step, rank), rows in out.items(): _insert_rows(c, stats_t, (run_id, step, rank), rows, replace=True)
+
+ROLLUP_WIDTHS = (8, 64, 512)   # steps a bin of `rollups`: views of a long run read bins, never every row
+
+def _extreme(dialect:str, f:str, col:str)->str:
+    "SQL for the larger (`f='max'`) or smaller of a rollup's stored `col` and a new one's, a NULL (unknown) on either side ignored."
+    if dialect == 'postgresql': return f'{"GREATEST" if f == "max" else "LEAST"}(rollups.{col}, excluded.{col})'
+    return f'{f.upper()}(COALESCE(rollups.{col}, excluded.{col}), COALESCE(excluded.{col}, rollups.{col}))'
+
+def _roll_up_sql(dialect:str, width:int, where:str)->str:
+    "SQL folding the per-step module values of the stats rows `where` selects into `rollups` bins of `width` steps."
+    cols = dict(norm_sq='max', std_sq='max', mean_hi='max', mean_lo='min', zero_frac='max', hi='max', lo='min', bad_step='min')
+    n = 'NULLIF(SUM(numel), 0)'   # PostgreSQL refuses to divide by zero
+    per_step = (f"SELECT run_id, rank, ttype, step, module_id, SUM(norm * norm) AS norm_sq, SUM(std * std * numel) / {n} AS std_sq, "
+                f"SUM(mean * numel) / {n} AS mean, SUM(zero_frac * numel) / {n} AS zero_frac, MAX(max) AS hi, MIN(min) AS lo, "
+                f"MIN(CASE WHEN nan_count > 0 OR inf_count > 0 THEN step END) AS bad_step "
+                f"FROM stats WHERE {where} GROUP BY run_id, rank, ttype, step, module_id")
+    return (f"INSERT INTO rollups (run_id, rank, ttype, width, bin, module_id, {', '.join(cols)}) "
+            f"SELECT run_id, rank, ttype, {width}, step / {width}, module_id, MAX(norm_sq), MAX(std_sq), MAX(mean), MIN(mean), "
+            f"MAX(zero_frac), MAX(hi), MIN(lo), MIN(bad_step) FROM ({per_step}) per_step WHERE true "
+            f"GROUP BY run_id, rank, ttype, step / {width}, module_id "
+            f"ON CONFLICT (run_id, rank, ttype, width, bin, module_id) DO UPDATE SET "
+            + ', '.join(f'{col} = {_extreme(dialect, f, col)}' for col, f in cols.items()))
+
+def _sums_sql(run_id:int, steps:list)->str:
+    "SQL setting `weight_sq`, `grad_sq` and `summed` of `steps` of run `run_id` on every rank from their stats rows."
+    def sq(ttype): return (f"(SELECT CASE WHEN COUNT(*) = COUNT(s.norm) THEN SUM(s.norm * s.norm) END FROM stats s WHERE "
+                           f"s.run_id = steps.run_id AND s.step = steps.step AND s.rank = steps.rank AND s.ttype = '{ttype}')")
+    return (f"UPDATE steps SET weight_sq = {sq('weight')}, grad_sq = {sq('weight_grad')}, summed = 1 "
+            f"WHERE run_id = {int(run_id)} AND step IN ({', '.join(str(int(s)) for s in steps)})")
+
+def roll_up(c, run_id:int, steps:list=None):
+    "In transaction `c`, fold `steps` (default every step) of run `run_id` into its `rollups`, on every rank, at every width."
+    where = f"run_id = {int(run_id)}" + (f" AND step IN ({', '.join(str(int(s)) for s in steps)})" if steps is not None else '')
+    for w in ROLLUP_WIDTHS: c.exec_driver_sql(_roll_up_sql(c.dialect.name, w, where))
+
+THINNED = ('stats', 'shards', 'calls')   # the tables whose rows of a thinned step go; `steps`, `scalars`, `events` and `rollups` stay
+
+def thin_steps(c, run_id:int, steps:list)->dict:
+    "In transaction `c`, delete run `run_id`'s rows of `steps` from the `THINNED` tables (their digests too): table -> rows deleted."
+    out, rid = {}, int(run_id)
+    for i in range(0, len(steps), 500):
+        some = ', '.join(str(int(s)) for s in steps[i:i + 500])
+        for t in (*THINNED, 'digests'):
+            out[t] = out.get(t, 0) + c.exec_driver_sql(f'DELETE FROM {t} WHERE run_id = {rid} AND step IN ({some})').rowcount
+    return out
 
 _NUMELS = {}
 def _numel(shape:str)->int:

@@ -1,0 +1,99 @@
+"""How quick a big run is to look at (issue 27): a wide model recorded for a few steps, copied forward in SQL to many.
+
+    python bench/big.py [--modules 400] [--steps 5000 50000] [--record 50] [--db DIR_OR_URL] [--keep]
+
+Builds, per `--steps` figure, a store holding one run of a model of `--modules` modules (Linear and GELU pairs in a
+Sequential; with inputs, outputs, weights and grads about 4 rows a module a step): `--record` steps are recorded by
+training, then copied forward in SQL (`INSERT ... SELECT` with the step shifted) until the run has `--steps` steps,
+with a spike of one module's grad norm at one step and a NaN at another, so that what must stay visible is there.
+Then it times, in CPU seconds of this process, what a user does: open the explorer on the run, redraw the heatmap for
+another stat, click a module (its history), `latest()`, `diagnose()`, and the HTML report (with its size). It prints
+the machine first. A benchmark, not a test: CI runs the same code paths on small stores.
+"""
+import argparse, os, sys, tempfile, time, warnings
+from pathlib import Path
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench import machine_line
+
+def build(db:str, modules:int, steps:int, record:int, name:str='big'):
+    "A store at `db` with run `name`: `record` steps trained, copied forward to `steps`; a spike and a NaN planted."
+    from torchember import torchEmber
+    from torchember.store import engine, roll_up, _sums_sql
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) if i % 2 == 0 else nn.GELU() for i in range(modules - 1)])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    te = torchEmber(model, run=name, db=db, overwrite=True)
+    for _ in range(record):
+        loss = model(torch.randn(8, 16)).pow(2).mean()
+        loss.backward(); opt.step(); opt.zero_grad()
+        te.log(loss=loss)
+    te.disarm()
+    eng = engine(db)
+    with eng.begin() as c:
+        rid = c.exec_driver_sql('SELECT id FROM runs WHERE name = ?' if eng.dialect.name == 'sqlite' else
+                                'SELECT id FROM runs WHERE name = %(n)s', (name,) if eng.dialect.name == 'sqlite' else dict(n=name)).scalar()
+        have = record
+        while have < steps:
+            k = min(have, steps - have)
+            for table in ('stats', 'steps', 'digests', 'scalars', 'calls'):
+                cols = [r[1] for r in c.exec_driver_sql(f'PRAGMA table_info({table})')] if eng.dialect.name == 'sqlite' else \
+                       [r[0] for r in c.exec_driver_sql(f"SELECT column_name FROM information_schema.columns WHERE table_name = '{table}' ORDER BY ordinal_position")]
+                sel = ', '.join(f'step + {have}' if col == 'step' else
+                                f'iteration + {have}' if col == 'iteration' and table == 'steps' else
+                                f'iteration_after + {have}' if col == 'iteration_after' else
+                                f'events_step' if col == 'events_step' else f'"{col}"' for col in cols)
+                c.exec_driver_sql(f'INSERT INTO {table} ({", ".join(chr(34) + x + chr(34) for x in cols)}) '
+                                  f'SELECT {sel} FROM {table} WHERE run_id = {rid} AND step < {k}')
+            have += k
+        spike, nan = steps // 3, 2 * steps // 3
+        c.exec_driver_sql(f"UPDATE stats SET norm = norm * 1000 WHERE run_id = {rid} AND step = {spike} AND ttype = 'weight_grad' AND module_id = 3")
+        c.exec_driver_sql(f"UPDATE stats SET nan_count = 1, mean = NULL WHERE run_id = {rid} AND step = {nan} AND ttype = 'output' AND module_id = 5")
+        c.exec_driver_sql(f'UPDATE runs SET last_step = {steps - 1} WHERE id = {rid}')
+        c.exec_driver_sql(_sums_sql(rid, [spike, nan]))
+        c.exec_driver_sql(f'DELETE FROM rollups WHERE run_id = {rid}')
+        roll_up(c, rid)                 # what the writer would have folded in, step by step
+    return spike, nan
+
+def cpu(fn):
+    "`(result, CPU seconds of this process)` of `fn()`."
+    t0 = time.process_time()
+    out = fn()
+    return out, time.process_time() - t0
+
+def measure(db:str, name:str='big')->dict:
+    from torchember import load, explore
+    from torchember.report import report_html
+    out = {}
+    ex, out['explore() opens'] = cpu(lambda: explore(db, run=name))
+    _, out['heatmap redraws'] = cpu(lambda: setattr(ex.ov_stat, 'value', 'std' if ex.ov_stat.value != 'std' else 'max'))
+    mod = ex.module_picker.options[len(ex.module_picker.options) // 2]
+    mod = mod[1] if isinstance(mod, tuple) else mod
+    _, out['module history'] = cpu(lambda: ex.select(mod))
+    ex.close()
+    r = load(name, db)
+    _, out['latest()'] = cpu(r.latest)
+    _, out['diagnose()'] = cpu(r.diagnose)
+    page, out['report'] = cpu(lambda: report_html(load(name, db)))
+    out['report MiB'] = len(page.encode()) / 2**20
+    return out
+
+if __name__ == '__main__':
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument('--modules', type=int, default=400)
+    p.add_argument('--steps', type=int, nargs='+', default=[5000, 50000])
+    p.add_argument('--record', type=int, default=50)
+    p.add_argument('--db', default=None, help='a folder for the SQLite files, or a PostgreSQL URL (one run per step count)')
+    a = p.parse_args()
+    warnings.simplefilter('ignore')
+    print(machine_line(), f'torch {torch.__version__}', flush=True)
+    folder = a.db if a.db and '://' not in a.db else tempfile.mkdtemp()
+    for n in a.steps:
+        db = a.db if a.db and '://' in a.db else os.path.join(folder, f'big-{a.modules}x{n}.db')
+        t0 = time.perf_counter()
+        spike, nan = build(db, a.modules, n, a.record, name=f'big-{n}')
+        size = os.path.getsize(db) / 2**30 if '://' not in db else float('nan')
+        print(f'{a.modules} modules x {n} steps: built in {time.perf_counter() - t0:.0f} s ({size:.2f} GiB); spike at step {spike}, NaN at {nan}', flush=True)
+        for k, v in measure(db, f'big-{n}').items(): print(f'  {k:18s} {v:8.2f}' + ('' if 'MiB' in k else ' s CPU'), flush=True)

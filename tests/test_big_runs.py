@@ -1,0 +1,87 @@
+"""Long runs (issue 27), on a small store built as `bench/big.py` builds its big ones: a few steps recorded, copied forward in SQL.
+
+Checked: a one-step spike of one module's grad norm and a NaN in one step of one module's output stay visible in the
+heatmap zoomed all the way out (a column of many steps shows its extreme, and is red if any step held NaN/Inf), read
+from the `rollups`; the same map read row by row (a store without rollups) agrees; `steps()` reads the global norms the
+writer summed, equal to summing the rows.
+"""
+import math, sys
+from pathlib import Path
+import numpy as np
+import pytest
+from torchember import load
+from torchember.figures import module_map
+from torchember.store import engine
+
+sys.path.insert(0, str(Path(__file__).parent.parent/'bench'))
+from big import build
+
+STEPS = 6000   # 500 columns of 12 steps: the map reads the rollups of 8 steps, two a column
+
+@pytest.fixture(scope='module')
+def big(tmp_path_factory):
+    db = str(tmp_path_factory.mktemp('big')/'big.db')
+    spike, nan = build(db, modules=21, steps=STEPS, record=30, name='long')
+    return db, spike, nan
+
+def names(db)->dict:
+    "module id -> name, as the store keeps them."
+    with engine(db).connect() as c:
+        return dict(c.exec_driver_sql("SELECT m.id, m.name FROM modules m JOIN runs r ON r.id = m.run_id WHERE r.name = 'long'").all())
+
+def column(m, step):
+    return next(j for j, x in enumerate(m['x']) if x <= step < x + m['width'])
+
+def test_a_one_step_spike_stays_visible_zoomed_out(big):
+    db, spike, _ = big
+    m = module_map(load('long', db), ttype='weight_grad', stat='norm')
+    assert len(m['x']) <= 500 and m['width'] > 1
+    row = m['z'][m['modules'].index(names(db)[3])]
+    assert np.nanargmax(row) == column(m, spike)                      # the bright cell is the spike's column
+    assert np.nanmax(row) > 100 * np.nanmedian(row)
+
+def test_a_nan_in_one_step_stays_red_zoomed_out(big):
+    db, _, nan = big
+    m = module_map(load('long', db), ttype='output', stat='mean')
+    bad = np.argwhere(m['bad'])
+    assert [tuple(b) for b in bad] == [(m['modules'].index(names(db)[5]), column(m, nan))]
+
+def test_rollups_agree_with_the_rows(big):
+    "The map from `rollups` equals the map computed from every row (a store whose rollups are gone)."
+    db, _, _ = big
+    run = load('long', db)
+    rolled = {s: module_map(run, ttype='weight_grad', stat=s) for s in ('norm', 'std', 'mean', 'max', 'min')}
+    with engine(db).begin() as c: saved = c.exec_driver_sql('SELECT * FROM rollups').all(); c.exec_driver_sql('DELETE FROM rollups')
+    try:
+        for s, m in rolled.items():
+            raw = module_map(run, ttype='weight_grad', stat=s, bins=len(m['x']))
+            if raw['width'] != m['width']: raw = module_map(run, ttype='weight_grad', stat=s, bins=-(-STEPS // m['width']))
+            assert raw['width'] == m['width'] and raw['modules'] == m['modules']
+            np.testing.assert_allclose(raw['z'], m['z'], rtol=1e-9, err_msg=s)
+    finally:
+        with engine(db).begin() as c:
+            cols = len(saved[0])
+            c.exec_driver_sql(f"INSERT INTO rollups VALUES ({', '.join('?' * cols)})", [tuple(r) for r in saved])
+
+def test_steps_read_the_global_norms_the_writer_summed(big):
+    db, _, _ = big
+    st = load('long', db).steps()
+    first = st[st['step'] < 30]                                      # the recorded steps, summed by the writer
+    df = load('long', db).df(ttype='weight_grad', steps=(0, 29))
+    want = df.groupby('step')['norm'].apply(lambda v: math.sqrt((v ** 2).sum()))
+    np.testing.assert_allclose(first.set_index('step')['grad_norm'].loc[want.index], want, rtol=1e-12)
+
+def test_thinning_keeps_the_spike_the_nan_and_every_steps_norms(big):
+    "After keeping one step in 100 (and those with findings), the map still shows the spike and the NaN; steps keep their norms."
+    db, spike, nan = big
+    run = load('long', db)
+    norms = run.steps()['grad_norm']
+    before = module_map(run, ttype='weight_grad', stat='norm')
+    named = set(run.diagnose()['step'].dropna().astype(int))
+    gone = run.thin(every=100)
+    left = sorted(load('long', db).df(ttype='output')['step'].unique())
+    assert gone['stats'] > 0 and len(left) <= STEPS // 100 + len(named)
+    assert all(k % 100 == 0 or k in named for k in left) and nan in left            # the NaN's step has a finding: kept
+    after = module_map(run, ttype='weight_grad', stat='norm')
+    np.testing.assert_array_equal(after['z'], before['z'])                            # read from the rollups, which stay
+    assert load('long', db).steps()['grad_norm'].equals(norms)
