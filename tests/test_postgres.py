@@ -330,3 +330,24 @@ def test_sharded_pieces_merge_in_postgresql(pg, tmp_path):
     from test_sharded import run_job, check_whole
     res = run_job(pg, tmp_path/'result', ('fsdp2', 'fsdp1', 'hsdp'))
     for setup in ('fsdp2', 'fsdp1', 'hsdp'): check_whole(pg, res, setup)
+
+# ---------------------------------------------------------------- a long run: rollups and thinning
+
+def test_long_runs_keep_their_extremes_in_postgresql(pg):
+    "The heatmap of 6,000 steps reads the rollups PostgreSQL folded: the spike's column is brightest, the NaN's red, and thinning keeps them."
+    import numpy as np
+    from pathlib import Path
+    from torchember.figures import module_map, module_envelope
+    sys.path.insert(0, str(Path(__file__).parent.parent/'bench'))
+    from big import build
+    spike, nan = build(pg, modules=21, steps=6000, record=30, name='long')
+    run = load('long', pg)
+    names = {m: i for i, m in enumerate(run.modules()['module'])}
+    m = module_map(run, ttype='weight_grad', stat='norm')
+    col = lambda k: next(j for j, x in enumerate(m['x']) if x <= k < x + m['width'])
+    assert m['width'] > 8 and np.nanargmax(m['z'][m['modules'].index('2')]) == col(spike)
+    out = module_map(run, ttype='output', stat='mean')
+    assert [tuple(b) for b in np.argwhere(out['bad'])] == [(out['modules'].index('4'), col(nan))]
+    assert module_envelope(run, '4', 'output')['bad_step'].dropna().tolist() == [nan]
+    run.thin(every=100)
+    np.testing.assert_array_equal(module_map(run, ttype='weight_grad', stat='norm')['z'], m['z'])
