@@ -457,7 +457,7 @@ def module_map(run:Run,                  # the run to read
         lo, hi = c.execute(select(func.min(st.step), func.max(st.step)).where(st.run_id == run.id, st.rank == rank)).one()
         if lo is None: return empty
         width = -(-(hi - lo + 1) // bins)          # steps a column, so that there are at most `bins`
-        if width > 1 and steps is None and tname is None: return _extremes(c, run, rank, ttype, stat, lo, width)
+        if width > 1 and steps is None and tname is None and (m := _extremes(c, run, rank, ttype, stat, lo, width)) is not None: return m
         cols = list(range(lo, hi + 1, width))
         if steps is not None:   # a column shows its first step of `steps`; a column with none of them goes
             firsts = {}
@@ -497,7 +497,7 @@ _BINNED = ("SELECT module_id, ({key} - {first}) / {k} AS col, MAX(norm_sq), MAX(
            "MAX(zero_frac), MAX(hi), MIN(lo), MIN(bad_step) FROM {src} GROUP BY module_id, ({key} - {first}) / {k}")
 
 def _extremes(c, run:Run, rank:int, ttype:str, stat:str, lo:int, width:int)->dict:
-    "`module_map` of columns of `width` steps or more, each showing its extreme: from `rollups` where they cover the run, else the rows."
+    "`module_map` of columns of `width` steps, each showing its extreme: from `rollups` or, narrower than theirs, rows; else None."
     level = max((w for w in ROLLUP_WIDTHS if w <= width), default=None)
     if ttype not in TTYPES: raise ValueError(f"unknown ttype {ttype!r}")
     r = rollups_t.c
@@ -507,10 +507,11 @@ def _extremes(c, run:Run, rank:int, ttype:str, stat:str, lo:int, width:int)->dic
         src = (f"rollups WHERE run_id = {int(run.id)} AND rank = {int(rank)} AND ttype = '{ttype}' AND width = {level}")
         sql = _BINNED.format(key='bin', first=first, k=k, hi_mean='mean_hi', lo_mean='mean_lo', src=src)
         width, x0 = k * level, first * level
-    else:                                                # rows read: fewer than the rollups' first width times `bins` a module
+    elif level is None:                                  # rows read: fewer than the rollups' first width times `bins` a module
         per_step = _PER_STEP.format(run=int(run.id), rank=int(rank), ttype=ttype)
         sql = _BINNED.format(key='step', first=lo, k=width, hi_mean='mean', lo_mean='mean', src=f'({per_step}) per_step')
         x0 = lo
+    else: return None                                    # a long run stored before rollups: each column's first step, as before
     rows = c.exec_driver_sql(sql).all()
     names = dict(c.execute(select(modules_t.c.id, modules_t.c.name).where(modules_t.c.run_id == run.id)).all())
     if not rows: return dict(modules=[], x=[], width=width, z=np.zeros((0, 0)), bad=np.zeros((0, 0), bool))

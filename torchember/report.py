@@ -6,7 +6,7 @@ Docs: https://torchember.github.io/torchember/report.html.md"""
 
 # %% ../nbs/06_report.ipynb #64c8751a
 from __future__ import annotations
-import html, json, re, time
+import html, json, re, shlex, time
 import numpy as np
 from pathlib import Path
 import pandas as pd
@@ -16,14 +16,16 @@ from fastcore.basics import patch
 from sqlalchemy import text
 from .store import engine
 from .query import Run, load, flow_order
+from fnmatch import fnmatchcase
 from .findings import finding_label, severity_counts, evidence, evidence_figure
 from .figures import (BLUE, ORANGE, recorded_steps, thin, with_stats, combine, history_traces, heatmap_traces,
-                                latest_by_module, overview_traces, modules_in_order, module_label, module_map, map_figure,
+                                latest_by_module, overview_traces, module_label, module_map, map_figure,
                                 scalars_figure, log_axis, view_steps, with_kinds, step_name, step_title, step_hover,
-                                iteration_text)
+                                iteration_text, forward_order)
 
 # %% auto #0
-__all__ = ['TOP', 'FINDINGS_DRAWN', 'nonfinite', 'report_figures', 'report_html', 'page_figures', 'report', 'main']
+__all__ = ['TOP', 'MODULES_DRAWN', 'MAP_CELLS', 'MODULE_STEPS', 'FINDINGS_DRAWN', 'LEFT_OUT_LISTED', 'nonfinite',
+           'report_modules', 'report_figures', 'report_html', 'page_figures', 'report', 'main']
 
 # %% ../nbs/06_report.ipynb #6c2a1f3c
 def nonfinite(run:Run,
@@ -39,9 +41,67 @@ def nonfinite(run:Run,
     parts = [flow_order(g, run.events(int(s))) for s, g in df.groupby('first_step', sort=True)]
     return pd.concat(parts, ignore_index=True) if parts else df
 
+# %% ../nbs/06_report.ipynb #5e94fd04
+TOP = 5              # modules with the largest grad norms: drawn, their figures open
+MODULES_DRAWN = 30   # at most this many modules get figures of their own, unless asked for by name
+
+def _globs(modules)->list:
+    "`modules` as a list of globs: None, a list of them, or one comma-separated string."
+    if modules is None: return []
+    return [g.strip() for g in (modules.split(',') if isinstance(modules, str) else modules) if g.strip()]
+
+def _types(tree:dict)->dict:
+    "Module name -> (type, has children), for every module of a `Run.tree()`, parents before children."
+    out = {tree['name']: (tree['type'], bool(tree.get('children')))}
+    for c in tree.get('children', []): out |= _types(c)
+    return out
+
+def _grad_norms(run:Run, rank:int, max_points:int)->pd.Series:
+    "Each module's largest finite weight-grad norm (its tensors together) at at most `max_points` applied steps."
+    steps = recorded_steps(run)
+    at = thin(view_steps(run.step_kinds(rank), 'weight_grad', steps), max_points)
+    if not at: return pd.Series(dtype=float)
+    where = dict(step=at) if len(at) < len(steps) else dict(steps=(steps[0], steps[-1]))
+    g = combine(with_stats(run.df(ttype='weight_grad', rank=rank, **where)), ['module', 'step']).astype({'norm': float})
+    return g[np.isfinite(g['norm'])].groupby('module')['norm'].max()
+
+def report_modules(run:Run,
+                   modules=None,                # globs of modules to draw as well: a list, or a comma-separated string
+                   rank:int=None,               # the rank read; default the run's first
+                   findings:pd.DataFrame=None,  # `run.diagnose(rank=rank)`, when already made
+                   max_points:int=500,          # grad norms read at at most this many steps
+                  )->pd.DataFrame:              # one row a module, in tree order: type, grad_norm, why, drawn, open
+    "Which modules of `run` the report draws and why: at most `MODULES_DRAWN`, and those `modules` match."
+    rank = run.ranks[0] if rank is None else rank
+    types = _types(run.tree())
+    asked = {g: [m for m in types if fnmatchcase(m, g) or fnmatchcase(module_label(m), g)] for g in _globs(modules)}
+    if none := [g for g, ms in asked.items() if not ms]:
+        raise ValueError(f"no module of run {run.name!r} matches {none[0]!r} (names as Run.df gives them; '(root)')")
+    why, norms, first = {m: [] for m in types}, _grad_norms(run, rank, max_points), run.first_nonfinite(rank=rank)
+    if first: why[first['module']].append('first NaN/Inf')
+    for m in norms.nlargest(TOP).index: why[m].append(f'grad norm top {TOP}')
+    held = set(norms.index)   # the modules holding weights: those with grads, and those whose weights were recorded
+    if run.last_step is not None: held |= set(run.df(step=run.last_step, ttype='weight', rank=rank)['module'])
+    order = [m for m in forward_order(run, rank=rank) if m in types]
+    layers = [m for m in order if m in held] or [m for m in order if not types[m][1]]   # no weights: the leaves
+    if layers: why[layers[0]].append('first layer'); why[layers[-1]].append('last layer')
+    chosen = {m for m, w in why.items() if w} if len(types) > MODULES_DRAWN else set(types)
+    fs = run.diagnose(rank=rank) if findings is None else findings
+    for m, kind in zip(fs['module'], fs['kind']):   # most important first, while there is room
+        if m not in why or (kind == 'nonfinite' and 'first NaN/Inf' in why[m]): continue   # run-wide, or said already
+        if m in chosen or len(chosen) < MODULES_DRAWN:
+            chosen.add(m)
+            if f'finding: {kind}' not in why[m]: why[m].append(f'finding: {kind}')
+    opened = {m for m, w in why.items() if {'first NaN/Inf', f'grad norm top {TOP}'} & set(w)}
+    for m in dict.fromkeys(m for ms in asked.values() for m in ms):
+        why[m].append('asked for'); chosen.add(m); opened.add(m)
+    rows = [(m, t, norms.get(m, np.nan), tuple(why[m]), m in chosen, m in opened) for m, (t, _) in types.items()]
+    return pd.DataFrame(rows, columns=['module', 'type', 'grad_norm', 'why', 'drawn', 'open'])
+
 # %% ../nbs/06_report.ipynb #8d559344
 _LAYOUT = dict(template='plotly_white', margin=dict(l=50, r=20, t=50, b=40))
-TOP = 5   # modules with the largest grad norms whose sections are open
+MAP_CELLS = 100_000   # at most this many cells in the report's map: fewer columns for a wider model, 50 at least
+MODULE_STEPS = 4_000  # steps drawn across the modules' own figures: each module gets its share, 50 to max_points
 
 def _bars(run:Run, ttype:str, stat:str, rank:int, step:int=None, kinds:pd.DataFrame=None)->go.Figure|None:
     o = latest_by_module(run, ttype, step, rank=rank)
@@ -66,14 +126,21 @@ def _bar_figures(run:Run, rank:int, steps:list, first:dict|None, kinds:pd.DataFr
         if f := _bars(run, tt, stat, rank, step, kinds): figs.append((f'{when}: {tt} {stat} per module', f, True))
     return figs
 
-def report_figures(run:Run, max_points:int=500, rank:int=None)->list:
-    "The figures of `run`'s report (of `rank`, default its first), as `(heading, figure, open)`; each line has at most `max_points` steps."
+def report_figures(run:Run,
+                   max_points:int=500,        # at most this many steps a line
+                   rank:int=None,             # the rank drawn; default the run's first
+                   drawn:pd.DataFrame=None,   # `report_modules`' table, when already made; default its choice
+                  )->list:                    # `(heading, figure, open)`
+    "The figures of `run`'s report: the overview, then the modules `report_modules` chose."
     rank = run.ranks[0] if rank is None else rank
     steps, first, kinds = recorded_steps(run), run.first_nonfinite(rank=rank), run.step_kinds(rank)
     gsteps = view_steps(kinds, 'weight_grad', steps)
     some = len(gsteps) < len(steps)   # weight grads at the applied steps only
     figs, x_title = [], step_title(kinds)
-    if (m := module_map(run, rank=rank, steps=gsteps if some else None))['modules']:
+    drawn = report_modules(run, rank=rank, max_points=max_points) if drawn is None else drawn
+    rows = max(1, drawn['grad_norm'].notna().sum())   # the map's: the modules with grads
+    bins = min(max_points, max(50, MAP_CELLS // rows))
+    if (m := module_map(run, rank=rank, bins=bins, steps=gsteps if some else None))['modules']:
         figs.append((f"Every module: weight_grad norm over {'applied ' if some else ''}steps",
                      map_figure(m, run, first=first, kinds=kinds, applied=some).update_layout(title=None), True))
     if steps:
@@ -81,18 +148,18 @@ def report_figures(run:Run, max_points:int=500, rank:int=None)->list:
                                            .update_layout(title=None), True))
     figs += _bar_figures(run, rank, steps, first, kinds)
     if not steps: return figs
-    sel = thin(steps, max_points)
+    drawn = drawn[drawn['drawn']]
+    if drawn.empty: return figs
+    share = max(50, min(max_points, MODULE_STEPS // len(drawn)))   # steps a module's lines: a bounded page
+    names, sel = drawn['module'].tolist(), thin(steps, share)
     where = dict(step=sel) if len(sel) < len(steps) else dict(steps=(steps[0], steps[-1]))
     params = 'weight' if some else ['weight', 'weight_grad']
-    out, par = (with_stats(run.df(ttype=tt, rank=rank, **where)) for tt in ('output', params))
+    out, par = (with_stats(run.df(ttype=tt, rank=rank, module=names, **where)) for tt in ('output', params))
     if some:   # the grads at the applied steps, thinned on their own
-        grads = with_stats(run.df(ttype='weight_grad', rank=rank, step=thin(gsteps, max_points)))
+        grads = with_stats(run.df(ttype='weight_grad', rank=rank, module=names, step=thin(gsteps, share)))
         par = pd.concat([d for d in (par, grads) if len(d)] or [par], ignore_index=True)
     types = dict(zip(out['module'], out['mtype'])) | dict(zip(par['module'], par['mtype']))
-    g = combine(par[par['ttype'] == 'weight_grad'], ['module', 'step']).astype({'norm': float})   # float also with no grads at all
-    top = g[np.isfinite(g['norm'])].groupby('module')['norm'].max().nlargest(TOP).index.tolist()
-    opened = set(top) | ({first['module']} if first else set())
-    for m in modules_in_order(run.tree()):
+    for m, mtype, why, opened in zip(drawn['module'], drawn['type'], drawn['why'], drawn['open']):
         o, p = out[out['module'] == m], par[par['module'] == m]
         if o.empty and p.empty: continue
         h = with_kinds(combine(o, ['step']), kinds)
@@ -105,11 +172,12 @@ def report_figures(run:Run, max_points:int=500, rank:int=None)->list:
                                                  line=dict(color=color), customdata=cd, hovertemplate='%{y:.4g}<br>' + at),
                                       row=1, col=2)
         if len(p): fig.update_yaxes(**log_axis(p['norm']), row=1, col=2)
-        head = f"{module_label(m)} · {types.get(m)}"
-        why = ' (first NaN/Inf)' if first and m == first['module'] else f' (grad norm top {TOP})' if m in top else ''
-        figs.append((head + why, fig.update_xaxes(title_text=x_title).update_layout(height=340, **_LAYOUT), m in opened))
+        head = f"{module_label(m)} · {types.get(m, mtype)}"
+        fig = fig.update_xaxes(title_text=x_title).update_layout(height=340, **_LAYOUT)
+        figs.append((head + ''.join(f' ({w})' for w in why), fig, opened))
         if hm := heatmap_traces(h):
-            figs.append((f'{head}: output histogram over steps', go.Figure(hm, layout=dict(height=300, xaxis_title=x_title, **_LAYOUT)), m in opened))
+            hist = go.Figure(hm, layout=dict(height=300, xaxis_title=x_title, **_LAYOUT))
+            figs.append((f'{head}: output histogram over steps', hist, opened))
     return figs
 
 # %% ../nbs/06_report.ipynb #df0b628b
@@ -154,7 +222,28 @@ def _inputs_note(run:Run, kinds:pd.DataFrame, shown:int=8)->str:
     return (f'<p class="info">Inputs that arrive non-finite, not counted as the model\'s (some are by design, as a causal '
             f'attention mask\'s -inf): {html.escape(listed)}, from {html.escape(since)} on.</p>')
 
-def report_html(run:Run, max_points:int=500, rank:int=None)->str:
+LEFT_OUT_LISTED = 50   # names of the modules left out that the page lists
+
+def _modules_note(run:Run, chosen:pd.DataFrame)->str:
+    "The modules `chosen` left out, as a section that says how to ask for them; '' if none was."
+    left = chosen.loc[~chosen['drawn'], 'module'].tolist()
+    if not left: return ''
+    e, names = html.escape, [module_label(m) for m in left]
+    listed = ', '.join(names[:LEFT_OUT_LISTED]) + (', …' if len(names) > LEFT_OUT_LISTED else '')
+    ex = next((m for m in left if m), '')   # an example from the run's own names: a module's siblings, or itself
+    glob = ex.rsplit('.', 1)[0] + '.*' if '.' in ex else module_label(ex)
+    cmd = f"torchember report {shlex.quote(run.name)} --modules {shlex.quote(glob)}"
+    return (f'<h2>Modules drawn</h2><p>Figures of {len(chosen) - len(left)} of the {len(chosen)} modules follow, each '
+            f'headed with why it was chosen (at most {MODULES_DRAWN} unless asked for, so that the page stays small); '
+            f'the overview shows every module. The other {len(left)} are left out: ask for them by name or glob, '
+            f'comma-separated, with <code>{e(cmd)}</code> (and its <code>--db</code>) or '
+            f'<code>report(run, modules=[{e(repr(glob))}])</code>.</p><p class="info">Left out: {e(listed)}</p>')
+
+def report_html(run:Run,
+                max_points:int=500,   # at most this many steps a line
+                rank:int=None,        # the rank drawn; default the run's first
+                modules=None,         # globs of modules to draw as well (`report_modules`)
+               )->str:
     "The report of `run` (its figures of `rank`, default the first) as one self-contained HTML page."
     e, ranks = html.escape, run.ranks
     rank = ranks[0] if rank is None else rank
@@ -184,8 +273,10 @@ def report_html(run:Run, max_points:int=500, rank:int=None)->str:
     parts.append(nf.to_html(index=False, border=0) if len(nf) else
                  '<p class="ok">No NaN or Inf in any output, weight or grad: nothing the model made or holds.</p>')
     parts.append(_inputs_note(run, kinds))
+    chosen = report_modules(run, modules, rank, pd.DataFrame(columns=['module', 'kind']) if failed else fs, max_points)
+    parts.append(_modules_note(run, chosen))
     config = dict(displaylogo=False, responsive=True)
-    figs = report_figures(run, max_points, rank)
+    figs = report_figures(run, max_points, rank, chosen)
     top = [(h, f, None) for h, f, shown in figs if shown] + ev
     rest = [(h, f, None) for h, f, shown in figs if not shown]
     for i, (head, fig, anchor) in enumerate(top + rest):
@@ -224,17 +315,18 @@ def report(run,                  # a run name, or a `Run`
            db=None,              # the store, when `run` is a name
            max_points:int=500,   # at most this many steps per line
            rank:int=None,        # in a run of several ranks, the one to draw; default the first
+           modules=None,         # globs of modules to draw as well, a list or one comma-separated string
           )->Path:               # the file written
     "Write the self-contained HTML report of `run` to `path`."
     r = run if isinstance(run, Run) else load(run, db)
     target = _target(path, r.name)
-    target.write_text(report_html(r, max_points, rank), encoding='utf-8')
+    target.write_text(report_html(r, max_points, rank, modules), encoding='utf-8')
     return target
 
 @patch
-def report(self:Run, path='report.html', max_points:int=500, rank:int=None)->Path:
-    "Write this run's self-contained HTML report to `path` (of `rank`, in a run of several)."
-    return report(self, path=path, max_points=max_points, rank=rank)
+def report(self:Run, path='report.html', max_points:int=500, rank:int=None, modules=None)->Path:
+    "Write this run's self-contained HTML report to `path` (of `rank`, in a run of several; `modules` drawn as well)."
+    return report(self, path=path, max_points=max_points, rank=rank, modules=modules)
 
 # %% ../nbs/06_report.ipynb #266641d5
 import sys
@@ -298,6 +390,7 @@ def main(command:Annotated[str, "report: write RUN's HTML report; ls: list the s
          Output:str='report.html',    # the HTML file to write, or a folder for RUN.html
          max_points:int=500,          # at most this many steps per line
          rank:int=None,               # in a run of several ranks, the one to draw or diagnose (default: the first)
+         modules:str=None,            # report: draw these modules too, comma-separated globs (e.g. 'layers.3.*,head')
          window:int=50,               # doctor: recorded steps of each trailing band, and the steps the per-module checks look back over
          step:int=None,               # doctor: the last step to look at (default: the newest closed one)
          ignore:str=None,             # doctor: findings judged harmless, comma-separated 'kind' or 'kind:glob' (e.g. 'spike:(grad norm)')
@@ -312,7 +405,7 @@ def main(command:Annotated[str, "report: write RUN's HTML report; ls: list the s
         if command == 'rm': return _rm(run, db)
         if command == 'doctor': return _doctor(run, db, rank, window, step, ignore)
         if command == 'diff': return _diff(run, other, db, rtol)
-        p = report(run, path=Output, db=db, max_points=max_points, rank=rank)
+        p = report(run, path=Output, db=db, max_points=max_points, rank=rank, modules=modules)
     except (KeyError, ValueError, TypeError, StoreError, OSError, sa.exc.SQLAlchemyError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else getattr(e, 'orig', None) or e
         _fail(f"torchember {command}: {str(msg).strip().splitlines()[0]}")
