@@ -704,7 +704,7 @@ def thin(self:Run,
          keep=(),              # steps to keep besides those with findings or NaN/Inf
          vacuum:bool=False,    # SQLite: give the space back to the file (rewrites it)
         )->dict:               # table -> rows deleted
-    "Delete the rows of all but one step in `every` before step `before`, keeping steps with findings or NaN/Inf; rollups and steps stay."
+    "Delete the rows of all but one step in `every` before `before`, but those with findings or NaN/Inf; rollups, steps stay."
     _need(_isint(every) and every >= 1, 'thin', 'every', every, 'an int >= 1', ValueError)
     _need(before is None or _isint(before), 'thin', 'before', before, 'an int or None')
     s = stats_t.c

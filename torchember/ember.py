@@ -218,7 +218,7 @@ def _step_args(self:torchEmber, rec)->dict:
 
 @patch
 def _pieces(self:torchEmber, rows:list)->tuple:
-    "`(rows, pieces)`: the weight and grad rows of sharded parameters set apart as `shards` rows (unless a custom stat's own)."
+    "`(rows, pieces)`: the weight and grad rows of sharded parameters set apart as `shards` rows (not a custom stat's own)."
     where = self.capture.pieces
     if not where: return rows, []
     out, pieces = [], []

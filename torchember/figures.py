@@ -80,7 +80,7 @@ def thin(steps:list, n:int)->list:
     return [steps[i] for i in np.unique(np.linspace(0, len(steps) - 1, max(n, 2)).round().astype(int))]
 
 def peaks(steps, values, n:int)->list:
-    "About `n` of `steps` (in order) whose `values` draw the line's shape: per bin its lowest, highest and first NaN, first and last kept."
+    "About `n` of `steps` (in order) keeping the shape of `values`: per bin its lowest, highest, first NaN; first, last."
     steps, v = np.asarray(steps), np.asarray(values, dtype=float)
     if len(steps) <= n: return steps.tolist()
     edges, keep = np.linspace(0, len(steps), max(n // 2, 1) + 1).astype(int), {0, len(steps) - 1}
@@ -497,7 +497,7 @@ _BINNED = ("SELECT module_id, ({key} - {first}) / {k} AS col, MAX(norm_sq), MAX(
            "MAX(zero_frac), MAX(hi), MIN(lo), MIN(bad_step) FROM {src} GROUP BY module_id, ({key} - {first}) / {k}")
 
 def _extremes(c, run:Run, rank:int, ttype:str, stat:str, lo:int, width:int)->dict:
-    "`module_map` of columns of `width` steps, each showing its extreme: from `rollups` or, narrower than theirs, rows; else None."
+    "`module_map` of columns of `width` steps showing their extremes: from `rollups`, or rows if narrower; else None."
     level = max((w for w in ROLLUP_WIDTHS if w <= width), default=None)
     if ttype not in TTYPES: raise ValueError(f"unknown ttype {ttype!r}")
     r = rollups_t.c
@@ -534,7 +534,7 @@ def _extremes(c, run:Run, rank:int, ttype:str, stat:str, lo:int, width:int)->dic
 
 # %% ../nbs/05_figures.ipynb #cbb34d15
 def module_envelope(run:Run, module:str, ttype:str, rank:int=None, bins:int=500)->pd.DataFrame|None:
-    "Per bin of at most `bins` over the run: `step` (its first), `lo`, `hi` and `bad_step` of `module`'s `ttype`; None without rollups."
+    "Per bin of at most `bins`: `step` (its first), `lo`, `hi` and `bad_step` of `module`'s `ttype`; None without rollups."
     rank = run.ranks[0] if rank is None else rank
     r, st = rollups_t.c, steps_t.c
     with engine(run.db).connect() as c:

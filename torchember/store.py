@@ -605,7 +605,7 @@ def merge_pieces(c, run_id:int, steps:list):
 ROLLUP_WIDTHS = (8, 64, 512)   # steps a bin of `rollups`: views of a long run read bins, never every row
 
 def _extreme(dialect:str, f:str, col:str)->str:
-    "SQL for the larger (`f='max'`) or smaller of a rollup's stored `col` and a new one's, a NULL (unknown) on either side ignored."
+    "SQL for the larger (`f='max'`) or smaller of a rollup's stored `col` and a new one's, ignoring a NULL (unknown)."
     if dialect == 'postgresql': return f'{"GREATEST" if f == "max" else "LEAST"}(rollups.{col}, excluded.{col})'
     return f'{f.upper()}(COALESCE(rollups.{col}, excluded.{col}), COALESCE(excluded.{col}, rollups.{col}))'
 
@@ -639,7 +639,7 @@ def roll_up(c, run_id:int, steps:list=None):
 THINNED = ('stats', 'shards', 'calls')   # the tables whose rows of a thinned step go; `steps`, `scalars`, `events` and `rollups` stay
 
 def thin_steps(c, run_id:int, steps:list)->dict:
-    "In transaction `c`, delete run `run_id`'s rows of `steps` from the `THINNED` tables (their digests too): table -> rows deleted."
+    "In transaction `c`, delete run `run_id`'s rows of `steps` from `THINNED` and `digests`: table -> rows deleted."
     out, rid = {}, int(run_id)
     for i in range(0, len(steps), 500):
         some = ', '.join(str(int(s)) for s in steps[i:i + 500])
