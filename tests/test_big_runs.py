@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+import sqlalchemy as sa
 from torchember import load
 from torchember.figures import module_map
 from torchember.store import engine
@@ -71,6 +72,19 @@ def test_steps_read_the_global_norms_the_writer_summed(big):
     df = load('long', db).df(ttype='weight_grad', steps=(0, 29))
     want = df.groupby('step')['norm'].apply(lambda v: math.sqrt((v ** 2).sum()))
     np.testing.assert_allclose(first.set_index('step')['grad_norm'].loc[want.index], want, rtol=1e-12)
+
+def test_the_first_nan_is_found_through_the_rollups(big):
+    "The rollups name the step; the rows there say which call: the same answer as scanning every row."
+    db, _, nan = big
+    run = load('long', db)
+    seen = []
+    spy = lambda conn, cursor, statement, *a: seen.append(statement)
+    sa.event.listen(engine(db), 'before_cursor_execute', spy)
+    try: first = run.first_nonfinite()
+    finally: sa.event.remove(engine(db), 'before_cursor_execute', spy)
+    assert (first['step'], first['module'], first['ttype']) == (nan, '4', 'output')
+    assert not any('FROM stats' in q and 'nan_count > ' in q and 'min(stats.step)' in q for q in seen)   # no scan for the step
+    assert run.first_nonfinite(after=-1) == first                                                     # the scan agrees
 
 def test_thinning_keeps_the_spike_the_nan_and_every_steps_norms(big):
     "After keeping one step in 100 (and those with findings), the map still shows the spike and the NaN; steps keep their norms."

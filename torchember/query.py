@@ -13,7 +13,8 @@ import pandas as pd
 import sqlalchemy as sa
 import torch
 from sqlalchemy import select, func
-from .store import engine, escaped, drop_run, runs_t, ranks_t, modules_t, steps_t, events_t, stats_t, calls_t, scalars_t, snapshots_t, STAT_COLS
+from .store import (engine, escaped, drop_run, runs_t, ranks_t, modules_t, steps_t, events_t, stats_t, calls_t, scalars_t,
+                              snapshots_t, rollups_t, STAT_COLS, ROLLUP_WIDTHS)
 
 # %% auto #0
 __all__ = ['SUMMARY', 'FORWARD', 'BACKWARD', 'NONFINITE_KINDS', 'runs', 'delete_run', 'run_ranks', 'records', 'Run', 'load',
@@ -360,6 +361,16 @@ def flow_order(df:pd.DataFrame,      # records with `module`, `ttype`, and optio
 # %% ../nbs/03_query.ipynb #f2647a9b
 NONFINITE_KINDS = ('output', 'attached', *BACKWARD)
 
+def _rolled_first_bad(c, run_id:int, rank:int=None)->int|None:
+    "The first step with NaN/Inf in `NONFINITE_KINDS` as the widest `rollups` hold it, -1 for none; None if they don't cover the run."
+    r, st, w = rollups_t.c, steps_t.c, ROLLUP_WIDTHS[-1]
+    lo = c.execute(select(func.min(st.step)).where(st.run_id == run_id, *([st.rank == rank] if rank is not None else []))).scalar()
+    if lo is None: return -1
+    mine = [r.run_id == run_id, r.width == w, *([r.rank == rank] if rank is not None else [])]
+    if c.execute(select(r.bin).where(*mine, r.bin == lo // w).limit(1)).first() is None: return None   # written before rollups
+    first = c.execute(select(func.min(r.bad_step)).where(*mine, r.ttype.in_(NONFINITE_KINDS))).scalar()
+    return -1 if first is None else first
+
 @patch
 def first_nonfinite(self:Run,
                     step:int=None,   # the step to look in; default the first step that had NaN or Inf
@@ -371,6 +382,9 @@ def first_nonfinite(self:Run,
     where = [s.run_id == self.id, s.ttype.in_(NONFINITE_KINDS), sa.or_(s.nan_count > 0, s.inf_count > 0)]
     if rank is not None: where.append(s.rank == rank)
     with engine(self.db).connect() as c:
+        if step is None and after is None and (first := _rolled_first_bad(c, self.id, rank)) is not None:
+            step = first if first >= 0 else None                        # the rollups say where: one short read, not a scan
+            if step is None: return None
         if step is None:
             step = c.execute(select(func.min(s.step)).where(*where, *([s.step > after] if after is not None else []))).scalar()
             if step is None: return None
