@@ -714,6 +714,7 @@ def thin(self:Run,
     fs = self.diagnose() if self.last_step is not None else None
     kept = set(keep) | set(bad) | (set(fs['step'].dropna().astype(int)) if fs is not None and len(fs) else set())
     gone = sorted(k for k in steps if (before is None or k < before) and k % every and k not in kept)
+    self.roll_up()                        # the thinned steps' extremes stay in the rollups
     with engine(self.db).begin() as c: out = thin_steps(c, self.id, gone)
     if vacuum and engine(self.db).dialect.name == 'sqlite':
         with engine(self.db).connect() as c: c.execution_options(isolation_level='AUTOCOMMIT').exec_driver_sql('VACUUM')

@@ -15,6 +15,7 @@ import torch
 from sqlalchemy import select, func
 from .store import (engine, escaped, drop_run, runs_t, ranks_t, modules_t, steps_t, events_t, stats_t, calls_t, scalars_t,
                               snapshots_t, rollups_t, STAT_COLS, ROLLUP_WIDTHS)
+from .store import roll_up as store_roll_up
 
 # %% auto #0
 __all__ = ['SUMMARY', 'FORWARD', 'BACKWARD', 'NONFINITE_KINDS', 'runs', 'delete_run', 'run_ranks', 'records', 'Run', 'load',
@@ -360,6 +361,12 @@ def flow_order(df:pd.DataFrame,      # records with `module`, `ttype`, and optio
 
 # %% ../nbs/03_query.ipynb #f2647a9b
 NONFINITE_KINDS = ('output', 'attached', *BACKWARD)
+
+@patch
+def roll_up(self:Run)->Run:
+    "Fold this run's rows into `rollups` (see `store.roll_up`): its map, history envelope and first NaN/Inf then read bins, not rows."
+    with engine(self.db).begin() as c: store_roll_up(c, self.id)
+    return self
 
 def _rolled_first_bad(c, run_id:int, rank:int=None)->int|None:
     "The first step with NaN/Inf in `NONFINITE_KINDS` as the widest `rollups` hold it, -1 for none; None if they don't cover the run."

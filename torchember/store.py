@@ -575,9 +575,7 @@ def write_steps(eng, run_id:int, steps:list, rank:int=0):
             params = dict(rid=run_id, st=max(r[1] for r in closes))
             c.exec_driver_sql(sql, tuple(params[n] for n in order) if order else params)
         if pieced: merge_pieces(c, run_id, pieced)
-        if rolled := sorted({s['step'] for s in steps if s.get('rows') or s.get('pieces')}):
-            roll_up(c, run_id, rolled)
-            c.exec_driver_sql(_sums_sql(run_id, rolled))
+        if summed := sorted({s['step'] for s in steps if s.get('rows') or s.get('pieces')}): c.exec_driver_sql(_sums_sql(run_id, summed))
 
 def merge_pieces(c, run_id:int, steps:list):
     "In transaction `c`, write to `stats` each sharded weight and grad of `steps` that every rank has written, whole."
