@@ -422,7 +422,7 @@ def picture(self:Run,
 # %% ../nbs/05_figures.ipynb #b0b3dc59
 import sqlalchemy as sa
 from sqlalchemy import func
-from .store import stats_t, modules_t, rollups_t, ROLLUP_WIDTHS
+from .store import stats_t, modules_t, rollups_t, ROLLUP_WIDTHS, module_steps_sql
 from .stats import TTYPES
 
 MAP_STATS = ('norm', 'std', 'mean', 'max', 'min', 'zero_frac')   # what a map can show, each taken over tensors and steps
@@ -489,10 +489,6 @@ def module_map(run:Run,                  # the run to read
     return dict(modules=order, x=cols, width=width, z=z, bad=nf)
 
 # %% ../nbs/05_figures.ipynb #3ffed3df
-_PER_STEP = ("SELECT module_id, step, SUM(norm * norm) AS norm_sq, SUM(std * std * numel) / NULLIF(SUM(numel), 0) AS std_sq, "
-             "SUM(mean * numel) / NULLIF(SUM(numel), 0) AS mean, SUM(zero_frac * numel) / NULLIF(SUM(numel), 0) AS zero_frac, "
-             "MAX(max) AS hi, MIN(min) AS lo, MIN(CASE WHEN nan_count > 0 OR inf_count > 0 THEN step END) AS bad_step "
-             "FROM stats WHERE run_id = {run} AND rank = {rank} AND ttype = '{ttype}' GROUP BY step, module_id")
 _BINNED = ("SELECT module_id, ({key} - {first}) / {k} AS col, MAX(norm_sq), MAX(std_sq), MAX({hi_mean}), MIN({lo_mean}), "
            "MAX(zero_frac), MAX(hi), MIN(lo), MIN(bad_step) FROM {src} GROUP BY module_id, ({key} - {first}) / {k}")
 
@@ -508,7 +504,7 @@ def _extremes(c, run:Run, rank:int, ttype:str, stat:str, lo:int, width:int)->dic
         sql = _BINNED.format(key='bin', first=first, k=k, hi_mean='mean_hi', lo_mean='mean_lo', src=src)
         width, x0 = k * level, first * level
     elif level is None:                                  # rows read: fewer than the rollups' first width times `bins` a module
-        per_step = _PER_STEP.format(run=int(run.id), rank=int(rank), ttype=ttype)
+        per_step = module_steps_sql(f"run_id = {int(run.id)} AND rank = {int(rank)} AND ttype = '{ttype}'")
         sql = _BINNED.format(key='step', first=lo, k=width, hi_mean='mean', lo_mean='mean', src=f'({per_step}) per_step')
         x0 = lo
     else: return None                                    # a long run stored before rollups: each column's first step, as before

@@ -22,8 +22,8 @@ __all__ = ['SCHEMA_VERSION', 'MEMORY', 'metadata', 'STAT_COLS', 'Str', 'Size', '
            'snapshots_t', 'VIEWS', 'RETIRED_RUN_ID', 'ROWS_PER_INSERT', 'ROLLUP_WIDTHS', 'THINNED', 'LINGER_S',
            'PENDING_STEPS', 'PENDING_BYTES', 'RETRY_S', 'EXIT_WAIT_S', 'default_db', 'db_url', 'check_name', 'escaped',
            'StoreError', 'engine', 'keyed_by_rank', 'create_run', 'drop_run', 'last_iteration', 'claim', 'release',
-           'rows_digest', 'write_step', 'write_steps', 'merge_pieces', 'roll_up', 'thin_steps', 'idle_priority',
-           'store_busy', 'Writer']
+           'rows_digest', 'write_step', 'write_steps', 'merge_pieces', 'module_steps_sql', 'roll_up', 'thin_steps',
+           'idle_priority', 'store_busy', 'Writer']
 
 # %% ../nbs/02_store.ipynb #2b4773a6
 SCHEMA_VERSION = 2
@@ -607,14 +607,18 @@ def _extreme(dialect:str, f:str, col:str)->str:
     if dialect == 'postgresql': return f'{"GREATEST" if f == "max" else "LEAST"}(rollups.{col}, excluded.{col})'
     return f'{f.upper()}(COALESCE(rollups.{col}, excluded.{col}), COALESCE(excluded.{col}, rollups.{col}))'
 
+def module_steps_sql(where:str)->str:
+    "SQL of each module's per-step values (its tensors together) over the stats rows `where` selects: what rollups and maps fold."
+    n = 'NULLIF(SUM(numel), 0)'   # PostgreSQL refuses to divide by zero
+    return (f"SELECT run_id, rank, ttype, step, module_id, SUM(norm * norm) AS norm_sq, SUM(std * std * numel) / {n} AS std_sq, "
+            f"SUM(mean * numel) / {n} AS mean, SUM(zero_frac * numel) / {n} AS zero_frac, MAX(max) AS hi, MIN(min) AS lo, "
+            f"MIN(CASE WHEN nan_count > 0 OR inf_count > 0 THEN step END) AS bad_step "
+            f"FROM stats WHERE {where} GROUP BY run_id, rank, ttype, step, module_id")
+
 def _roll_up_sql(dialect:str, width:int, where:str)->str:
     "SQL folding the per-step module values of the stats rows `where` selects into `rollups` bins of `width` steps."
     cols = dict(norm_sq='max', std_sq='max', mean_hi='max', mean_lo='min', zero_frac='max', hi='max', lo='min', bad_step='min')
-    n = 'NULLIF(SUM(numel), 0)'   # PostgreSQL refuses to divide by zero
-    per_step = (f"SELECT run_id, rank, ttype, step, module_id, SUM(norm * norm) AS norm_sq, SUM(std * std * numel) / {n} AS std_sq, "
-                f"SUM(mean * numel) / {n} AS mean, SUM(zero_frac * numel) / {n} AS zero_frac, MAX(max) AS hi, MIN(min) AS lo, "
-                f"MIN(CASE WHEN nan_count > 0 OR inf_count > 0 THEN step END) AS bad_step "
-                f"FROM stats WHERE {where} GROUP BY run_id, rank, ttype, step, module_id")
+    per_step = module_steps_sql(where)
     return (f"INSERT INTO rollups (run_id, rank, ttype, width, bin, module_id, {', '.join(cols)}) "
             f"SELECT run_id, rank, ttype, {width}, step / {width}, module_id, MAX(norm_sq), MAX(std_sq), MAX(mean), MIN(mean), "
             f"MAX(zero_frac), MAX(hi), MIN(lo), MIN(bad_step) FROM ({per_step}) per_step WHERE true "
