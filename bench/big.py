@@ -54,8 +54,20 @@ def build(db:str, modules:int, steps:int, record:int, name:str='big'):
         c.exec_driver_sql(f'UPDATE runs SET last_step = {steps - 1} WHERE id = {rid}')
         c.exec_driver_sql(_sums_sql(rid, [spike, nan]))
         c.exec_driver_sql(f'DELETE FROM rollups WHERE run_id = {rid}')
+        t0 = time.perf_counter()
         roll_up(c, rid)                 # what the writer would have folded in, step by step
+        print(f'  rollups folded in {time.perf_counter() - t0:.0f} s', flush=True)
     return spike, nan
+
+def built(db:str, name:str):
+    "`(spike, nan)` of run `name` if `db` holds it complete (a store kept from an earlier run of this script), else None."
+    from torchember.store import engine
+    if '://' not in db and not os.path.exists(db): return None
+    with engine(db).connect() as c:
+        try: rid, last = c.exec_driver_sql(f"SELECT id, last_step FROM runs WHERE name = '{name}'").one()
+        except Exception: return None
+        n = last + 1
+        return (n // 3, 2 * n // 3) if c.exec_driver_sql(f'SELECT count(*) FROM rollups WHERE run_id = {rid}').scalar() else None
 
 def cpu(fn):
     "`(result, CPU seconds of this process)` of `fn()`."
@@ -87,7 +99,9 @@ if __name__ == '__main__':
     p.add_argument('--modules', type=int, default=400)
     p.add_argument('--steps', type=int, nargs='+', default=[5000, 50000])
     p.add_argument('--record', type=int, default=50)
-    p.add_argument('--db', default=None, help='a folder for the SQLite files, or a PostgreSQL URL (one run per step count)')
+    p.add_argument('--db', default=None, help='a folder for the SQLite files, or a PostgreSQL URL (one run per step count); '
+                                              'a store built there before is reused')
+    p.add_argument('--build-only', action='store_true', help='build the stores, measure nothing')
     a = p.parse_args()
     warnings.simplefilter('ignore')
     print(machine_line(), f'torch {torch.__version__}', flush=True)
@@ -95,7 +109,8 @@ if __name__ == '__main__':
     for n in a.steps:
         db = a.db if a.db and '://' in a.db else os.path.join(folder, f'big-{a.modules}x{n}.db')
         t0 = time.perf_counter()
-        spike, nan = build(db, a.modules, n, a.record, name=f'big-{n}')
+        spike, nan = built(db, f'big-{n}') or build(db, a.modules, n, a.record, name=f'big-{n}')
         size = os.path.getsize(db) / 2**30 if '://' not in db else float('nan')
         print(f'{a.modules} modules x {n} steps: built in {time.perf_counter() - t0:.0f} s ({size:.2f} GiB); spike at step {spike}, NaN at {nan}', flush=True)
+        if a.build_only: continue
         for k, v in measure(db, f'big-{n}').items(): print(f'  {k:18s} {v:8.2f}' + ('' if 'MiB' in k else ' s CPU'), flush=True)

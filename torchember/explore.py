@@ -15,12 +15,14 @@ from fastcore.basics import patch
 from .stats import TTYPES
 from .store import StoreError
 from .query import runs, load
+from .tree import auto_collapse
+from functools import partial
 from .diagnose import findings as _findings
 from .findings import finding_label, severity_counts, evidence, evidence_figure
 from .ember import torchEmber
 from .figures import (ORANGE, RANK_COLORS, recorded_steps, history, stat_columns, module_label, history_traces,
                                 heatmap_traces, latest_times, latest_by_module, overview_traces, rank_traces, rank_spread,
-                                spread_traces, module_map, map_figure, map_labels, MAP_STATS, scalars_figure, finite_json,
+                                spread_traces, module_map, map_figure, map_labels, MAP_STATS, scalars_figure, finite_json, fold_map,
                                 view_steps, with_kinds, step_name, step_title, iteration_text, module_envelope, envelope_traces)
 import math
 import numpy as np
@@ -169,25 +171,33 @@ class Explorer(W.VBox):
                                            tooltip="weight grads at every training step (default: where the optimizer applied them)")
         self.ov_ttype = W.Dropdown(description='ttype', options=list(TTYPES), value='weight_grad', layout=W.Layout(width='220px'))
         self.ov_stat = W.Dropdown(description='stat', layout=W.Layout(width='200px'))
+        self.fold_toggle = W.ToggleButton(value=True, description='fold', icon='compress', layout=W.Layout(width='80px'),
+                                          tooltip="map rows folded by the module tree (click a ▸ row to open it); off: a row per module")
+        self._collapsed = None   # the map's folded modules: None until the run's first map, then `auto_collapse`'s
         self.findings, self._finding, self._diag_at, self._diag_key = _findings([]), None, -math.inf, None
         self.findings_head = W.HTML()
         self.findings_picker = W.Select(rows=5, layout=W.Layout(width='1240px', display='none'))
         self.finding_text = W.HTML()
-        self.fig = go.FigureWidget(layout=dict(width=_WIDTH, height=_TOP + _BOTTOM, template='plotly_white'))   # one figure: one copy of plotly.js
+        axes = {f"xaxis{k}": {} for k in range(2, len(PLOTS) + 1)}   # there from the start: zooms are followed on them
+        self.fig = go.FigureWidget(layout=dict(width=_WIDTH, height=_TOP + _BOTTOM, template='plotly_white', **axes))   # one figure: one copy of plotly.js
         self.plots = {n: Plot(self.fig, n) for n in PLOTS}
         self._n_axes, self._map_rows, self._mark = len(PLOTS), {}, None
+        self._zoom, self._drawing = {'map': None, 'history': None}, False   # a plot's zoomed step range: re-read at full resolution
+        self._follow_zooms()
         side = W.VBox([self.module_filter, self.module_picker, self.ttype_picker, self.tname_picker, self.stat_picker, self.log_toggle,
                        self.all_steps_toggle],
                       layout=W.Layout(width='260px', flex='0 0 260px'))
-        hint = W.HTML('<small>map and bars: click a cell or a bar for that module\'s history of this ttype and stat</small>')
+        hint = W.HTML('<small>map and bars: click a cell or a bar for that module\'s history of this ttype and stat; '
+                      'click a ▸ row of the map to open it</small>')
         self.children = [W.HBox([self.run_picker, self.overlay_picker, self.rank_picker, self.live_toggle, self.stop_button, self.status]),
                          W.VBox([self.findings_head, self.findings_picker, self.finding_text]),
-                         W.HBox([self.ov_ttype, self.ov_stat, hint]), W.HBox([side, self.fig])]
+                         W.HBox([self.ov_ttype, self.ov_stat, self.fold_toggle, hint]), W.HBox([side, self.fig])]
         for w, fn in ((self.run_picker, 'show_run'), (self.overlay_picker, '_on_overlay'), (self.rank_picker, '_on_rank'), (self.module_filter, '_on_filter'),
                       (self.module_picker, '_on_module'), (self.ttype_picker, '_on_ttype'), (self.tname_picker, '_on_history'),
                       (self.stat_picker, '_on_history'), (self.log_toggle, '_on_log'), (self.all_steps_toggle, '_on_all_steps'),
                       (self.ov_ttype, '_on_ov'),
-                      (self.ov_stat, '_on_ov'), (self.live_toggle, '_on_live'), (self.findings_picker, 'show_finding')):
+                      (self.ov_stat, '_on_ov'), (self.fold_toggle, '_on_fold'), (self.live_toggle, '_on_live'),
+                      (self.findings_picker, 'show_finding')):
             w.observe(self._guard(fn), 'value')
         self.stop_button.on_click(lambda _: self.stop())
         names = self._fill_runs()
@@ -238,7 +248,8 @@ def _newest(self:Explorer)->str:
 def show_run(self:Explorer, name:str):
     "Show run `name` of the store, keeping the chosen module, tensor and stats where it has them."
     with self._lock:
-        self.run, self._kinds = load(name, self.db), {}
+        self.run, self._kinds, self._collapsed = load(name, self.db), {}, None
+        self._zoom = dict.fromkeys(self._zoom)
         seen = self._state()
         self._steps = recorded_steps(self.run)
         ends = sorted({self._steps[0], self._steps[-1]}) if self._steps else [-1]
@@ -305,6 +316,14 @@ def _draw(self:Explorer,
         self._n_axes = max(self._n_axes, p.axes[-1])
     p.src, p.height = (finite_json(f.layout.to_plotly_json()), (f.layout.height or 300) - 70) if f is not None else ({}, 0)
     new, old = _traces(p, f) if f is not None else [], p.data
+    self._drawing = True   # the layout set here is no zoom of the user's
+    try: self._redraw(p, new, old)
+    finally: self._drawing = False
+    return self
+
+@patch
+def _redraw(self:Explorer, p:Plot, new:list, old:tuple):
+    "Put traces `new` in place of plot `p`'s `old` ones and lay the figure out again."
     lay = _layout([self.plots[n] for n in ORDER], self._n_axes)
     with self.fig.batch_update():
         if [(t.type, t.name, t.xaxis) for t in old] == [(t['type'], t.get('name'), t['xaxis']) for t in new]:
@@ -320,6 +339,7 @@ def _draw(self:Explorer,
             for t in q.data:
                 if t.type == 'heatmap' and t.showscale is not False:
                     t.colorbar.update(y=d[0], yanchor='bottom', len=(d[1] - d[0]) * 0.75, lenmode='fraction', x=1.02)
+    self._follow_zooms()
     return self
 
 @patch
@@ -377,13 +397,15 @@ def refresh_history(self:Explorer):
         stats, log, view, rank = list(self.stat_picker.value), self.log_toggle.value, self.rank_picker.value, self._rank()
         kinds, every = self._kinds_of(self.run, rank), self.all_steps_toggle.value
         shown = view_steps(kinds, ttype, self._steps, every)
+        if (z := self._zoom['history']) is not None: shown = [s for s in shown if z[0] <= s <= z[1]]
         h = (with_kinds(history(self.run, module, ttype, tname, self.max_points, steps=shown, rank=rank), kinds) if ttype
              else pd.DataFrame(columns=['step', 'rank']))
         over = 'over applied steps' if len(shown) < len(self._steps) and not every else 'over steps'   # see `view_steps`
         traces = (rank_traces(h, stats) if view == ALL else spread_traces(rank_spread(h, stats), stats) if view == SPREAD
                   else history_traces(h, stats))
         if ttype and rank is not None and len(shown) > self.max_points:   # a thinned line: every step's extremes behind it
-            traces = envelope_traces(module_envelope(self.run, module, ttype, rank)) + traces
+            env = module_envelope(self.run, module, ttype, rank, between=self._zoom['history'], stat=next((s for s in stats if s in MAP_STATS), None))
+            traces = envelope_traces(env) + traces
         self.history_df, self.overlay_df = h, None
         if self.overlay is not None and ttype:
             orank = self._overlay_rank()
@@ -392,6 +414,7 @@ def refresh_history(self:Explorer):
             self.overlay_df = with_kinds(oh, ok)
             traces += history_traces(self.overlay_df, stats, run=self.overlay.name, color=ORANGE)
         what = f"{module_label(module)} · {ttype or '—'}{f' {tname}' if tname and tname != ttype else ''}"
+        if z is not None: over += f" {z[0]}–{z[1]} (double-click for all)"
         if len(self._ranks) > 1: what += {ALL: ' · every rank', SPREAD: ' · all ranks (spread)'}.get(view, f' · rank {view}')
         mark = [dict(type='line', x0=self._mark, x1=self._mark, yref='paper', y0=0, y1=1, line=dict(color='black', dash='dot', width=1))] if self._mark is not None else []
         it = iteration_text(kinds, self._mark)
@@ -474,7 +497,50 @@ def _on_bar_click(self:Explorer, trace, points, state=None):
 @patch
 def _on_map_click(self:Explorer, trace, points, state=None):
     if points.ys and points.ys[0] in self._map_rows:
-        self.select(self._map_rows[points.ys[0]], self.ov_ttype.value, self._map_stat, int(points.xs[0]))
+        module = self._map_rows[points.ys[0]]
+        if module in self.map_data.get('folded', {}): return self.unfold(module)
+        self.select(module, self.ov_ttype.value, self._map_stat, int(points.xs[0]))
+
+@patch
+def unfold(self:Explorer, module:str):
+    "Open the folded row `module` of the map: its own row and its children's, each still folded if it has children."
+    with self._lock:
+        tree = self.run.tree()
+        kids = next((n.get('children') or [] for n in [tree, *_all_nodes(tree)] if n['name'] == module), [])
+        self._collapsed = (self._collapsed or set()) - {module} | {k['name'] for k in kids if k.get('children')}
+        return self.refresh_map()
+
+def _all_nodes(tree:dict)->list:
+    return [n for c in tree.get('children') or [] for n in (c, *_all_nodes(c))]
+
+@patch
+def _follow_zooms(self:Explorer):
+    "Watch the x axes of the map and the history for zooms (again after a new layout, which drops the watchers)."
+    if self.fig.layout._change_callbacks: return
+    for name in self._zoom:
+        ax = f"xaxis{PLOTS.index(name) + 1 if PLOTS.index(name) else ''}"
+        self.fig.layout.on_change(partial(self._on_zoom, name), f'{ax}.range')
+        self.fig.layout.on_change(partial(self._on_unzoom, name), f'{ax}.autorange')
+
+@patch
+def _on_zoom(self:Explorer, name:str, layout, rng):
+    "A zoom of plot `name` (the user dragged over its steps): read the steps in range again, at full resolution."
+    if self._drawing or self._hold or not rng or None in rng: return
+    self._zoom[name] = (math.ceil(rng[0]), math.floor(rng[1]))
+    with self._lock: (self.refresh_map if name == 'map' else self.refresh_history)()
+
+@patch
+def _on_unzoom(self:Explorer, name:str, layout, auto):
+    "Zoomed out (a double-click): plot `name` shows the whole run again."
+    if self._drawing or self._hold or not auto or self._zoom[name] is None: return
+    self._zoom[name] = None
+    with self._lock: (self.refresh_map if name == 'map' else self.refresh_history)()
+
+@patch
+def _on_fold(self:Explorer, on:bool):
+    with self._lock:
+        self._collapsed = None if on else set()
+        self.refresh_map()
 
 @patch
 def refresh_map(self:Explorer):
@@ -486,11 +552,13 @@ def refresh_map(self:Explorer):
         kinds = self._kinds_of(self.run, self._rank())
         shown = view_steps(kinds, tt, self._steps, self.all_steps_toggle.value)
         some = len(shown) < len(self._steps)   # weight grads at the applied steps only
-        m = module_map(self.run, tt, self._map_stat, rank=self._rank(), steps=shown if some else None)
-        self.map_data = m
+        m = module_map(self.run, tt, self._map_stat, rank=self._rank(), steps=shown if some else None, between=self._zoom['map'])
+        if self._collapsed is None and self.fold_toggle.value: self._collapsed = auto_collapse(self.run.tree(), m['modules'])
+        m = self.map_data = fold_map(m, self.run, self._map_stat, self._collapsed or set())
         self._map_rows = dict(zip(map_labels(m, self.run), m['modules']))
-        self._draw('map', map_figure(m, self.run, tt, self._map_stat, first=self._first_bad, kinds=kinds,
-                                     applied=some and not self.all_steps_toggle.value))
+        f = map_figure(m, self.run, tt, self._map_stat, first=self._first_bad, kinds=kinds, applied=some and not self.all_steps_toggle.value)
+        if (z := self._zoom['map']) is not None: f.layout.title.text += f" · steps {z[0]}–{z[1]} (double-click for all)"
+        self._draw('map', f)
         for t in self.plots['map'].data: t.on_click(self._on_map_click)
     return self
 

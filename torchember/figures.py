@@ -16,15 +16,17 @@ from sqlalchemy import select
 from .stats import STATS
 from .store import engine, steps_t
 from .query import Run, applied_steps
+from .tree import subtrees, visible, auto_collapse, block_of
+import warnings
 
 # %% auto #0
 __all__ = ['APPLIED_ONLY', 'BLUE', 'ORANGE', 'RED', 'RANK_COLORS', 'MAP_STATS', 'with_stats', 'stat_columns', 'combine',
            'recorded_steps', 'thin', 'peaks', 'history', 'view_steps', 'with_kinds', 'iteration_text', 'step_name',
            'step_hover', 'step_title', 'heat', 'nan_steps', 'nan_trace', 'history_traces', 'modules_in_order',
            'latest_by_module', 'module_label', 'overview_traces', 'latest_times', 'heatmap_traces', 'rank_traces',
-           'rank_spread', 'spread_traces', 'tensor_image', 'tensor_figure', 'forward_order', 'module_map',
-           'module_envelope', 'envelope_traces', 'finite_json', 'map_labels', 'map_figure', 'log_axis', 'flat_range',
-           'scalar_series', 'scalars_figure']
+           'rank_spread', 'spread_traces', 'tensor_image', 'tensor_figure', 'forward_order', 'module_map', 'map_width',
+           'module_envelope', 'envelope_traces', 'finite_json', 'map_labels', 'map_figure', 'fold_map', 'log_axis',
+           'flat_range', 'scalar_series', 'scalars_figure']
 
 # %% ../nbs/05_figures.ipynb #f654825d
 _META = ('run', 'step', 'iteration', 'kind', 'rank', 'call', 'module', 'mtype', 'ttype', 'tname', 'shape', 'dtype')
@@ -83,12 +85,15 @@ def peaks(steps, values, n:int)->list:
     "About `n` of `steps` (in order) keeping the shape of `values`: per bin its lowest, highest, first NaN; first, last."
     steps, v = np.asarray(steps), np.asarray(values, dtype=float)
     if len(steps) <= n: return steps.tolist()
-    edges, keep = np.linspace(0, len(steps), max(n // 2, 1) + 1).astype(int), {0, len(steps) - 1}
-    for a, b in zip(edges[:-1], edges[1:]):
-        seg = v[a:b]
-        if not len(seg): continue
-        if (nan := np.flatnonzero(np.isnan(seg))).size: keep.add(a + int(nan[0]))
-        if nan.size < len(seg): keep.update((a + int(np.nanargmin(seg)), a + int(np.nanargmax(seg))))
+    edges = np.linspace(0, len(steps), max(n // 2, 1) + 1).astype(int)
+    at = edges[:-1, None] + np.arange(np.diff(edges).max())[None, :]   # a row of indices per bin, padded past its end
+    inside = at < edges[1:, None]
+    at = np.minimum(at, len(v) - 1)
+    seg = v[at]
+    nan, fin = np.isnan(seg) & inside, ~np.isnan(seg) & inside
+    some, bad = fin.any(1), nan.any(1)
+    keep = {0, len(steps) - 1, *at[bad, nan[bad].argmax(1)].tolist(),
+            *at[some, np.where(fin, seg, np.inf)[some].argmin(1)].tolist(), *at[some, np.where(fin, seg, -np.inf)[some].argmax(1)].tolist()}
     return steps[sorted(keep)].tolist()
 
 def history(run:Run,              # the run to read
@@ -447,6 +452,7 @@ def module_map(run:Run,                  # the run to read
                rank:int=None,            # the rank to read; default the run's first
                bins:int=500,             # at most this many columns
                steps:list=None,          # only these steps (`view_steps`); None: every step
+               between:tuple=None,       # `(first, last)`: only the steps in this range (a zoom); None: the whole run
               )->dict:                   # modules, x (each column's step), width (steps a column), z (values), bad (NaN/Inf in a column)
     "Every module's `stat` of `ttype` at the first step (of `steps`) of at most `bins` columns; whether each held NaN/Inf."
     if stat not in MAP_STATS: raise ValueError(f"a map shows one of {', '.join(MAP_STATS)}, not {stat!r}")
@@ -454,11 +460,14 @@ def module_map(run:Run,                  # the run to read
     s, st = stats_t.c, steps_t.c
     empty = dict(modules=[], x=[], width=1, z=np.zeros((0, 0)), bad=np.zeros((0, 0), bool))
     with engine(run.db).connect() as c:
-        lo, hi = c.execute(select(func.min(st.step), func.max(st.step)).where(st.run_id == run.id, st.rank == rank)).one()
+        mine = [st.run_id == run.id, st.rank == rank, *([st.step.between(*map(int, between))] if between is not None else [])]
+        lo, hi, n = c.execute(select(func.min(st.step), func.max(st.step), func.count()).where(*mine)).one()
         if lo is None: return empty
-        width = -(-(hi - lo + 1) // bins)          # steps a column, so that there are at most `bins`
-        if width > 1 and steps is None and tname is None and (m := _extremes(c, run, rank, ttype, stat, lo, width)) is not None: return m
+        if steps is None and tname is None and (m := _extremes(c, run, rank, ttype, stat, lo, hi, n, bins)) is not None: return m
+        width = -(-(hi - lo + 1) // bins) if n > bins else 1   # steps a column, so that there are at most `bins`
         cols = list(range(lo, hi + 1, width))
+        if width == 1 and steps is None and n < hi - lo + 1:   # few steps far apart (`every=10`): a column each
+            cols = c.execute(select(st.step).where(*mine).order_by(st.step)).scalars().all()
         if steps is not None:   # a column shows its first step of `steps`; a column with none of them goes
             firsts = {}
             for k in sorted(steps):
@@ -470,7 +479,7 @@ def module_map(run:Run,                  # the run to read
         vals = c.execute(select(s.module_id, s.step, *_map_agg(stat, s), func.count(s[stat]), func.count())
                          .where(*where, at).group_by(s.step, s.module_id)).all()
         bad = c.execute(select(s.module_id, ((s.step - lo) // width).label('col'))
-                        .where(*where, sa.or_(s.nan_count > 0, s.inf_count > 0)).group_by(s.module_id, 'col')).all()
+                        .where(*where, s.step.between(lo, hi), sa.or_(s.nan_count > 0, s.inf_count > 0)).group_by(s.module_id, 'col')).all()
         names = dict(c.execute(select(modules_t.c.id, modules_t.c.name).where(modules_t.c.run_id == run.id)).all())
     of = {(k - lo) // width: j for j, k in enumerate(cols)}   # a span of `width` steps -> its column
     bad = [(i, of[c]) for i, c in bad if c in of]
@@ -489,73 +498,96 @@ def module_map(run:Run,                  # the run to read
     return dict(modules=order, x=cols, width=width, z=z, bad=nf)
 
 # %% ../nbs/05_figures.ipynb #3ffed3df
-_BINNED = ("SELECT module_id, ({key} - {first}) / {k} AS col, MAX(norm_sq), MAX(std_sq), MAX({hi_mean}), MIN({lo_mean}), "
-           "MAX(zero_frac), MAX(hi), MIN(lo), MIN(bad_step) FROM {src} GROUP BY module_id, ({key} - {first}) / {k}")
+from .store import rolled_steps
 
-def _extremes(c, run:Run, rank:int, ttype:str, stat:str, lo:int, width:int)->dict:
-    "`module_map` of columns of `width` steps showing their extremes: from `rollups`, or rows if narrower; else None."
-    level = max((w for w in ROLLUP_WIDTHS if w <= width), default=None)
+_MAP_COLS = dict(norm=[('norm_sq', 'MAX')], std=[('std_sq', 'MAX')], mean=[('mean_hi', 'MAX'), ('mean_lo', 'MIN')],
+                 zero_frac=[('zero_frac', 'MAX')], max=[('hi', 'MAX')], min=[('lo', 'MIN')])   # the rollup columns of a map's stat
+
+def map_width(n:int, lo:int, hi:int, bins:int)->int:
+    "Steps a column of a map of `n` recorded steps `lo`..`hi` in at most `bins` columns: 1, or the narrowest rollup width that fits."
+    if n <= bins: return 1
+    return next((w for w in ROLLUP_WIDTHS if min(n, hi // w - lo // w + 1) <= bins), ROLLUP_WIDTHS[-1])
+
+def _extremes(c, run:Run, rank:int, ttype:str, stat:str, lo:int, hi:int, n:int, bins:int)->dict|None:
+    "`module_map` of columns of rollup bins showing their extremes, the steps after the rollups read row by row; None if not folded."
     if ttype not in TTYPES: raise ValueError(f"unknown ttype {ttype!r}")
-    r = rollups_t.c
-    if level is not None and c.execute(select(r.bin).where(r.run_id == run.id, r.rank == rank, r.ttype == ttype, r.width == level,
-                                                            r.bin == lo // level).limit(1)).first() is not None:
-        k, first = -(-width // level), lo // level       # bins a column; the run's first bin
-        src = (f"rollups WHERE run_id = {int(run.id)} AND rank = {int(rank)} AND ttype = '{ttype}' AND width = {level}")
-        sql = _BINNED.format(key='bin', first=first, k=k, hi_mean='mean_hi', lo_mean='mean_lo', src=src)
-        width, x0 = k * level, first * level
-    elif level is None:                                  # rows read: fewer than the rollups' first width times `bins` a module
-        per_step = module_steps_sql(f"run_id = {int(run.id)} AND rank = {int(rank)} AND ttype = '{ttype}'")
-        sql = _BINNED.format(key='step', first=lo, k=width, hi_mean='mean', lo_mean='mean', src=f'({per_step}) per_step')
-        x0 = lo
-    else: return None                                    # a long run stored before rollups: each column's first step, as before
-    rows = c.exec_driver_sql(sql).all()
+    w, rolled = map_width(n, lo, hi, bins), rolled_steps(c, run.id, rank)
+    if w == 1 or rolled is None or rolled[0] > lo: return None      # a long run stored before rollups: sampled, as before
+    k = -(-min(n, hi // w - lo // w + 1) // bins)                     # bins a column: 1 but past 2,048 × `bins` steps
+    cols, agg = [col for col, _ in _MAP_COLS[stat]], [f for _, f in _MAP_COLS[stat]]
+    mine = f"run_id = {int(run.id)} AND rank = {int(rank)} AND ttype = '{ttype}'"
+    span = f"width = {w} AND bin BETWEEN {lo // w} AND {hi // w}"   # a range of the key
+    if k == 1: sql = f"SELECT module_id, bin, {', '.join(cols)}, bad_step FROM rollups WHERE {mine} AND {span}"
+    else: sql = (f"SELECT module_id, bin / {k}, {', '.join(f'{f}({col})' for col, f in zip(cols, agg))}, MIN(bad_step) "
+                 f"FROM rollups WHERE {mine} AND {span} GROUP BY module_id, bin / {k}")
+    rows = c.exec_driver_sql(sql).cursor.fetchall()                  # the driver's tuples: no `Row` made per row
+    if rolled[1] < hi:   # the steps since the last bin folded: their rows
+        per, after = {'mean_hi': 'mean', 'mean_lo': 'mean'}, f'{mine} AND step BETWEEN {max(rolled[1] + 1, lo)} AND {hi}'
+        rows += c.exec_driver_sql(f"SELECT module_id, step / {w * k}, {', '.join(per.get(col, col) for col in cols)}, bad_step "
+                                  f"FROM ({module_steps_sql(after)}) t").cursor.fetchall()
     names = dict(c.execute(select(modules_t.c.id, modules_t.c.name).where(modules_t.c.run_id == run.id)).all())
-    if not rows: return dict(modules=[], x=[], width=width, z=np.zeros((0, 0)), bad=np.zeros((0, 0), bool))
-    a = np.array([tuple(row) for row in rows], dtype=float)
+    if not rows: return dict(modules=[], x=[], width=w * k, z=np.zeros((0, 0)), bad=np.zeros((0, 0), bool))
+    a = np.array(rows, dtype=float)
     mid, col = a[:, 0].astype(int), a[:, 1].astype(int)
-    hi_mean, lo_mean = a[:, 4], a[:, 5]
-    with np.errstate(invalid='ignore'):
-        v = {'norm': np.sqrt(a[:, 2]), 'std': np.sqrt(a[:, 3]), 'mean': np.where(np.abs(lo_mean) > np.abs(hi_mean), lo_mean, hi_mean),
-             'zero_frac': a[:, 6], 'max': a[:, 7], 'min': a[:, 8]}[stat]
-    have = {names[int(i)] for i in np.unique(mid)}
+    have = {names[i] for i in np.unique(mid).tolist()}
     order = [m for m in forward_order(run, rank=rank) if m in have]
-    row = {name: order.index(name) for name in order}
-    ncols = int(col.max()) + 1
-    z, bad = np.full((len(order), ncols), np.nan), np.zeros((len(order), ncols), bool)
-    rows_of = np.array([row[names[int(i)]] for i in mid])
-    z[rows_of, col] = v
-    bad[rows_of, col] = ~np.isnan(a[:, 9])
-    x = [max(lo, x0 + j * width) for j in range(ncols)]
-    return dict(modules=order, x=x, width=width, z=z, bad=bad)
+    row_of = np.full(max(names) + 1, -1)
+    for i, name in names.items(): row_of[i] = order.index(name) if name in have else -1
+    present = np.unique(col)                                          # columns with no step recorded are left out
+    ri, ci = row_of[mid], np.searchsorted(present, col)
+    zs = []
+    for j, f in enumerate(agg):                                       # a rollup and the rows after it may share a column
+        z = np.full((len(order), len(present)), np.nan)
+        (np.fmax if f == 'MAX' else np.fmin).at(z, (ri, ci), a[:, 2 + j])
+        zs.append(z)
+    z = np.where(np.abs(zs[1]) > np.abs(zs[0]), zs[1], zs[0]) if stat == 'mean' else np.sqrt(zs[0]) if stat in ('norm', 'std') else zs[0]
+    bad = np.zeros(z.shape, bool)
+    hit = ~np.isnan(a[:, -1])
+    bad[ri[hit], ci[hit]] = True
+    return dict(modules=order, x=[max(lo, int(j) * w * k) for j in present], width=w * k, z=z, bad=bad)
 
 # %% ../nbs/05_figures.ipynb #cbb34d15
-def module_envelope(run:Run, module:str, ttype:str, rank:int=None, bins:int=500)->pd.DataFrame|None:
-    "Per bin of at most `bins`: `step` (its first), `lo`, `hi` and `bad_step` of `module`'s `ttype`; None without rollups."
+_ENVELOPE = dict(norm=('sqrt(MAX(norm_sq))', 'NULL', 'sqrt(norm_sq)', 'NULL'), std=('sqrt(MAX(std_sq))', 'NULL', 'sqrt(std_sq)', 'NULL'),
+                 mean=('MAX(mean_hi)', 'MIN(mean_lo)', 'mean', 'mean'), zero_frac=('MAX(zero_frac)', 'NULL', 'zero_frac', 'NULL'),
+                 max=('MAX(hi)', 'NULL', 'hi', 'NULL'), min=('NULL', 'MIN(lo)', 'NULL', 'lo'))   # a stat's hi, lo: of bins; of a step
+
+def module_envelope(run:Run, module:str, ttype:str, rank:int=None, bins:int=500, between:tuple=None,
+                    stat:str=None,   # one of `MAP_STATS`: its extremes (of the module's tensors together); None: the values' min and max
+                   )->pd.DataFrame|None:
+    "Per column of at most `bins` (bins of 8 steps or more): `step` (its first), `lo`, `hi`, `bad_step` of `module`'s `ttype`; None if not folded."
     rank = run.ranks[0] if rank is None else rank
     r, st = rollups_t.c, steps_t.c
     with engine(run.db).connect() as c:
-        lo, hi = c.execute(select(func.min(st.step), func.max(st.step)).where(st.run_id == run.id, st.rank == rank)).one()
+        mine = [st.run_id == run.id, st.rank == rank, *([st.step.between(*map(int, between))] if between is not None else [])]
+        lo, hi, n = c.execute(select(func.min(st.step), func.max(st.step), func.count()).where(*mine)).one()
         mid = c.execute(select(modules_t.c.id).where(modules_t.c.run_id == run.id, modules_t.c.name == module)).scalar()
-        if lo is None or mid is None: return None
-        width = -(-(hi - lo + 1) // bins)
-        level = max((w for w in ROLLUP_WIDTHS if w <= width), default=ROLLUP_WIDTHS[0])
-        k, first = -(-width // level), lo // level
-        col = ((r.bin - first) // k).label('col')
-        rows = c.execute(select(col, func.max(r.hi), func.min(r.lo), func.min(r.bad_step))
-                         .where(r.run_id == run.id, r.rank == rank, r.ttype == ttype, r.width == level, r.module_id == mid)
-                         .group_by(col).order_by(col)).all()
+        rolled = rolled_steps(c, run.id, rank) if lo is not None else None
+        if mid is None or rolled is None or rolled[0] > lo: return None
+        w = max(map_width(n, lo, hi, bins), ROLLUP_WIDTHS[0])
+        k = -(-min(n, hi // w - lo // w + 1) // bins)
+        top, bottom, top1, bottom1 = _ENVELOPE.get(stat, ('MAX(hi)', 'MIN(lo)', 'hi', 'lo'))
+        mine = f"run_id = {int(run.id)} AND rank = {int(rank)} AND ttype = '{ttype}' AND module_id = {int(mid)}"
+        rows = c.exec_driver_sql(f"SELECT bin / {k}, {top}, {bottom}, MIN(bad_step) FROM rollups WHERE {mine} AND width = {w} "
+                                 f"AND bin BETWEEN {lo // w} AND {hi // w} GROUP BY bin / {k}").cursor.fetchall()
+        if rolled[1] < hi:   # the steps since the last bin folded: their rows
+            per_step = module_steps_sql(f"{mine} AND step BETWEEN {max(rolled[1] + 1, lo)} AND {hi}")
+            rows += c.exec_driver_sql(f"SELECT step / {w * k}, {top1}, {bottom1}, bad_step FROM ({per_step}) t").cursor.fetchall()
     if not rows: return None
-    df = pd.DataFrame([tuple(x) for x in rows], columns=['col', 'hi', 'lo', 'bad_step'])
-    return df.assign(step=[max(lo, (first + int(j) * k) * level) for j in df['col']]).drop(columns='col')[['step', 'lo', 'hi', 'bad_step']]
+    df = pd.DataFrame(rows, columns=['col', 'hi', 'lo', 'bad_step']).astype(float)
+    df = df.groupby('col').agg(hi=('hi', 'max'), lo=('lo', 'min'), bad_step=('bad_step', 'min')).reset_index()
+    return df.assign(step=[max(lo, int(j) * w * k) for j in df['col']])[['step', 'lo', 'hi', 'bad_step']]
 
 def envelope_traces(e:pd.DataFrame, color:str=BLUE)->list:
     "A `module_envelope` as a light band between its bins' min and max, and a red mark at each bin's first NaN/Inf step."
     if e is None or e.empty: return []
     common = dict(mode='lines', line=dict(width=0.5, color=_rgba(color, .25)), legendgroup='every step', hoverinfo='skip', line_shape='hv')
-    tr = [go.Scatter(x=e['step'].tolist(), y=_list(e['lo']), name='every step: min', showlegend=False, **common),
-          go.Scatter(x=e['step'].tolist(), y=_list(e['hi']), name='every step: min–max', fill='tonexty', fillcolor=_rgba(color, .08), **common)]
+    x, lo, hi = e['step'].tolist(), e['lo'].notna().any(), e['hi'].notna().any()
+    if lo and hi: tr = [go.Scatter(x=x, y=_list(e['lo']), name='every step: min', showlegend=False, **common),
+                        go.Scatter(x=x, y=_list(e['hi']), name='every step: min–max', fill='tonexty', fillcolor=_rgba(color, .08), **common)]
+    else: tr = [go.Scatter(x=x, y=_list(e['hi' if hi else 'lo']), name=f"every step: {'max' if hi else 'min'}", **common)]
     bad = e[e['bad_step'].notna()]
-    if len(bad): tr.append(go.Scatter(x=bad['bad_step'].astype(int).tolist(), y=_list(bad['hi'].where(bad['hi'].notna(), bad['lo'])),
+    at = bad['hi'].fillna(bad['lo']).fillna(e['hi'].max() if hi else e['lo'].min() if lo else 0)   # a bin whose stat is NaN: at the top
+    if len(bad): tr.append(go.Scatter(x=bad['bad_step'].astype(int).tolist(), y=_list(at),
                                       mode='markers', name='NaN/Inf (every step)', marker=dict(color=RED, symbol='x', size=9)))
     return tr
 
@@ -574,7 +606,12 @@ def map_labels(m:dict, run:Run)->list:
     mods = run.modules()
     types, depth = dict(zip(mods['module'], mods['mtype'])), {}
     for n, p in zip(mods['module'], mods['parent']): depth[n] = depth.get(p, -1) + 1 if n else 0
-    return ['\u00a0' * 2 * depth.get(n, 0) + f"{module_label(n)} · {types.get(n) or ''}" for n in m['modules']]
+    blocks, folded = block_of(run.tree()), m.get('folded', {})
+    def label(n):
+        block = f" {blocks[n][0]}/{blocks[n][1]}" if n in blocks else ''
+        inside = f" ({folded[n]} modules)" if n in folded else ''
+        return '\u00a0' * 2 * depth.get(n, 0) + ('▸ ' if n in folded else '') + f"{module_label(n)} · {types.get(n) or ''}{block}{inside}"
+    return [label(n) for n in m['modules']]
 
 def map_figure(m:dict,               # a `module_map`
                run:Run,              # its run, for the module classes and the first NaN/Inf
@@ -624,6 +661,31 @@ def _first_cell(m:dict, first:dict=None)->tuple|None:
     rows = np.flatnonzero(m['bad'][:, j])
     i = m['modules'].index(first['module']) if first and first['module'] in m['modules'] and m['bad'][m['modules'].index(first['module']), j] else int(rows[0])
     return i, j
+
+# %% ../nbs/05_figures.ipynb #3c9a508c
+def fold_map(m:dict,          # a `module_map`
+             run:Run,         # its run, for the module tree
+             stat:str='norm', # the stat `m` shows: which extreme a folded row keeps
+             collapsed=None,  # modules to show as one row each; None: `auto_collapse`'s
+            )->dict:          # `m` with rows folded, and `folded`: row -> modules in it
+    "`module_map` `m` with each module of `collapsed` one row for its subtree: per column the extreme of its modules, red if any was."
+    tree = run.tree()
+    collapsed = auto_collapse(tree, m['modules']) if collapsed is None else set(collapsed)
+    if not collapsed or not m['modules']: return {**m, 'folded': {}}
+    idx, under = {n: i for i, n in enumerate(m['modules'])}, subtrees(tree)
+    rows, folded = visible(tree, collapsed, shown=m['modules']), {}
+    members = {r: [idx[x] for x in under[r] if x in idx] if r in collapsed and len(under[r]) > 1 else [idx[r]] for r in rows}
+    rows = sorted(rows, key=lambda r: min(members[r]))                      # forward order, by each row's first module
+    z, bad = np.full((len(rows), m['z'].shape[1]), np.nan), np.zeros((len(rows), m['z'].shape[1]), bool)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', RuntimeWarning)                     # an all-NaN column of a folded row stays NaN
+        for i, r in enumerate(rows):
+            zz = m['z'][members[r]]
+            if stat == 'mean': z[i] = np.take_along_axis(zz, np.nanargmax(np.where(np.isnan(zz), -1, np.abs(zz)), 0)[None], 0)[0]
+            else: z[i] = (np.fmin if stat == 'min' else np.fmax).reduce(zz, axis=0)
+            bad[i] = m['bad'][members[r]].any(0)
+            if len(members[r]) > 1 or r in collapsed and len(under[r]) > 1: folded[r] = len(members[r])
+    return {**m, 'modules': rows, 'z': z, 'bad': bad, 'folded': folded}
 
 # %% ../nbs/05_figures.ipynb #758bfd19
 from plotly.subplots import make_subplots

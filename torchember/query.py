@@ -14,7 +14,7 @@ import sqlalchemy as sa
 import torch
 from sqlalchemy import select, func
 from .store import (engine, escaped, drop_run, runs_t, ranks_t, modules_t, steps_t, events_t, stats_t, calls_t, scalars_t,
-                              snapshots_t, rollups_t, STAT_COLS, ROLLUP_WIDTHS)
+                              snapshots_t, rollups_t, STAT_COLS, ROLLUP_WIDTHS, rolled_steps)
 from .store import roll_up as store_roll_up
 
 # %% auto #0
@@ -363,20 +363,35 @@ def flow_order(df:pd.DataFrame,      # records with `module`, `ttype`, and optio
 NONFINITE_KINDS = ('output', 'attached', *BACKWARD)
 
 @patch
-def roll_up(self:Run)->Run:
-    "Fold this run's rows into `rollups` (see `store.roll_up`): its map, history envelope and first NaN/Inf then read bins, not rows."
-    with engine(self.db).begin() as c: store_roll_up(c, self.id)
+def roll_up(self:Run, again:bool=False)->Run:
+    "Fold the complete bins of this run's steps that its `rollups` don't cover yet (`again`: all of them) into them (see `store.roll_up`)."
+    w, st = ROLLUP_WIDTHS[0], steps_t.c
+    with engine(self.db).begin() as c:
+        for k in self.ranks:
+            lo, hi = c.execute(select(func.min(st.step), func.max(st.step)).where(st.run_id == self.id, st.rank == k)).one()
+            if lo is None: continue
+            got = None if again else rolled_steps(c, self.id, k)
+            last = hi if hi % w == w - 1 else hi // w * w - 1     # the last bin only if complete: the writer folds it when it is
+            first = lo if got is None or got[0] > lo else got[1] + 1
+            if first <= last: store_roll_up(c, self.id, first=first, last=last, ranks=[k])
     return self
 
 def _rolled_first_bad(c, run_id:int, rank:int=None)->int|None:
-    "The first step with NaN/Inf in `NONFINITE_KINDS` as the widest `rollups` hold it, -1 for none; None if they don't cover the run."
-    r, st, w = rollups_t.c, steps_t.c, ROLLUP_WIDTHS[-1]
-    lo = c.execute(select(func.min(st.step)).where(st.run_id == run_id, *([st.rank == rank] if rank is not None else []))).scalar()
-    if lo is None: return -1
-    mine = [r.run_id == run_id, r.width == w, *([r.rank == rank] if rank is not None else [])]
-    if c.execute(select(r.bin).where(*mine, r.bin == lo // w).limit(1)).first() is None: return None   # written before rollups
-    first = c.execute(select(func.min(r.bad_step)).where(*mine, r.ttype.in_(NONFINITE_KINDS))).scalar()
-    return -1 if first is None else first
+    "The first step with NaN/Inf in `NONFINITE_KINDS` as the widest `rollups` hold it (and rows after them), -1 for none; None if not folded."
+    r, st, s, w = rollups_t.c, steps_t.c, stats_t.c, ROLLUP_WIDTHS[-1]
+    ranks = [rank] if rank is not None else c.execute(select(st.rank).where(st.run_id == run_id).distinct()).scalars().all()
+    firsts = []
+    for k in ranks:
+        lo = c.execute(select(func.min(st.step)).where(st.run_id == run_id, st.rank == k)).scalar()
+        if lo is None: continue
+        rolled = rolled_steps(c, run_id, k)
+        if rolled is None or rolled[0] > lo: return None                  # written before rollups
+        first = c.execute(select(func.min(r.bad_step)).where(r.run_id == run_id, r.rank == k, r.ttype.in_(NONFINITE_KINDS), r.width == w)).scalar()
+        if first is None:                                                 # the steps since the last bin folded: their rows
+            first = c.execute(select(func.min(s.step)).where(s.run_id == run_id, s.step > rolled[1], s.rank == k, s.ttype.in_(NONFINITE_KINDS),
+                                                             sa.or_(s.nan_count > 0, s.inf_count > 0))).scalar()
+        if first is not None: firsts.append(first)
+    return min(firsts, default=-1)
 
 @patch
 def first_nonfinite(self:Run,

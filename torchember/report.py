@@ -19,7 +19,7 @@ from .query import Run, load, flow_order
 from fnmatch import fnmatchcase
 from .findings import finding_label, severity_counts, evidence, evidence_figure
 from .figures import (BLUE, ORANGE, recorded_steps, thin, with_stats, combine, history_traces, heatmap_traces,
-                                latest_by_module, overview_traces, module_label, module_map, map_figure,
+                                latest_by_module, overview_traces, module_label, module_map, map_figure, fold_map,
                                 scalars_figure, log_axis, view_steps, with_kinds, step_name, step_title, step_hover,
                                 iteration_text, forward_order)
 
@@ -140,8 +140,9 @@ def report_figures(run:Run,
     drawn = report_modules(run, rank=rank, max_points=max_points) if drawn is None else drawn
     rows = max(1, drawn['grad_norm'].notna().sum())   # the map's: the modules with grads
     bins = min(max_points, max(50, MAP_CELLS // rows))
-    if (m := module_map(run, rank=rank, bins=bins, steps=gsteps if some else None))['modules']:
-        figs.append((f"Every module: weight_grad norm over {'applied ' if some else ''}steps",
+    if (m := fold_map(module_map(run, rank=rank, bins=bins, steps=gsteps if some else None), run))['modules']:
+        fold = f" (▸ rows: a block folded, showing its modules' largest)" if m['folded'] else ''
+        figs.append((f"Every module: weight_grad norm over {'applied ' if some else ''}steps{fold}",
                      map_figure(m, run, first=first, kinds=kinds, applied=some).update_layout(title=None), True))
     if steps:
         figs.append(('Training scalars', scalars_figure(run.steps(rank), first_bad=first and first['step'], max_points=max_points)

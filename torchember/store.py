@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy import (BigInteger, Column, Float, ForeignKey, Integer, LargeBinary, MetaData, PrimaryKeyConstraint, String,
                         Table, Text, bindparam, event, insert, select, update, func)
 from sqlalchemy.dialects.postgresql import insert as pg_insert
-from .stats import merge_stats, NORM_EXTRAS
+from .stats import merge_stats, NORM_EXTRAS, TTYPES
 
 # %% auto #0
 __all__ = ['SCHEMA_VERSION', 'MEMORY', 'metadata', 'STAT_COLS', 'Str', 'Size', 'meta_t', 'runs_t', 'ranks_t', 'modules_t',
@@ -22,8 +22,8 @@ __all__ = ['SCHEMA_VERSION', 'MEMORY', 'metadata', 'STAT_COLS', 'Str', 'Size', '
            'snapshots_t', 'VIEWS', 'RETIRED_RUN_ID', 'ROWS_PER_INSERT', 'ROLLUP_WIDTHS', 'THINNED', 'LINGER_S',
            'PENDING_STEPS', 'PENDING_BYTES', 'RETRY_S', 'EXIT_WAIT_S', 'default_db', 'db_url', 'check_name', 'escaped',
            'StoreError', 'engine', 'keyed_by_rank', 'create_run', 'drop_run', 'last_iteration', 'claim', 'release',
-           'rows_digest', 'write_step', 'write_steps', 'merge_pieces', 'module_steps_sql', 'roll_up', 'thin_steps',
-           'idle_priority', 'store_busy', 'Writer']
+           'rows_digest', 'write_step', 'write_steps', 'merge_pieces', 'module_steps_sql', 'roll_up', 'roll_up_closed',
+           'rolled_steps', 'thin_steps', 'idle_priority', 'store_busy', 'Writer']
 
 # %% ../nbs/02_store.ipynb #2b4773a6
 SCHEMA_VERSION = 2
@@ -576,6 +576,7 @@ def write_steps(eng, run_id:int, steps:list, rank:int=0):
             c.exec_driver_sql(sql, tuple(params[n] for n in order) if order else params)
         if pieced: merge_pieces(c, run_id, pieced)
         if summed := sorted({s['step'] for s in steps if s.get('rows') or s.get('pieces')}): c.exec_driver_sql(_sums_sql(run_id, summed))
+        if closes: roll_up_closed(c, run_id, rank, [r[1] for r in closes], summed)
 
 def merge_pieces(c, run_id:int, steps:list):
     "In transaction `c`, write to `stats` each sharded weight and grad of `steps` that every rank has written, whole."
@@ -599,8 +600,10 @@ def merge_pieces(c, run_id:int, steps:list):
         row = (mi, call, ttype, tname, full, rs[0][9], *st, extra, nbytes)
         for rank in sorted({r[1] for r in rs}): out.setdefault((step, rank), []).append(row)
     for (step, rank), rows in out.items(): _insert_rows(c, stats_t, (run_id, step, rank), rows, replace=True)
+    for rank in {rank for _, rank in out}: roll_up(c, run_id, steps=[s for s, k in out if k == rank], ranks=[rank])   # bins may be closed
 
-ROLLUP_WIDTHS = (8, 64, 512)   # steps a bin of `rollups`: views of a long run read bins, never every row
+ROLLUP_WIDTHS = (8, 32, 128, 512, 2048)   # steps a bin of `rollups`, each 4 bins of the width before: views read bins, not rows
+_ROLLED = dict(norm_sq='max', std_sq='max', mean_hi='max', mean_lo='min', zero_frac='max', hi='max', lo='min', bad_step='min')
 
 def _extreme(dialect:str, f:str, col:str)->str:
     "SQL for the larger (`f='max'`) or smaller of a rollup's stored `col` and a new one's, ignoring a NULL (unknown)."
@@ -615,16 +618,26 @@ def module_steps_sql(where:str)->str:
             f"MIN(CASE WHEN nan_count > 0 OR inf_count > 0 THEN step END) AS bad_step "
             f"FROM stats WHERE {where} GROUP BY run_id, rank, ttype, step, module_id")
 
+def _upsert_rollups(dialect:str, select_sql:str, merge:bool)->str:
+    "SQL inserting the bins `select_sql` reads into `rollups`; a bin stored already keeps the extremes of both (`merge`) or takes the new."
+    new = lambda col, f: _extreme(dialect, f, col) if merge else f'excluded.{col}'
+    return (f"INSERT INTO rollups (run_id, rank, ttype, width, bin, module_id, {', '.join(_ROLLED)}) {select_sql} "
+            f"ON CONFLICT (run_id, rank, ttype, width, bin, module_id) DO UPDATE SET "
+            + ', '.join(f'{col} = {new(col, f)}' for col, f in _ROLLED.items()))
+
 def _roll_up_sql(dialect:str, width:int, where:str)->str:
     "SQL folding the per-step module values of the stats rows `where` selects into `rollups` bins of `width` steps."
-    cols = dict(norm_sq='max', std_sq='max', mean_hi='max', mean_lo='min', zero_frac='max', hi='max', lo='min', bad_step='min')
-    per_step = module_steps_sql(where)
-    return (f"INSERT INTO rollups (run_id, rank, ttype, width, bin, module_id, {', '.join(cols)}) "
-            f"SELECT run_id, rank, ttype, {width}, step / {width}, module_id, MAX(norm_sq), MAX(std_sq), MAX(mean), MIN(mean), "
-            f"MAX(zero_frac), MAX(hi), MIN(lo), MIN(bad_step) FROM ({per_step}) per_step WHERE true "
-            f"GROUP BY run_id, rank, ttype, step / {width}, module_id "
-            f"ON CONFLICT (run_id, rank, ttype, width, bin, module_id) DO UPDATE SET "
-            + ', '.join(f'{col} = {_extreme(dialect, f, col)}' for col, f in cols.items()))
+    return _upsert_rollups(dialect, f"SELECT run_id, rank, ttype, {width}, step / {width}, module_id, MAX(norm_sq), MAX(std_sq), "
+                           f"MAX(mean), MIN(mean), MAX(zero_frac), MAX(hi), MIN(lo), MIN(bad_step) FROM ({module_steps_sql(where)}) "
+                           f"per_step WHERE true GROUP BY run_id, rank, ttype, step / {width}, module_id", merge=True)
+
+def _refold_sql(dialect:str, width:int, where:str)->str:
+    "SQL folding again the `rollups` bins of `width` steps from those of the width before it that `where` selects."
+    below = ROLLUP_WIDTHS[ROLLUP_WIDTHS.index(width) - 1]
+    f = width // below
+    return _upsert_rollups(dialect, f"SELECT run_id, rank, ttype, {width}, bin / {f}, module_id, "
+                           + ', '.join(f'{g.upper()}({col})' for col, g in _ROLLED.items())
+                           + f" FROM rollups WHERE width = {below} AND {where} GROUP BY run_id, rank, ttype, bin / {f}, module_id", merge=False)
 
 def _sums_sql(run_id:int, steps:list)->str:
     "SQL setting `weight_sq`, `grad_sq` and `summed` of `steps` of run `run_id` on every rank from their stats rows."
@@ -633,10 +646,48 @@ def _sums_sql(run_id:int, steps:list)->str:
     return (f"UPDATE steps SET weight_sq = {sq('weight')}, grad_sq = {sq('weight_grad')}, summed = 1 "
             f"WHERE run_id = {int(run_id)} AND step IN ({', '.join(str(int(s)) for s in steps)})")
 
-def roll_up(c, run_id:int, steps:list=None):
-    "In transaction `c`, fold `steps` (default every step) of run `run_id` into its `rollups`, on every rank, at every width."
-    where = f"run_id = {int(run_id)}" + (f" AND step IN ({', '.join(str(int(s)) for s in steps)})" if steps is not None else '')
-    for w in ROLLUP_WIDTHS: c.exec_driver_sql(_roll_up_sql(c.dialect.name, w, where))
+def roll_up(c, run_id:int,
+            steps:list=None,   # these steps; None: steps `first` to `last`
+            first:int=None,    # default the run's first step
+            last:int=None,     # default its last
+            ranks:list=None,   # default every rank that closed a step
+           ):
+    "In transaction `c`, fold run `run_id`'s `steps` (or `first`..`last`) into its narrowest `rollups`, and refold the wider bins they touch."
+    rid, d = int(run_id), c.dialect.name
+    if ranks is None: ranks = c.exec_driver_sql(f'SELECT DISTINCT rank FROM steps WHERE run_id = {rid}').scalars().all()
+    if steps is not None:
+        steps = sorted({int(s) for s in steps})
+        if not steps: return
+        at, first, last = f"step IN ({', '.join(map(str, steps))})", steps[0], steps[-1]
+    else:
+        if first is None or last is None:
+            lo, hi = c.exec_driver_sql(f'SELECT MIN(step), MAX(step) FROM steps WHERE run_id = {rid}').one()
+            first, last = lo if first is None else first, hi if last is None else last
+        at = f"step BETWEEN {int(first)} AND {int(last)}"
+    if not ranks or first is None or last is None or first > last: return
+    rk = f"rank IN ({', '.join(str(int(r)) for r in ranks)})"
+    c.exec_driver_sql(_roll_up_sql(d, ROLLUP_WIDTHS[0], f"run_id = {rid} AND {rk} AND {at}"))
+    tts = ', '.join(f"'{t}'" for t in TTYPES)    # named, so that each rank's and ttype's bins are a range of the key
+    for below, w in zip(ROLLUP_WIDTHS, ROLLUP_WIDTHS[1:]):
+        f = w // below
+        c.exec_driver_sql(_refold_sql(d, w, f"run_id = {rid} AND {rk} AND ttype IN ({tts}) "
+                                           f"AND bin BETWEEN {first // w * f} AND {(last // w + 1) * f - 1}"))
+
+def roll_up_closed(c, run_id:int, rank:int, closed:list, written:list=()):
+    "Fold the bins of `rank` that closing steps `closed` completed (those after the previous closed step's), and completed bins `written` steps' rows came late to."
+    w, rid = ROLLUP_WIDTHS[0], int(run_id)
+    prev = c.exec_driver_sql(f'SELECT MAX(step) FROM steps WHERE run_id = {rid} AND rank = {int(rank)} AND step < {min(closed)}').scalar()
+    start, end = (min(closed) if prev is None else prev) // w * w, max(closed) // w * w - 1
+    if end >= start: roll_up(c, rid, first=start, last=end, ranks=[rank])
+    if late := [s for s in written if s < start]: roll_up(c, rid, steps=late, ranks=[rank])
+
+def rolled_steps(c, run_id:int, rank:int)->tuple|None:
+    "`(first, last)`: the steps of `rank` of run `run_id` that its `rollups` cover, bins whole; None if none."
+    w, r = ROLLUP_WIDTHS[0], rollups_t.c
+    ends = [c.execute(select(f(r.bin)).where(r.run_id == run_id, r.rank == rank, r.ttype == t, r.width == w)).scalar()   # a seek each
+            for t in TTYPES for f in (func.min, func.max)]
+    firsts, lasts = [e for e in ends[::2] if e is not None], [e for e in ends[1::2] if e is not None]
+    return (min(firsts) * w, (max(lasts) + 1) * w - 1) if firsts else None
 
 THINNED = ('stats', 'shards', 'calls')   # the tables whose rows of a thinned step go; `steps`, `scalars`, `events` and `rollups` stay
 
