@@ -7,7 +7,8 @@ Sequential; with inputs, outputs, weights and grads about 4 rows a module a step
 training, then copied forward in SQL (`INSERT ... SELECT` with the step shifted) until the run has `--steps` steps,
 with a spike of one module's grad norm at one step and a NaN at another, so that what must stay visible is there.
 Then it times, in CPU seconds of this process, what a user does: open the explorer on the run, redraw the heatmap for
-another stat, click a module (its history), `latest()`, `diagnose()`, and the HTML report (with its size). It prints
+another stat, click a module (its history), zoom the history and the map to 1,000 steps, `latest()`, `diagnose()`, and
+the HTML report (with its size). It prints
 the machine first. A benchmark, not a test: CI runs the same code paths on small stores.
 """
 import argparse, os, sys, tempfile, time, warnings
@@ -86,6 +87,10 @@ def measure(db:str, name:str='big')->dict:
     mod = ex.module_picker.options[len(ex.module_picker.options) // 2]
     mod = mod[1] if isinstance(mod, tuple) else mod
     _, out['module history'] = cpu(lambda: ex.select(mod))
+    mid = ex._steps[len(ex._steps) // 2]
+    zoom = lambda ax, a, b: ex.fig.plotly_relayout({f'{ax}.range[0]': a, f'{ax}.range[1]': b}, source_view_id='bench')
+    _, out['history zoom 1k'] = cpu(lambda: zoom('xaxis3', mid, mid + 999))   # drag over 1,000 steps: read again, every step
+    _, out['map zoom 1k'] = cpu(lambda: zoom('xaxis', mid, mid + 999))
     ex.close()
     r = load(name, db)
     _, out['latest()'] = cpu(r.latest)

@@ -547,7 +547,7 @@ def _extremes(c, run:Run, rank:int, ttype:str, stat:str, lo:int, hi:int, n:int, 
     return dict(modules=order, x=[max(lo, int(j) * w * k) for j in present], width=w * k, z=z, bad=bad)
 
 # %% ../nbs/05_figures.ipynb #cbb34d15
-_ENVELOPE = dict(norm=('sqrt(MAX(norm_sq))', 'NULL', 'sqrt(norm_sq)', 'NULL'), std=('sqrt(MAX(std_sq))', 'NULL', 'sqrt(std_sq)', 'NULL'),
+_ENVELOPE = dict(norm=('MAX(norm_sq)', 'NULL', 'norm_sq', 'NULL'), std=('MAX(std_sq)', 'NULL', 'std_sq', 'NULL'),   # squares: roots taken after
                  mean=('MAX(mean_hi)', 'MIN(mean_lo)', 'mean', 'mean'), zero_frac=('MAX(zero_frac)', 'NULL', 'zero_frac', 'NULL'),
                  max=('MAX(hi)', 'NULL', 'hi', 'NULL'), min=('NULL', 'MIN(lo)', 'NULL', 'lo'))   # a stat's hi, lo: of bins; of a step
 
@@ -575,6 +575,7 @@ def module_envelope(run:Run, module:str, ttype:str, rank:int=None, bins:int=500,
     if not rows: return None
     df = pd.DataFrame(rows, columns=['col', 'hi', 'lo', 'bad_step']).astype(float)
     df = df.groupby('col').agg(hi=('hi', 'max'), lo=('lo', 'min'), bad_step=('bad_step', 'min')).reset_index()
+    if stat in ('norm', 'std'): df['hi'] = np.sqrt(df['hi'])   # SQLite may lack sqrt()
     return df.assign(step=[max(lo, int(j) * w * k) for j in df['col']])[['step', 'lo', 'hi', 'bad_step']]
 
 def envelope_traces(e:pd.DataFrame, color:str=BLUE)->list:

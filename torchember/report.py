@@ -14,7 +14,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 from fastcore.basics import patch
 from sqlalchemy import text
-from .store import engine
+from .store import engine, rolled_steps, ROLLUP_WIDTHS
 from .query import Run, load, flow_order
 from fnmatch import fnmatchcase
 from .findings import finding_label, severity_counts, evidence, evidence_figure
@@ -28,18 +28,51 @@ __all__ = ['TOP', 'MODULES_DRAWN', 'MAP_CELLS', 'MODULE_STEPS', 'FINDINGS_DRAWN'
            'report_modules', 'report_figures', 'report_html', 'page_figures', 'report', 'main']
 
 # %% ../nbs/06_report.ipynb #6c2a1f3c
+_BAD = "(nan_count > 0 OR inf_count > 0)"
+
+def _nonfinite_spans(c, run:Run, kinds:str)->list:
+    "`(module_id, ttype, first step, steps)` of each module and ttype with NaN/Inf: from the widest rollups and the rows after them."
+    rid, w, out = int(run.id), ROLLUP_WIDTHS[-1], {}
+    for rank in run.ranks:
+        lo = c.exec_driver_sql(f'SELECT MIN(step) FROM steps WHERE run_id = {rid} AND rank = {int(rank)}').scalar()
+        rolled = rolled_steps(c, rid, rank) if lo is not None else None
+        if lo is not None and (rolled is None or rolled[0] > lo): return None     # not folded: read every row
+        after = -1 if rolled is None else rolled[1]
+        mine = f"run_id = {rid} AND rank = {int(rank)} AND {kinds}"
+        got = c.exec_driver_sql(f"SELECT module_id, ttype, MIN(bad_step), SUM(bad_steps) FROM rollups WHERE {mine} AND width = {w} "
+                                f"AND bad_step IS NOT NULL GROUP BY module_id, ttype").all()
+        got += c.exec_driver_sql(f"SELECT module_id, ttype, MIN(step), COUNT(DISTINCT step) FROM stats WHERE {mine} AND step > {after} "
+                                 f"AND {_BAD} GROUP BY module_id, ttype").all()
+        per = {}
+        for m, t, first, n in got:
+            f0, n0 = per.get((m, t), (first, 0))
+            per[(m, t)] = (min(f0, first), n0 + (n or 0))
+        for k, (first, n) in per.items():   # ranks: the earliest first step, the most steps of one rank
+            f0, n0 = out.get(k, (first, n))
+            out[k] = (min(f0, first), max(n0, n))
+    return [(m, t, f, n) for (m, t), (f, n) in out.items()]
+
 def nonfinite(run:Run,
               inputs:bool=False,   # list the inputs instead: what the modules were handed, not what they made or hold
              )->pd.DataFrame:
-    "One row per module tensor of `run` that held NaN or Inf (made or held; or `inputs`): first step, steps, counts."
-    q = text(f"""SELECT module, ttype, tname, MIN(step) AS first_step, COUNT(DISTINCT step) AS steps,
-                        SUM(nan_count) AS nan, SUM(inf_count) AS inf
-                 FROM records WHERE run_id = :rid AND ttype {'=' if inputs else '<>'} 'input' AND (nan_count > 0 OR inf_count > 0)
-                 GROUP BY module_id, module, ttype, tname ORDER BY module_id, ttype, tname""")
+    "One row per module tensor of `run` that held NaN or Inf (made or held; or `inputs`): first step, steps of its module and ttype, counts then."
+    kinds = f"ttype {'=' if inputs else '<>'} 'input'"
     cols = ['module', 'ttype', 'tname', 'first_step', 'steps', 'nan', 'inf']
-    with engine(run.db).connect() as c: df = pd.DataFrame([tuple(r) for r in c.execute(q, dict(rid=run.id))], columns=cols)
+    with engine(run.db).connect() as c:
+        spans = _nonfinite_spans(c, run, kinds)
+        if spans is None:
+            spans = c.exec_driver_sql(f"SELECT module_id, ttype, MIN(step), COUNT(DISTINCT step) FROM stats WHERE run_id = {int(run.id)} "
+                                      f"AND {kinds} AND {_BAD} GROUP BY module_id, ttype").all()
+        names = dict(c.exec_driver_sql(f"SELECT id, name FROM modules WHERE run_id = {int(run.id)}").all())
+        rows = []
+        for first in sorted({f for _, _, f, _ in spans}):   # each tensor's counts at its module's first step: a seek each
+            at = {(m, t): n for m, t, f, n in spans if f == first}
+            got = c.exec_driver_sql(f"SELECT module_id, ttype, tname, SUM(nan_count), SUM(inf_count) FROM stats WHERE run_id = {int(run.id)} "
+                                    f"AND step = {int(first)} AND {kinds} AND {_BAD} GROUP BY module_id, ttype, tname").all()
+            rows += [(names[m], t, tn, first, at[(m, t)], nan, inf) for m, t, tn, nan, inf in got if (m, t) in at]
+    df = pd.DataFrame(rows, columns=cols).sort_values(['first_step', 'module', 'ttype', 'tname'], kind='stable')
     parts = [flow_order(g, run.events(int(s))) for s, g in df.groupby('first_step', sort=True)]
-    return pd.concat(parts, ignore_index=True) if parts else df
+    return pd.concat(parts, ignore_index=True) if parts else df.reset_index(drop=True)
 
 # %% ../nbs/06_report.ipynb #5e94fd04
 TOP = 5              # modules with the largest grad norms: drawn, their figures open

@@ -125,6 +125,7 @@ rollups_t = Table('rollups', metadata,   # per module, ttype and bin of `width` 
     Column('run_id', Integer, nullable=False), _rank(), Column('ttype', Str, nullable=False),
     Column('width', Integer, nullable=False), Column('bin', Integer, nullable=False), Column('module_id', Integer, nullable=False),
     *[Column(c, Float) for c in ('norm_sq', 'std_sq', 'mean_hi', 'mean_lo', 'zero_frac', 'hi', 'lo')], Column('bad_step', Integer),
+    Column('bad_steps', Integer),
     PrimaryKeyConstraint('run_id', 'rank', 'ttype', 'width', 'bin', 'module_id'), sqlite_with_rowid=False)
 snapshots_t = Table('snapshots', metadata,
     Column('run_id', Integer, nullable=False), Column('module_id', Integer, nullable=False),
@@ -603,7 +604,8 @@ def merge_pieces(c, run_id:int, steps:list):
     for rank in {rank for _, rank in out}: roll_up(c, run_id, steps=[s for s, k in out if k == rank], ranks=[rank])   # bins may be closed
 
 ROLLUP_WIDTHS = (8, 32, 128, 512, 2048)   # steps a bin of `rollups`, each 4 bins of the width before: views read bins, not rows
-_ROLLED = dict(norm_sq='max', std_sq='max', mean_hi='max', mean_lo='min', zero_frac='max', hi='max', lo='min', bad_step='min')
+_ROLLED = dict(norm_sq='max', std_sq='max', mean_hi='max', mean_lo='min', zero_frac='max', hi='max', lo='min', bad_step='min',
+               bad_steps='sum')
 
 def _extreme(dialect:str, f:str, col:str)->str:
     "SQL for the larger (`f='max'`) or smaller of a rollup's stored `col` and a new one's, ignoring a NULL (unknown)."
@@ -620,7 +622,7 @@ def module_steps_sql(where:str)->str:
 
 def _upsert_rollups(dialect:str, select_sql:str, merge:bool)->str:
     "SQL inserting the bins `select_sql` reads into `rollups`; a bin stored already keeps the extremes of both (`merge`) or takes the new."
-    new = lambda col, f: _extreme(dialect, f, col) if merge else f'excluded.{col}'
+    new = lambda col, f: _extreme(dialect, 'max' if f == 'sum' else f, col) if merge else f'excluded.{col}'   # a bin folded whole again
     return (f"INSERT INTO rollups (run_id, rank, ttype, width, bin, module_id, {', '.join(_ROLLED)}) {select_sql} "
             f"ON CONFLICT (run_id, rank, ttype, width, bin, module_id) DO UPDATE SET "
             + ', '.join(f'{col} = {new(col, f)}' for col, f in _ROLLED.items()))
@@ -628,7 +630,7 @@ def _upsert_rollups(dialect:str, select_sql:str, merge:bool)->str:
 def _roll_up_sql(dialect:str, width:int, where:str)->str:
     "SQL folding the per-step module values of the stats rows `where` selects into `rollups` bins of `width` steps."
     return _upsert_rollups(dialect, f"SELECT run_id, rank, ttype, {width}, step / {width}, module_id, MAX(norm_sq), MAX(std_sq), "
-                           f"MAX(mean), MIN(mean), MAX(zero_frac), MAX(hi), MIN(lo), MIN(bad_step) FROM ({module_steps_sql(where)}) "
+                           f"MAX(mean), MIN(mean), MAX(zero_frac), MAX(hi), MIN(lo), MIN(bad_step), COUNT(bad_step) FROM ({module_steps_sql(where)}) "
                            f"per_step WHERE true GROUP BY run_id, rank, ttype, step / {width}, module_id", merge=True)
 
 def _refold_sql(dialect:str, width:int, where:str)->str:
@@ -655,16 +657,19 @@ def roll_up(c, run_id:int,
     "In transaction `c`, fold run `run_id`'s `steps` (or `first`..`last`) into its narrowest `rollups`, and refold the wider bins they touch."
     rid, d = int(run_id), c.dialect.name
     if ranks is None: ranks = c.exec_driver_sql(f'SELECT DISTINCT rank FROM steps WHERE run_id = {rid}').scalars().all()
+    w8 = ROLLUP_WIDTHS[0]   # bins are folded whole, so that a bin's count of NaN steps is right however often it is folded
     if steps is not None:
-        steps = sorted({int(s) for s in steps})
-        if not steps: return
-        at, first, last = f"step IN ({', '.join(map(str, steps))})", steps[0], steps[-1]
+        bins = sorted({int(s) // w8 for s in steps})
+        if not bins: return
+        at, first, last = f"step IN ({', '.join(str(b * w8 + i) for b in bins for i in range(w8))})", bins[0] * w8, bins[-1] * w8 + w8 - 1
     else:
         if first is None or last is None:
             lo, hi = c.exec_driver_sql(f'SELECT MIN(step), MAX(step) FROM steps WHERE run_id = {rid}').one()
             first, last = lo if first is None else first, hi if last is None else last
-        at = f"step BETWEEN {int(first)} AND {int(last)}"
-    if not ranks or first is None or last is None or first > last: return
+        if first is None or last is None: return
+        first, last = int(first) // w8 * w8, int(last) // w8 * w8 + w8 - 1
+        at = f"step BETWEEN {first} AND {last}"
+    if not ranks or first > last: return
     rk = f"rank IN ({', '.join(str(int(r)) for r in ranks)})"
     c.exec_driver_sql(_roll_up_sql(d, ROLLUP_WIDTHS[0], f"run_id = {rid} AND {rk} AND {at}"))
     tts = ', '.join(f"'{t}'" for t in TTYPES)    # named, so that each rank's and ttype's bins are a range of the key
