@@ -10,7 +10,7 @@ test-artifacts/explorer-finding.png.
 
 Needs `chromium` (Debian package, /usr/bin/chromium) and the `playwright` Python package; `.ci/browser-deps`
 installs both. Skipped, saying why, only when one of them is missing."""
-import os, signal, socket, subprocess, sys, time, urllib.request
+import os, re, signal, socket, subprocess, sys, time, urllib.request
 from pathlib import Path
 import pytest
 
@@ -194,6 +194,27 @@ def test_explorer_renders_in_jupyterlab(lab):
             page.wait_for_timeout(500)
             page.evaluate("() => window.scrollTo(0, 0)")
             page.screenshot(path=str(ARTIFACTS/'explorer-map-click.png'), full_page=True)
+
+            # a drag over steps 5 to 25 of the map zooms: Python reads that range again (its title says which steps);
+            # a double-click shows the whole run again
+            for attempt in range(3):
+                (x0, y, _), (x1, _, _) = page.evaluate(MAP_CELL, [5, 1]), page.evaluate(MAP_CELL, [25, 1])
+                page.mouse.move(x0, y); page.mouse.down(); page.mouse.move((x0 + x1) / 2, y + 1, steps=5)
+                page.mouse.move(x1, y + 2, steps=5); page.mouse.up()
+                try:
+                    page.wait_for_function(f"() => {TITLES}.some(t => /every module × step.*· steps \\d+–\\d+ \\(double-click for all\\)/.test(t))",
+                                           timeout=20_000)
+                    break
+                except Exception:
+                    if attempt == 2: raise
+            zoomed = next(t for t in page.evaluate(f"() => {TITLES}") if 'double-click for all' in t)
+            a, b = map(int, re.search(r'steps (\d+)–(\d+)', zoomed).groups())
+            assert 3 <= a <= 7 and 23 <= b <= 27, zoomed
+            page.wait_for_timeout(1500)                                 # the figure laid out again
+            page.screenshot(path=str(ARTIFACTS/'explorer-map-zoom.png'), full_page=True)
+            x, y, _ = page.evaluate(MAP_CELL, [10, 1])                  # a cell of the zoomed map
+            page.mouse.dblclick(x, y)
+            page.wait_for_function(f"() => !{TITLES}.some(t => t.includes('double-click for all'))", timeout=20_000)
 
             # a click on a finding in the list: its evidence on top, its module's history below with its step marked
             option = page.locator('.widget-select select option', has_text='· spike · 2 (Linear) output')

@@ -419,8 +419,9 @@ def refresh_history(self:Explorer):
         mark = [dict(type='line', x0=self._mark, x1=self._mark, yref='paper', y0=0, y1=1, line=dict(color='black', dash='dot', width=1))] if self._mark is not None else []
         it = iteration_text(kinds, self._mark)
         marked = f" · step {self._mark} marked" + (f" ({it})" if it else '') if self._mark is not None else ''
+        zoomed = dict(xaxis_range=[z[0] - 0.5, z[1] + 0.5], xaxis_autorange=False) if z is not None else {}
         self._draw('history', go.Figure(traces, layout=dict(title=f"{what} {over}{marked}", height=360, shapes=mark, xaxis_title=step_title(kinds),
-                                                           yaxis_type='log' if log else 'linear', yaxis_title=', '.join(stats))))
+                                                           yaxis_type='log' if log else 'linear', yaxis_title=', '.join(stats), **zoomed)))
         hm = heatmap_traces(h) if ttype and rank is not None else []
         self._draw('histogram', go.Figure(hm, layout=dict(title=f"{what}: histogram {over}", height=300, xaxis_title=step_title(kinds),
                                                           yaxis_title='value')) if hm else None)
@@ -557,7 +558,9 @@ def refresh_map(self:Explorer):
         m = self.map_data = fold_map(m, self.run, self._map_stat, self._collapsed or set())
         self._map_rows = dict(zip(map_labels(m, self.run), m['modules']))
         f = map_figure(m, self.run, tt, self._map_stat, first=self._first_bad, kinds=kinds, applied=some and not self.all_steps_toggle.value)
-        if (z := self._zoom['map']) is not None: f.layout.title.text += f" · steps {z[0]}–{z[1]} (double-click for all)"
+        if (z := self._zoom['map']) is not None:   # the range set: a double-click then asks for the whole run (autorange)
+            f.update_layout(title_text=f.layout.title.text + f" · steps {z[0]}–{z[1]} (double-click for all)",
+                            xaxis_range=[z[0] - 0.5, z[1] + 0.5], xaxis_autorange=False)
         self._draw('map', f)
         for t in self.plots['map'].data: t.on_click(self._on_map_click)
     return self
