@@ -19,6 +19,7 @@ from .instruments import hist_stats, Snapshots, Changes, UpdateTracker
 from .store import (engine, create_run, claim, release, write_steps, Writer, db_url, keyed_by_rank, StoreError, store_busy, RETRY_S,
                     last_iteration, ranks_t)
 from .query import Run
+from .graph import GraphCapture, is_compiled
 from sqlalchemy import select, func
 
 # %% auto #0
@@ -53,6 +54,7 @@ class torchEmber:
         if not isinstance(model, nn.Module):
             raise TypeError(f"torchEmber arms an nn.Module, not {type(model).__name__}")
         flats = flat_params(model)       # FSDP1's root holds some, outside the model it wraps
+        compiled = is_compiled(model)    # a TorchFunctionMode would make dynamo recompile it: no graph capture
         model = unwrap(model)
         pick = rank_selector(ranks)
         self.rank, self.world_size = process_rank()
@@ -77,6 +79,7 @@ class torchEmber:
         if snapshot is not None: self.recorder.on_tensor = Snapshots(snapshot, self.capture.names, snapshot_fn)
         if track_updates: self.recorder.param_extras = UpdateTracker()
         self._changes = Changes()
+        self._flows = GraphCapture(self.capture, off=compiled)   # the model's graph, on its first recorded step
         self.writer, self._disarm_hook, self._last_events = None, _Hook(self.disarm), (None, None)
         self._forked, self._dropped, self._released = False, 0, False
         self._piece_writes = 0   # writes with pieces of sharded parameters, until every rank is known to record
@@ -164,6 +167,7 @@ GROUP = 16   # the most steps the writer puts in one transaction
 def _emit(self:torchEmber, rec):
     if self._forked: return           # the parent's torchEmber, in a forked child: records nothing
     rec.iteration_after = self.capture.iteration
+    self._flows.on_step(rec)
     self._start_writer().submit(rec)
     if _chained and threading.get_ident() == threading.main_thread().ident: _install_handlers()   # a handler set since arming goes behind ours
 
@@ -212,7 +216,7 @@ def _step_args(self:torchEmber, rec)->dict:
     kw = dict(step=rec.step, rows=rows, pieces=pieces, events=rec.events, closed=rec.closed,
               events_step=self._last_events[0] if same else None, training=rec.training, iteration=rec.iteration, kind=rec.kind,
               iteration_after=rec.iteration_after, calls=rec.call_rows(),
-              scalars=rec.scalar_values(), snapshots=self._changes.rows(rec.snapshots))
+              scalars=rec.scalar_values(), snapshots=self._changes.rows(rec.snapshots), flows=getattr(rec, 'flows', ()))
     if rec.events and not same: self._last_events = (rec.step, rec.events)
     return kw
 
@@ -327,6 +331,7 @@ def arm(self:torchEmber):
     _install_handlers()
     self._start_writer()
     self.capture.arm()
+    self._flows.arm()
     if 'disarm' not in type(self.model).__dict__ and 'disarm' not in vars(self.model):
         self.model.__dict__['disarm'] = self._disarm_hook
     return self
@@ -346,6 +351,7 @@ def flush(self:torchEmber):
 def disarm(self:torchEmber):
     "Close the open step, write everything, and remove every hook and attribute arming added."
     self.capture.disarm()
+    self._flows.disarm()
     if vars(self.model).get('disarm') is self._disarm_hook: del self.model.__dict__['disarm']
     if _armed.get(self.model) is self: del _armed[self.model]
     _restore_handlers()

@@ -18,8 +18,8 @@ from .store import (engine, escaped, drop_run, runs_t, ranks_t, modules_t, steps
 from .store import roll_up as store_roll_up
 
 # %% auto #0
-__all__ = ['SUMMARY', 'FORWARD', 'BACKWARD', 'NONFINITE_KINDS', 'runs', 'delete_run', 'run_ranks', 'records', 'Run', 'load',
-           'applied_steps', 'summary', 'flow_order', 'decode_snapshot']
+__all__ = ['SUMMARY', 'FORWARD', 'BACKWARD', 'NONFINITE_KINDS', 'GRAPH_ENDS', 'runs', 'delete_run', 'run_ranks', 'records', 'Run',
+           'load', 'applied_steps', 'summary', 'flow_order', 'decode_snapshot']
 
 # %% ../nbs/03_query.ipynb #1536ffaf
 def runs(db=None)->pd.DataFrame:
@@ -303,8 +303,8 @@ def scalars(self:Run, rank=None)->pd.DataFrame:
     s = scalars_t.c
     q = select(s.step, s.rank, s.name, s.value).where(s.run_id == self.id).order_by(s.step, s.rank, s.name)
     if rank is not None: q = q.where(s.rank.in_(_as_list(rank)))
-    with engine(self.db).connect() as c: rows = c.execute(q).all()
-    return pd.DataFrame([tuple(r) for r in rows], columns=['step', 'rank', 'name', 'value']).astype({'value': float})
+    with engine(self.db).connect() as c: rows = c.execute(q).cursor.fetchall()
+    return pd.DataFrame(rows, columns=['step', 'rank', 'name', 'value']).astype({'value': float})
 
 _STEPS = ['step', 'rank', 'iteration', 'kind', 'closed', 'training', 'n_records', 'grad_norm', 'weight_norm']
 
@@ -316,17 +316,19 @@ def steps(self:Run, rank=None)->pd.DataFrame:
          .where(st.run_id == self.id).order_by(st.step, st.rank))
     if rank is not None: q = q.where(st.rank.in_(_as_list(rank)))
     with engine(self.db).connect() as c:
-        steps = c.execute(q).all()
-        unsummed = sorted({r[0] for r in steps if r[9] is None})   # steps written before the store kept their sums
+        raw = pd.DataFrame(c.execute(q).cursor.fetchall(), columns=[*_STEPS[:7], 'weight_sq', 'grad_sq', 'summed'], dtype=object)
+        steps = raw
+        unsummed = sorted(set(raw.loc[raw['summed'].isna(), 'step']))   # steps written before the store kept their sums
         norms = (select(s.step, s.rank, s.ttype, func.sum(s.norm * s.norm), func.count(), func.count(s.norm))
                  .where(s.run_id == self.id, s.ttype.in_(['weight', 'weight_grad'])).group_by(s.step, s.rank, s.ttype))
         if rank is not None: norms = norms.where(s.rank.in_(_as_list(rank)))
         if len(unsummed) < len(steps) / 2: norms = norms.where(s.step.in_(unsummed))   # a few: one seek each, not a scan
         sq = pd.DataFrame([tuple(r) for r in c.execute(norms)] if unsummed else [], columns=['step', 'rank', 'ttype', 'sq', 'n', 'known'])
-    summed = pd.DataFrame([(r[0], r[1], tt, r[i], 1, 1) for r in steps if r[9] is not None for tt, i in (('weight', 7), ('weight_grad', 8))],
-                          columns=sq.columns)
+    done = raw[raw['summed'].notna()]
+    summed = pd.concat([pd.DataFrame({'step': done['step'], 'rank': done['rank'], 'ttype': tt, 'sq': done[col], 'n': 1, 'known': 1})
+                        for tt, col in (('weight', 'weight_sq'), ('weight_grad', 'grad_sq'))], ignore_index=True)
     sq = pd.concat([d for d in (sq, summed) if len(d)] or [sq], ignore_index=True)
-    df = pd.DataFrame([tuple(r)[:7] for r in steps], columns=_STEPS[:7], dtype=object)
+    df = raw[_STEPS[:7]].copy()
     df = _old_kinds(df.astype({'step': int, 'rank': int, 'iteration': 'Int64', 'closed': float, 'n_records': 'Int64'}))
     df['closed'], df['training'] = pd.to_datetime(df['closed'], unit='s'), df['training'].astype('boolean')
     sq['norm'] = (sq['sq'].astype(float) ** .5).where(sq['n'] == sq['known'])   # a NaN (stored as NULL) norm: unknown
@@ -531,3 +533,27 @@ def snapshot(self:Run,
         p.ttype == ttype, p.tname == tname, p.call == call, p.rank == rank, p.step == int(row['step']))
     with engine(self.db).connect() as c: data = c.execute(q).scalar()
     return decode_snapshot(row['dtype'], json.dumps(list(row['shape'])), data)
+
+# %% ../nbs/03_query.ipynb #fb3e4637
+from .store import flows_t
+
+# %% ../nbs/03_query.ipynb #4fbe0dee
+GRAPH_ENDS = {-1: '<input>', -2: '<output>', -3: '<const>'}   # `flows`' ids of the ends that are no module
+
+@patch
+def graph(self:Run, step:int=None, rank:int=None)->pd.DataFrame:
+    "The model's data flow captured at or before `step` (default: the newest capture) on `rank`: src, dst, calls, dst_calls."
+    rank, f, m = _one_rank(self, rank), flows_t.c, modules_t.c
+    cols = ['src', 'dst', 'calls', 'dst_calls']
+    when = select(func.max(f.step)).where(f.run_id == self.id, f.rank == rank)
+    if step is not None: when = when.where(f.step <= step)
+    with engine(self.db).connect() as c:
+        if 'flows' not in sa.inspect(c).get_table_names(): return pd.DataFrame(columns=cols)   # an archived store from before graphs
+        at = c.execute(when).scalar()
+        rows = [] if at is None else c.execute(select(f.src, f.dst, f.calls, f.dst_calls).where(
+            f.run_id == self.id, f.rank == rank, f.step == at)).all()
+        names = dict(c.execute(select(m.id, m.name).where(m.run_id == self.id)).all()) | GRAPH_ENDS
+    rows = sorted(rows, key=lambda r: (r[1] < 0, r[1], r[0] < 0, r[0]))   # by module order, '<output>' last
+    df = pd.DataFrame([(names[s], names[d], n, k) for s, d, n, k in rows], columns=cols)
+    df.attrs['step'] = at
+    return df

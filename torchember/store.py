@@ -19,11 +19,11 @@ from .stats import merge_stats, NORM_EXTRAS, TTYPES
 # %% auto #0
 __all__ = ['SCHEMA_VERSION', 'MEMORY', 'metadata', 'STAT_COLS', 'Str', 'Size', 'meta_t', 'runs_t', 'ranks_t', 'modules_t',
            'steps_t', 'digests_t', 'events_t', 'stats_t', 'calls_t', 'scalars_t', 'shards_t', 'rollups_t',
-           'snapshots_t', 'VIEWS', 'RETIRED_RUN_ID', 'ROWS_PER_INSERT', 'ROLLUP_WIDTHS', 'THINNED', 'LINGER_S',
-           'PENDING_STEPS', 'PENDING_BYTES', 'RETRY_S', 'EXIT_WAIT_S', 'default_db', 'db_url', 'check_name', 'escaped',
-           'StoreError', 'engine', 'keyed_by_rank', 'create_run', 'drop_run', 'last_iteration', 'claim', 'release',
-           'rows_digest', 'write_step', 'write_steps', 'merge_pieces', 'module_steps_sql', 'roll_up', 'roll_up_closed',
-           'rolled_steps', 'thin_steps', 'idle_priority', 'store_busy', 'Writer']
+           'snapshots_t', 'flows_t', 'VIEWS', 'RETIRED_RUN_ID', 'ROWS_PER_INSERT', 'ROLLUP_WIDTHS', 'THINNED',
+           'LINGER_S', 'PENDING_STEPS', 'PENDING_BYTES', 'RETRY_S', 'EXIT_WAIT_S', 'default_db', 'db_url', 'check_name',
+           'escaped', 'StoreError', 'engine', 'keyed_by_rank', 'create_run', 'drop_run', 'last_iteration', 'claim',
+           'release', 'rows_digest', 'write_step', 'write_steps', 'merge_pieces', 'module_steps_sql', 'roll_up',
+           'roll_up_closed', 'rolled_steps', 'thin_steps', 'idle_priority', 'store_busy', 'Writer']
 
 # %% ../nbs/02_store.ipynb #2b4773a6
 SCHEMA_VERSION = 2
@@ -132,6 +132,11 @@ snapshots_t = Table('snapshots', metadata,
     Column('ttype', Str, nullable=False), Column('tname', Str, nullable=False), Column('call', Integer, nullable=False),
     Column('step', Integer, nullable=False), _rank(), Column('dtype', Str), Column('shape', Str), Column('data', LargeBinary),
     PrimaryKeyConstraint('run_id', 'module_id', 'ttype', 'tname', 'call', 'rank', 'step'))
+flows_t = Table('flows', metadata,   # the model's data flow on a step it was captured on (`torchember.graph`)
+    Column('run_id', Integer, nullable=False), Column('step', Integer, nullable=False), _rank(),
+    Column('src', Integer, nullable=False), Column('dst', Integer, nullable=False),
+    Column('calls', Integer), Column('dst_calls', Integer),
+    PrimaryKeyConstraint('run_id', 'step', 'rank', 'src', 'dst'), sqlite_with_rowid=False)
 
 VIEWS = {
  'records': """SELECT r.name AS run, s.step, s.rank, s.call, m.name AS module, m.mtype, s.ttype, s.tname, s.shape, s.dtype,
@@ -562,6 +567,7 @@ def write_steps(eng, run_id:int, steps:list, rank:int=0):
             if rows or pieces or closed: digests.append((*head, rows_digest(rows + pieces) if closed else None))
             if calls := s.get('calls'): _insert_rows(c, calls_t, head, calls, replace=True)
             if scalars := s.get('scalars'): _insert_rows(c, scalars_t, head, list(scalars.items()), replace=True)
+            if flows := s.get('flows'): _insert_rows(c, flows_t, head, flows, replace=True)
             if snapshots := s.get('snapshots'):
                 _executemany(c, snapshots_t, [(run_id, m, tt, tn, call, step, rank, *rest) for m, tt, tn, call, *rest in snapshots], replace=True)
             events, events_step, training = s.get('events') or (), s.get('events_step'), s.get('training')
