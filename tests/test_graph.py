@@ -252,19 +252,10 @@ def train_step(model, batch, seed):
 
 @pytest.mark.parametrize('name', list(CORPUS))
 def test_corpus(name, db):
-    "Capturing changes no output and no grad; every leaf called is fed by something; every edge goes forward in time."
+    "Every leaf called is fed by something; every edge goes forward in time (that capture changes no output or grad: test_corpus.py)."
     model, make_batch = CORPUS[name]()
-    bare = copy.deepcopy(model)
     te = torchEmber(model, run=name, db=db)
-    for step in range(2):
-        batch = make_batch(step)
-        o1, o2 = train_step(bare, batch, step), train_step(model, batch, step)
-        for a, b in zip(flat(o1), flat(o2), strict=True): assert torch.equal(a, b)
-        for (n, p1), (_, p2) in zip(bare.named_parameters(), model.named_parameters(), strict=True):
-            assert (p1.grad is None) == (p2.grad is None), n
-            if p1.grad is not None: assert torch.equal(p1.grad, p2.grad), n
-        for m in (bare, model):
-            for p in m.parameters(): p.grad = None
+    for step in range(2): train_step(model, make_batch(step), step)
     te.disarm()
     r = load(name, db)
     g = r.graph()

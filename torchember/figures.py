@@ -504,12 +504,12 @@ _MAP_COLS = dict(norm=[('norm_sq', 'MAX')], std=[('std_sq', 'MAX')], mean=[('mea
                  zero_frac=[('zero_frac', 'MAX')], max=[('hi', 'MAX')], min=[('lo', 'MIN')])   # the rollup columns of a map's stat
 
 def map_width(n:int, lo:int, hi:int, bins:int)->int:
-    "Steps a column of a map of `n` recorded steps `lo`..`hi` in at most `bins` columns: 1, or the narrowest rollup width that fits."
+    "Steps a column of a map of `n` steps `lo`..`hi` in at most `bins` columns: 1, or the narrowest rollup width that fits."
     if n <= bins: return 1
     return next((w for w in ROLLUP_WIDTHS if min(n, hi // w - lo // w + 1) <= bins), ROLLUP_WIDTHS[-1])
 
 def _extremes(c, run:Run, rank:int, ttype:str, stat:str, lo:int, hi:int, n:int, bins:int)->dict|None:
-    "`module_map` of columns of rollup bins showing their extremes, the steps after the rollups read row by row; None if not folded."
+    "`module_map` from rollup bins, each showing its extremes, the steps after them read row by row; None if not folded."
     if ttype not in TTYPES: raise ValueError(f"unknown ttype {ttype!r}")
     w, rolled = map_width(n, lo, hi, bins), rolled_steps(c, run.id, rank)
     if w == 1 or rolled is None or rolled[0] > lo: return None      # a long run stored before rollups: sampled, as before
@@ -554,7 +554,7 @@ _ENVELOPE = dict(norm=('MAX(norm_sq)', 'NULL', 'norm_sq', 'NULL'), std=('MAX(std
 def module_envelope(run:Run, module:str, ttype:str, rank:int=None, bins:int=500, between:tuple=None,
                     stat:str=None,   # one of `MAP_STATS`: its extremes (of the module's tensors together); None: the values' min and max
                    )->pd.DataFrame|None:
-    "Per column of at most `bins` (bins of 8 steps or more): `step` (its first), `lo`, `hi`, `bad_step` of `module`'s `ttype`; None if not folded."
+    "Per column (a bin of 8 steps or more): first `step`, `lo`, `hi`, `bad_step` of `module`'s `ttype`; None if not folded."
     rank = run.ranks[0] if rank is None else rank
     r, st = rollups_t.c, steps_t.c
     with engine(run.db).connect() as c:
@@ -669,7 +669,7 @@ def fold_map(m:dict,          # a `module_map`
              stat:str='norm', # the stat `m` shows: which extreme a folded row keeps
              collapsed=None,  # modules to show as one row each; None: `auto_collapse`'s
             )->dict:          # `m` with rows folded, and `folded`: row -> modules in it
-    "`module_map` `m` with each module of `collapsed` one row for its subtree: per column the extreme of its modules, red if any was."
+    "`module_map` `m` with each module of `collapsed` one row for its subtree: each cell its modules' extreme."
     tree = run.tree()
     collapsed = auto_collapse(tree, m['modules']) if collapsed is None else set(collapsed)
     if not collapsed or not m['modules']: return {**m, 'folded': {}}

@@ -366,7 +366,7 @@ NONFINITE_KINDS = ('output', 'attached', *BACKWARD)
 
 @patch
 def roll_up(self:Run, again:bool=False)->Run:
-    "Fold the complete bins of this run's steps that its `rollups` don't cover yet (`again`: all of them) into them (see `store.roll_up`)."
+    "Fold into `rollups` the complete bins of this run's steps they don't cover yet (`again`: all of them)."
     w, st = ROLLUP_WIDTHS[0], steps_t.c
     with engine(self.db).begin() as c:
         for k in self.ranks:
@@ -379,7 +379,7 @@ def roll_up(self:Run, again:bool=False)->Run:
     return self
 
 def _rolled_first_bad(c, run_id:int, rank:int=None)->int|None:
-    "The first step with NaN/Inf in `NONFINITE_KINDS` as the widest `rollups` hold it (and rows after them), -1 for none; None if not folded."
+    "The first step with NaN/Inf in `NONFINITE_KINDS` from the widest `rollups` (and rows after them), -1 if none; None if unfolded."
     r, st, s, w = rollups_t.c, steps_t.c, stats_t.c, ROLLUP_WIDTHS[-1]
     ranks = [rank] if rank is not None else c.execute(select(st.rank).where(st.run_id == run_id).distinct()).scalars().all()
     firsts = []

@@ -619,7 +619,7 @@ def _extreme(dialect:str, f:str, col:str)->str:
     return f'{f.upper()}(COALESCE(rollups.{col}, excluded.{col}), COALESCE(excluded.{col}, rollups.{col}))'
 
 def module_steps_sql(where:str)->str:
-    "SQL of each module's per-step values (its tensors together) over the stats rows `where` selects: what rollups and maps fold."
+    "SQL of each module's per-step values (its tensors together) over the stats rows `where` selects."
     n = 'NULLIF(SUM(numel), 0)'   # PostgreSQL refuses to divide by zero
     return (f"SELECT run_id, rank, ttype, step, module_id, SUM(norm * norm) AS norm_sq, SUM(std * std * numel) / {n} AS std_sq, "
             f"SUM(mean * numel) / {n} AS mean, SUM(zero_frac * numel) / {n} AS zero_frac, MAX(max) AS hi, MIN(min) AS lo, "
@@ -627,7 +627,7 @@ def module_steps_sql(where:str)->str:
             f"FROM stats WHERE {where} GROUP BY run_id, rank, ttype, step, module_id")
 
 def _upsert_rollups(dialect:str, select_sql:str, merge:bool)->str:
-    "SQL inserting the bins `select_sql` reads into `rollups`; a bin stored already keeps the extremes of both (`merge`) or takes the new."
+    "SQL inserting the bins `select_sql` reads into `rollups`; a stored bin keeps both's extremes (`merge`) or takes the new."
     new = lambda col, f: _extreme(dialect, 'max' if f == 'sum' else f, col) if merge else f'excluded.{col}'   # a bin folded whole again
     return (f"INSERT INTO rollups (run_id, rank, ttype, width, bin, module_id, {', '.join(_ROLLED)}) {select_sql} "
             f"ON CONFLICT (run_id, rank, ttype, width, bin, module_id) DO UPDATE SET "
@@ -660,7 +660,7 @@ def roll_up(c, run_id:int,
             last:int=None,     # default its last
             ranks:list=None,   # default every rank that closed a step
            ):
-    "In transaction `c`, fold run `run_id`'s `steps` (or `first`..`last`) into its narrowest `rollups`, and refold the wider bins they touch."
+    "In transaction `c`, fold run `run_id`'s `steps` (or `first`..`last`) into `rollups`, every width, whole bins."
     rid, d = int(run_id), c.dialect.name
     if ranks is None: ranks = c.exec_driver_sql(f'SELECT DISTINCT rank FROM steps WHERE run_id = {rid}').scalars().all()
     w8 = ROLLUP_WIDTHS[0]   # bins are folded whole, so that a bin's count of NaN steps is right however often it is folded
@@ -685,7 +685,7 @@ def roll_up(c, run_id:int,
                                            f"AND bin BETWEEN {first // w * f} AND {(last // w + 1) * f - 1}"))
 
 def roll_up_closed(c, run_id:int, rank:int, closed:list, written:list=()):
-    "Fold the bins of `rank` that closing steps `closed` completed (those after the previous closed step's), and completed bins `written` steps' rows came late to."
+    "Fold the bins of `rank` that closing steps `closed` completed, and completed bins that `written` steps' rows came late to."
     w, rid = ROLLUP_WIDTHS[0], int(run_id)
     prev = c.exec_driver_sql(f'SELECT MAX(step) FROM steps WHERE run_id = {rid} AND rank = {int(rank)} AND step < {min(closed)}').scalar()
     start, end = (min(closed) if prev is None else prev) // w * w, max(closed) // w * w - 1
