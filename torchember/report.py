@@ -15,6 +15,7 @@ from plotly.subplots import make_subplots
 from fastcore.basics import patch
 from sqlalchemy import text
 from .store import engine, rolled_steps, ROLLUP_WIDTHS
+from .stats import TTYPES
 from .query import Run, load, flow_order
 from fnmatch import fnmatchcase
 from .findings import finding_label, severity_counts, evidence, evidence_figure
@@ -56,7 +57,7 @@ def nonfinite(run:Run,
               inputs:bool=False,   # list the inputs instead: what the modules were handed, not what they made or hold
              )->pd.DataFrame:
     "One row per module tensor of `run` that held NaN or Inf (or `inputs`): first step, steps (of its module and ttype), counts then."
-    kinds = f"ttype {'=' if inputs else '<>'} 'input'"
+    kinds = "ttype = 'input'" if inputs else f"ttype IN ({', '.join(repr(t) for t in TTYPES if t != 'input')})"   # a range of the key each
     cols = ['module', 'ttype', 'tname', 'first_step', 'steps', 'nan', 'inf']
     with engine(run.db).connect() as c:
         spans = _nonfinite_spans(c, run, kinds)
