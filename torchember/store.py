@@ -698,7 +698,11 @@ def rolled_steps(c, run_id:int, rank:int)->tuple|None:
     ends = [c.execute(select(f(r.bin)).where(r.run_id == run_id, r.rank == rank, r.ttype == t, r.width == w)).scalar()   # a seek each
             for t in TTYPES for f in (func.min, func.max)]
     firsts, lasts = [e for e in ends[::2] if e is not None], [e for e in ends[1::2] if e is not None]
-    return (min(firsts) * w, (max(lasts) + 1) * w - 1) if firsts else None
+    if not firsts: return None
+    t = next(t for t, e in zip(TTYPES, ends[::2]) if e is not None)
+    if c.execute(select(r.bin).where(r.run_id == run_id, r.rank == rank, r.ttype == t, r.width == ROLLUP_WIDTHS[-1]).limit(1)).first() is None:
+        return None   # folded by an older torchember, without today's widths: `Run.roll_up()` folds it again
+    return min(firsts) * w, (max(lasts) + 1) * w - 1
 
 THINNED = ('stats', 'shards', 'calls')   # the tables whose rows of a thinned step go; `steps`, `scalars`, `events` and `rollups` stay
 
