@@ -41,6 +41,15 @@ def loss_of(output) -> torch.Tensor:
     return torch.stack(terms).sum() if len(terms) > 1 else terms[0]
 
 
+def train_step(model, batch, seed):
+    "One forward of `batch` (`(args, kwargs)`, as the factories make them) with the RNG at `seed`, and the backward of `loss_of`."
+    args, kwargs = batch
+    torch.manual_seed(seed)
+    out = model(*args, **kwargs)
+    loss_of(out).backward()
+    return out
+
+
 def _gen(seed: int) -> torch.Generator: return torch.Generator().manual_seed(int(seed))
 
 

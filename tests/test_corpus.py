@@ -2,15 +2,8 @@
 import copy
 import pytest, torch
 from torch import nn
-from corpus import CORPUS, loss_of
+from corpus import CORPUS, loss_of, train_step
 from torchember import torchEmber, load
-
-def train_step(model, batch, seed):
-    args, kwargs = batch
-    torch.manual_seed(seed)
-    out = model(*args, **kwargs)
-    loss_of(out).backward()
-    return out
 
 def flat(out):
     if isinstance(out, torch.Tensor): return [out]

@@ -4,7 +4,7 @@ from collections import namedtuple
 
 import pytest, torch
 from torch import nn
-from corpus import CORPUS, loss_of
+from corpus import CORPUS, loss_of, train_step
 from test_corpus import flat
 from torchember import torchEmber, load
 from torchember.graph import Flows, GraphCapture, ENDS, MAX_CAPTURES
@@ -242,13 +242,6 @@ def test_never_raises_into_the_forward_with_warnings_as_errors(db, monkeypatch):
 
 
 # ---------------------------------------------------------------- the corpus
-
-def train_step(model, batch, seed):
-    args, kwargs = batch
-    torch.manual_seed(seed)
-    out = model(*args, **kwargs)
-    loss_of(out).backward()
-    return out
 
 @pytest.mark.parametrize('name', list(CORPUS))
 def test_corpus(name, db):

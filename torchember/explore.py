@@ -15,7 +15,7 @@ from fastcore.basics import patch
 from .stats import TTYPES
 from .store import StoreError
 from .query import runs, load
-from .tree import auto_collapse
+from .tree import auto_collapse, nodes
 from functools import partial
 from .diagnose import findings as _findings
 from .findings import finding_label, severity_counts, evidence, evidence_figure
@@ -506,13 +506,9 @@ def _on_map_click(self:Explorer, trace, points, state=None):
 def unfold(self:Explorer, module:str):
     "Open the folded row `module` of the map: its own row and its children's, each still folded if it has children."
     with self._lock:
-        tree = self.run.tree()
-        kids = next((n.get('children') or [] for n in [tree, *_all_nodes(tree)] if n['name'] == module), [])
+        kids = nodes(self.run.tree()).get(module, {}).get('children') or []
         self._collapsed = (self._collapsed or set()) - {module} | {k['name'] for k in kids if k.get('children')}
         return self.refresh_map()
-
-def _all_nodes(tree:dict)->list:
-    return [n for c in tree.get('children') or [] for n in (c, *_all_nodes(c))]
 
 @patch
 def _follow_zooms(self:Explorer):

@@ -56,7 +56,7 @@ from fastcore.basics import patch
 
 @patch
 def enter(self:Flows, mi:int, args:tuple, kwargs:dict):
-    "Module `mi` is called with `args` and `kwargs`: a node takes its edges now; a container waits to see if it calls a child."
+    "Module `mi` is called with `args` and `kwargs`: a node takes its edges now; a container waits for its children."
     if self.depth:                                   # inside a node's forward: not followed
         if self.leaf[mi]: self.depth += 1
         else: self.frames.append(None)
@@ -115,7 +115,7 @@ def _gather(tags:dict, seq, acc:set, depth:int):
         elif depth < 4 and isinstance(a, dict): _gather(tags, a.values(), acc, depth + 1)
 
 def _put(tags:dict, out, srcs:frozenset, keep:bool, depth:int):
-    "Add `srcs` to the sources of tensor(s) `out`; `keep`: leave alone a tensor that has sources (a node made it inside the op)."
+    "Add `srcs` to the sources of tensor(s) `out`; `keep`: leave alone a tensor that already has sources."
     if isinstance(out, Tensor):
         g = tags.get(id(out))
         if g is None: tags[id(out)] = (out, srcs)
@@ -262,7 +262,7 @@ def arm(self:GraphCapture):
 
 @patch
 def on_step(self:GraphCapture, rec):
-    "At the close of each recorded step (`rec`, a `StepRecord`): give it the edges captured on it; a new sequence asks for more."
+    "At the close of recorded step `rec`: give it the edges captured on it; a new call sequence asks for more."
     if self.done is not None and self.done[0] <= rec.step:
         if self.done[0] == rec.step:
             rec.flows = self.done[1]

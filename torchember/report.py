@@ -32,7 +32,7 @@ __all__ = ['TOP', 'MODULES_DRAWN', 'MAP_CELLS', 'MODULE_STEPS', 'FINDINGS_DRAWN'
 _BAD = "(nan_count > 0 OR inf_count > 0)"
 
 def _nonfinite_spans(c, run:Run, kinds:str)->list:
-    "`(module_id, ttype, first step, steps)` of each module and ttype with NaN/Inf, from the widest rollups and rows after them."
+    "`(module_id, ttype, first step, steps)` of each module and ttype with NaN/Inf, from rollups and the rows after them."
     rid, w, out = int(run.id), ROLLUP_WIDTHS[-1], {}
     for rank in run.ranks:
         lo = c.exec_driver_sql(f'SELECT MIN(step) FROM steps WHERE run_id = {rid} AND rank = {int(rank)}').scalar()
@@ -56,7 +56,7 @@ def _nonfinite_spans(c, run:Run, kinds:str)->list:
 def nonfinite(run:Run,
               inputs:bool=False,   # list the inputs instead: what the modules were handed, not what they made or hold
              )->pd.DataFrame:
-    "One row per module tensor of `run` that held NaN or Inf (or `inputs`): first step, steps (of its module and ttype), counts then."
+    "One row per module tensor of `run` that held NaN or Inf (or `inputs`): first step, steps, counts at that step."
     kinds = "ttype = 'input'" if inputs else f"ttype IN ({', '.join(repr(t) for t in TTYPES if t != 'input')})"   # a range of the key each
     cols = ['module', 'ttype', 'tname', 'first_step', 'steps', 'nan', 'inf']
     with engine(run.db).connect() as c:

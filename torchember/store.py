@@ -607,7 +607,10 @@ def merge_pieces(c, run_id:int, steps:list):
         row = (mi, call, ttype, tname, full, rs[0][9], *st, extra, nbytes)
         for rank in sorted({r[1] for r in rs}): out.setdefault((step, rank), []).append(row)
     for (step, rank), rows in out.items(): _insert_rows(c, stats_t, (run_id, step, rank), rows, replace=True)
-    for rank in {rank for _, rank in out}: roll_up(c, run_id, steps=[s for s, k in out if k == rank], ranks=[rank])   # bins may be closed
+    for rank in {rank for _, rank in out}:   # bins the writer folded already (a later bin has begun) are folded again
+        last = c.execute(select(func.max(steps_t.c.step)).where(steps_t.c.run_id == run_id, steps_t.c.rank == rank)).scalar()
+        w = ROLLUP_WIDTHS[0]
+        roll_up(c, run_id, steps=[s for s, k in out if k == rank and last is not None and s // w < last // w], ranks=[rank])
 
 ROLLUP_WIDTHS = (8, 32, 128, 512, 2048)   # steps a bin of `rollups`, each 4 bins of the width before: views read bins, not rows
 _ROLLED = dict(norm_sq='max', std_sq='max', mean_hi='max', mean_lo='min', zero_frac='max', hi='max', lo='min', bad_step='min',
@@ -685,7 +688,7 @@ def roll_up(c, run_id:int,
                                            f"AND bin BETWEEN {first // w * f} AND {(last // w + 1) * f - 1}"))
 
 def roll_up_closed(c, run_id:int, rank:int, closed:list, written:list=()):
-    "Fold the bins of `rank` that closing steps `closed` completed, and completed bins that `written` steps' rows came late to."
+    "Fold the bins of `rank` that steps `closed` completed, and completed bins that `written` steps' rows came late to."
     w, rid = ROLLUP_WIDTHS[0], int(run_id)
     prev = c.exec_driver_sql(f'SELECT MAX(step) FROM steps WHERE run_id = {rid} AND rank = {int(rank)} AND step < {min(closed)}').scalar()
     start, end = (min(closed) if prev is None else prev) // w * w, max(closed) // w * w - 1

@@ -12,7 +12,7 @@ __all__ = ['signature', 'nodes', 'repeated_blocks', 'block_of', 'subtrees', 'vis
 
 # %% ../nbs/03b_tree.ipynb #efda7f5c
 def signature(node:dict)->str:
-    "The class of the module `node` of a `Run.tree()` and, in order, its children's signatures: equal for modules shaped alike."
+    "The class of module `node` of a `Run.tree()` and its children's signatures, in order: equal for modules shaped alike."
     kids = node.get('children') or []
     return node.get('type') or '' if not kids else f"{node.get('type')}({','.join(signature(c) for c in kids)})"
 
@@ -26,7 +26,7 @@ def nodes(tree:dict)->dict:
     return out
 
 def repeated_blocks(tree:dict, min_count:int=2)->list:
-    "Runs of at least `min_count` consecutive siblings of one signature: dicts of `parent`, `members` (names, in order), `mtype`."
+    "Runs of at least `min_count` consecutive siblings of one signature: dicts of `parent`, `members` (in order), `mtype`."
     out, todo = [], [tree]
     while todo:
         n = todo.pop(0)
