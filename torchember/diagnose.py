@@ -20,10 +20,10 @@ from .query import Run, flow_order, _one_rank, applied_steps
 # %% auto #0
 __all__ = ['COLUMNS', 'SEVERITIES', 'KINDS', 'MAD_SIGMA', 'BEYOND', 'RANGE', 'WATCHED', 'GRAD_NORM', 'MIN_BAND', 'FOLLOW_MIN',
            'GRADS', 'DIFF_COLUMNS', 'COMPARED', 'finding', 'findings', 'bands', 'trailing_range', 'band_edges',
-           'left_band', 'eval_steps', 'micro_steps', 'module_norms', 'signals', 'departures', 'first_departure',
-           'signal_spikes', 'module_spikes', 'loss_followed', 'zero_inputs', 'dead_modules', 'across_depth',
-           'over_steps', 'update_ratios', 'nonfinite_finding', 'with_iterations', 'fingerprints', 'step_digests',
-           'module_prints', 'stat_rows', 'diff']
+           'left_band', 'upward_edges', 'eval_steps', 'micro_steps', 'module_norms', 'signals', 'departures',
+           'first_departure', 'signal_spikes', 'module_spikes', 'loss_followed', 'zero_inputs', 'dead_modules',
+           'across_depth', 'over_steps', 'update_ratios', 'nonfinite_finding', 'with_iterations', 'fingerprints',
+           'step_digests', 'module_prints', 'stat_rows', 'diff']
 
 # %% ../nbs/03a_diagnose.ipynb #3281537f
 COLUMNS = ['kind', 'severity', 'step', 'iteration', 'module', 'mtype', 'ttype', 'tname', 'stat', 'value', 'expected', 'message']
@@ -45,18 +45,20 @@ def findings(rows:list)->pd.DataFrame:
     return df.astype({'step': int, 'iteration': 'Int64', 'value': float})
 
 # %% ../nbs/03a_diagnose.ipynb #ff3910d9
-def _before(values:np.ndarray, window:int)->np.ndarray:
-    "Steps x series x `window`: for each value, the `window` values before it in its column (NaN before the first); a view, no copy."
+def _before(values:np.ndarray, window:int, rows=None)->np.ndarray:
+    "Steps (or `rows` of them) x series x `window`: for each value, the `window` values before it in its column (NaN first)."
     n, k = values.shape
     pad = np.vstack([np.full((window, k), np.nan), values.astype(float)])
-    return np.lib.stride_tricks.sliding_window_view(pad, window, axis=0)[:n]
+    win = np.lib.stride_tricks.sliding_window_view(pad, window, axis=0)[:n]   # a view, no copy
+    return win if rows is None else win[rows]
 
 def bands(values:np.ndarray,  # steps x series, NaN where a series has no value
           window:int,         # how many earlier steps each band is made of
           min_steps:int,      # fewer earlier values than this: no band (NaN)
-         )->tuple:            # (median, MAD), each shaped as `values`
+          rows=None,          # the steps (indices) to give bands of; default all
+         )->tuple:            # (median, MAD), each shaped as `values` (or its `rows`)
     "The trailing band of every value: median and MAD of the `window` values before it in its column."
-    win = _before(values, window)
+    win = _before(values, window, rows)
     n_known = (~np.isnan(win)).sum(-1)
     med = _nanmedian(win, n_known)
     with np.errstate(invalid='ignore'): mad = _nanmedian(np.abs(win - med[..., None]), n_known)   # Inf - Inf: no band
@@ -70,9 +72,9 @@ def _nanmedian(a:np.ndarray, n:np.ndarray)->np.ndarray:
     pick = lambda i: np.take_along_axis(s, i[..., None], axis=-1)[..., 0]
     return (pick(lo) + pick(hi)) / 2
 
-def trailing_range(values:np.ndarray, window:int)->tuple:
-    "`(smallest, largest)` of the `window` values before each value in its column (NaN where there are none)."
-    win = _before(values, window)
+def trailing_range(values:np.ndarray, window:int, rows=None)->tuple:
+    "`(smallest, largest)` of the `window` values before each value (of `rows`) in its column (NaN where there are none)."
+    win = _before(values, window, rows)
     with warnings.catch_warnings():
         warnings.simplefilter('ignore', RuntimeWarning)   # a window with no value: NaN, said by numpy
         return np.nanmin(win, -1), np.nanmax(win, -1)
@@ -80,10 +82,10 @@ def trailing_range(values:np.ndarray, window:int)->tuple:
 BEYOND = 0.5   # past the recent range by half its reach from the median: a level seen before, a little higher, is no spike
 RANGE = 10     # the recent range: of this many values before (a longer one would hold the high losses of a run's first steps)
 
-def band_edges(values:np.ndarray, window:int, spike:float, factor:float, min_steps:int)->tuple:
+def band_edges(values:np.ndarray, window:int, spike:float, factor:float, min_steps:int, rows=None)->tuple:
     "`(lo, hi, median, mad)` of every value: it leaves its band below `lo` or above `hi`, which lie `spike` robust sigmas from the trailing median, `factor` times away from it, and past every one of the `RANGE` values before it by `BEYOND` of that value's distance from the median (NaN: no band)."
-    med, mad = bands(values, window, min_steps)
-    bottom, top = trailing_range(values, min(window, RANGE))
+    med, mad = bands(values, window, min_steps, rows)
+    bottom, top = trailing_range(values, min(window, RANGE), rows)
     with np.errstate(invalid='ignore'):
         hi = np.maximum(np.maximum(med + spike * MAD_SIGMA * mad, med + (factor - 1) * np.abs(med)), top + BEYOND * (top - med))
         lo = np.minimum(np.minimum(med - spike * MAD_SIGMA * mad, med - (1 - 1 / factor) * np.abs(med)), bottom - BEYOND * (med - bottom))
@@ -97,6 +99,16 @@ def left_band(x, lo, hi, up_only:bool=False)->np.ndarray:
         if not up_only: out = out | (x < lo)
         return np.nan_to_num(out, nan=False).astype(bool)
 
+
+# %% ../nbs/03a_diagnose.ipynb #7727a303
+def upward_edges(values:np.ndarray, window:int, spike:float, factor:float, min_steps:int)->tuple:
+    "`(lo, hi, median)` of `band_edges` at the values that could leave their band upward; NaN at the rest, which cannot."
+    top = trailing_range(values, min(window, RANGE))[1]
+    with np.errstate(invalid='ignore'): rows = np.nonzero((values > top).any(1))[0]
+    out = tuple(np.full(values.shape, np.nan) for _ in range(3))
+    if len(rows):
+        for full, part in zip(out, band_edges(values, window, spike, factor, min_steps, rows)): full[rows] = part
+    return out
 
 # %% ../nbs/03a_diagnose.ipynb #289b2105
 WATCHED = ('output', 'weight', 'weight_grad')   # the tensors whose norms `diagnose` follows per module
@@ -186,7 +198,7 @@ def signal_spikes(run:Run, rank:int, sig:pd.DataFrame, names:pd.DataFrame, windo
     out, firsts = [], {}   # spike step -> the module that left its band first: each step's stats read once
     if sig.empty: return out
     x, steps = sig.to_numpy(float), sig.index.to_numpy()
-    low, high, med, _ = band_edges(x, window, spike, factor, min(window, MIN_BAND))
+    low, high, med = upward_edges(x, window, spike, factor, min(window, MIN_BAND))
     hit = left_band(x, low, high, up_only=True)
     starts = hit & ~np.vstack([np.zeros((1, x.shape[1]), bool), hit[:-1]])   # the first step of each spike
     for i, j in sorted(zip(*np.nonzero(starts)))[:most]:
@@ -240,7 +252,7 @@ def loss_followed(sig:pd.DataFrame, step:int, window:int, spike:float, factor:fl
     after = logged.index[(logged.index >= step) & (logged.index <= step + lead)]
     if logged.empty or logged.shape[1] == 0 or len(after) < min(lead, FOLLOW_MIN): return None
     x = logged.to_numpy(float)
-    low, high = band_edges(x, window, spike, factor, min(window, MIN_BAND))[:2]
+    low, high = upward_edges(x, window, spike, factor, min(window, MIN_BAND))[:2]
     return bool(left_band(x, low, high, up_only=True)[logged.index.isin(after)].any())
 
 def _calm_grad_spike(f:dict, sig:pd.DataFrame, window:int, spike:float, factor:float, lead:int)->dict:

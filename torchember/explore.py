@@ -182,7 +182,7 @@ class Explorer(W.VBox):
         self.fig = go.FigureWidget(layout=dict(width=_WIDTH, height=_TOP + _BOTTOM, template='plotly_white', **axes))   # one figure: one copy of plotly.js
         self.plots = {n: Plot(self.fig, n) for n in PLOTS}
         self._n_axes, self._map_rows, self._mark = len(PLOTS), {}, None
-        self._zoom, self._drawing = {'map': None, 'history': None}, False   # a plot's zoomed step range: re-read at full resolution
+        self._zoom, self._drawing, self._deferred = {'map': None, 'history': None}, False, False   # a plot's zoomed step range: re-read at full resolution
         self._follow_zooms()
         side = W.VBox([self.module_filter, self.module_picker, self.ttype_picker, self.tname_picker, self.stat_picker, self.log_toggle,
                        self.all_steps_toggle],
@@ -293,12 +293,13 @@ def refresh(self:Explorer, seen:tuple=None):
     "Redraw every figure from the store and stamp the status line; `seen`: the state `_steps` was read at, for `poll`."
     with self._lock:
         if seen is not None: self._seen = seen
-        self._find_first_bad()
-        self.refresh_findings()
-        self.refresh_history()
-        self.refresh_overview()
-        self.refresh_map()
-        self.refresh_scalars()
+        with self._laid_out_once():
+            self._find_first_bad()
+            self.refresh_findings()
+            self.refresh_history()
+            self.refresh_overview()
+            self.refresh_map()
+            self.refresh_scalars()
         self._updated = time.strftime('%H:%M:%S')
         self._stamp()
     return self
@@ -323,8 +324,7 @@ def _draw(self:Explorer,
 
 @patch
 def _redraw(self:Explorer, p:Plot, new:list, old:tuple):
-    "Put traces `new` in place of plot `p`'s `old` ones and lay the figure out again."
-    lay = _layout([self.plots[n] for n in ORDER], self._n_axes)
+    "Put traces `new` in place of plot `p`'s `old` ones and lay the figure out again (once at the end, in `_laid_out_once`)."
     with self.fig.batch_update():
         if [(t.type, t.name, t.xaxis) for t in old] == [(t['type'], t.get('name'), t['xaxis']) for t in new]:
             for o, t in zip(old, new):
@@ -333,14 +333,36 @@ def _redraw(self:Explorer, p:Plot, new:list, old:tuple):
             gone = {id(t) for t in old}
             self.fig.data = [t for t in self.fig.data if id(t) not in gone]
             if new: self.fig.add_traces(new)
-        self.fig.layout = lay
-        for q in self.plots.values():   # the colour bars follow their plots' bands
-            d = self.fig.layout[f"yaxis{q.axes[0] if q.axes[0] > 1 else ''}"].domain
-            for t in q.data:
-                if t.type == 'heatmap' and t.showscale is not False:
-                    t.colorbar.update(y=d[0], yanchor='bottom', len=(d[1] - d[0]) * 0.75, lenmode='fraction', x=1.02)
+    return self if self._deferred else self._relayout()
+
+@patch
+def _relayout(self:Explorer):
+    "Lay the figure out for the plots as they are: bands, axes, titles, colour bars beside their plots."
+    lay = _layout([self.plots[n] for n in ORDER], self._n_axes)
+    self._drawing, was = True, self._drawing   # the layout set here is no zoom of the user's
+    try:
+        with self.fig.batch_update():
+            self.fig.layout = lay
+            for q in self.plots.values():   # the colour bars follow their plots' bands
+                d = self.fig.layout[f"yaxis{q.axes[0] if q.axes[0] > 1 else ''}"].domain
+                for t in q.data:
+                    if t.type == 'heatmap' and t.showscale is not False:
+                        t.colorbar.update(y=d[0], yanchor='bottom', len=(d[1] - d[0]) * 0.75, lenmode='fraction', x=1.02)
+    finally: self._drawing = was
     self._follow_zooms()
     return self
+
+@patch
+@contextmanager
+def _laid_out_once(self:Explorer):
+    "Within: plots redrawn without laying the figure out; at the end, once (plotly validates the whole layout each time)."
+    if self._deferred:
+        yield; return
+    self._deferred = True
+    try: yield
+    finally:
+        self._deferred = False
+        self._relayout()
 
 @patch
 def _stamp(self:Explorer):
@@ -392,7 +414,7 @@ def _overlay_rank(self:Explorer)->int:
 @patch
 def refresh_history(self:Explorer):
     "Redraw the history and the heatmap of the chosen tensor, of the rank(s) chosen."
-    with self._lock:
+    with self._lock, self._laid_out_once():
         module, ttype, tname = self._tensor()
         stats, log, view, rank = list(self.stat_picker.value), self.log_toggle.value, self.rank_picker.value, self._rank()
         kinds, every = self._kinds_of(self.run, rank), self.all_steps_toggle.value
@@ -476,7 +498,7 @@ def _draw_overview(self:Explorer):
 @patch
 def select(self:Explorer, module:str, ttype:str=None, stat:str=None, step:int=None):
     "Show the history of `module` (of `ttype` and `stat` if it has them, `step` marked), as a click on its bar or map cell does."
-    with self._lock:
+    with self._lock, self._laid_out_once():
         if module not in [v for _, v in self.module_picker.options]: self.module_filter.value = ''
         self._mark = step
         with self._quiet():
@@ -576,7 +598,7 @@ def refresh_scalars(self:Explorer):
 
 @patch
 def _on_module(self:Explorer, module):
-    with self._lock:
+    with self._lock, self._laid_out_once():
         self._mark = None
         self._fill_tensors()
         self.refresh_history()
@@ -592,19 +614,19 @@ def _on_history(self:Explorer, _): self.refresh_history()
 
 @patch
 def _on_log(self:Explorer, _):
-    with self._lock: self.refresh_history()._draw_overview()
+    with self._lock, self._laid_out_once(): self.refresh_history()._draw_overview()
 
 @patch
 def _on_all_steps(self:Explorer, _):
-    with self._lock: self.refresh_history().refresh_overview().refresh_map().refresh_scalars()
+    with self._lock, self._laid_out_once(): self.refresh_history().refresh_overview().refresh_map().refresh_scalars()
 
 @patch
 def _on_ov(self:Explorer, _):
-    with self._lock: self.refresh_overview().refresh_map()
+    with self._lock, self._laid_out_once(): self.refresh_overview().refresh_map()
 
 @patch
 def _on_rank(self:Explorer, _):
-    with self._lock: self.refresh_findings().refresh_history().refresh_overview()
+    with self._lock, self._laid_out_once(): self.refresh_findings().refresh_history().refresh_overview()
 
 @patch
 def _on_filter(self:Explorer, _):
@@ -647,7 +669,7 @@ def refresh_findings(self:Explorer, force:bool=False):
 @patch
 def show_finding(self:Explorer, i:int|None, select:bool=True):
     "Open finding `i` of `findings`: its evidence on top, its message beside the list and (if `select`) its module's history with its step marked."
-    with self._lock:
+    with self._lock, self._laid_out_once():
         self._finding = i
         if i is None:
             self.finding_text.value = ''
