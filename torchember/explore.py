@@ -13,7 +13,7 @@ import ipywidgets as W
 import plotly.graph_objects as go
 from fastcore.basics import patch
 from .stats import TTYPES
-from .store import StoreError
+from .store import StoreError, engine
 from .query import runs, load
 from .tree import auto_collapse, nodes
 from functools import partial
@@ -642,6 +642,15 @@ def _on_overlay(self:Explorer, name):
 
 # %% ../nbs/05a_explore.ipynb #6613c3c7
 DIAGNOSE_EVERY = 30.0   # seconds between two diagnoses of a run followed live
+_FINDINGS = {}          # (store, run id, rank, steps, last step) -> findings of a run in that state, for the next explorer
+
+def _diagnosed(run, rank:int|None, key:tuple, force:bool=False)->pd.DataFrame:
+    "`run.diagnose(rank=rank)`, kept for `key` (the run's state): the same state gives the same findings (`force`: diagnose again)."
+    k = (str(engine(run.db).url), *key)
+    if force or k not in _FINDINGS:
+        if len(_FINDINGS) >= 8: _FINDINGS.pop(next(iter(_FINDINGS)))
+        _FINDINGS[k] = run.diagnose(rank=rank)
+    return _FINDINGS[k].copy()
 
 @patch
 def refresh_findings(self:Explorer, force:bool=False):
@@ -652,7 +661,7 @@ def refresh_findings(self:Explorer, force:bool=False):
         if not force and (key == self._diag_key or self.live_toggle.value and time.monotonic() - self._diag_at < DIAGNOSE_EVERY): return self
         self._diag_at, self._diag_key = time.monotonic(), key
         was = finding_label(self.findings.iloc[self._finding]) if self._finding is not None else None
-        try: self.findings, failed = self.run.diagnose(rank=self._rank()), None
+        try: self.findings, failed = _diagnosed(self.run, self._rank(), key, force), None
         except Exception as e: self.findings, failed = _findings([]), f"{type(e).__name__}: {e}"
         f, labels = self.findings, [finding_label(r) for _, r in self.findings.iterrows()]
         self.findings_head.value = ("<b>Findings</b> · " + (f"diagnose failed: {html.escape(failed)}" if failed else
