@@ -21,7 +21,7 @@ written through the store's write path, and `latest()` / one module's history on
 To add a configuration, append a `Config(label, arm_fn)` to what `configs()` returns (or register it in `CONFIGS`);
 `arm_fn(model) -> handle`, and the handle needs a `disarm()` (or pass your own `disarm_fn`).
 """
-import argparse, atexit, gc, itertools, os, platform, resource, shutil, statistics, sys, tempfile, time, uuid
+import argparse, atexit, gc, itertools, os, platform, resource, shutil, statistics, sys, tempfile, threading, time, uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -126,6 +126,7 @@ MODELS = {  # name -> (factory, default steps per block, quick steps per block)
     'resnet18': (corpus.BENCH['resnet18'], 10, 10),
     'mlp32':    (corpus.BENCH['mlp32'], 100, 50),
     'alexnet':  (corpus.BENCH['alexnet'], 10, 10),
+    'gpt2':     (corpus.BENCH['gpt2'], 10, 10),
 }
 
 def setup(name):
@@ -140,16 +141,44 @@ def setup(name):
         opt.zero_grad()
     return model, step
 
-def time_block(model, step, k, cfg: Optional[Config]) -> float:
-    "Seconds per step over one block of `k` steps; armed if `cfg` (arm before / flush inside / disarm after the clock)."
+@dataclass
+class Block:
+    "One timed block: seconds a step, CPU seconds of the training thread a step, and (armed) the writer's CPU and rows."
+    wall: float
+    cpu: float
+    writer_cpu: float = 0.0
+    rows: int = 0
+
+def _writer_cpu(threads) -> float:
+    "CPU seconds the torchember writer threads among `threads` have used so far (0 where the OS cannot say)."
+    total = 0.0
+    for t in threads:
+        try: total += time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+        except (AttributeError, OSError, ProcessLookupError): pass
+    return total
+
+def _rows(handle) -> int:
+    "Stats rows the handle's run holds (0 for handles without a store)."
+    eng, rid = getattr(handle, 'engine', None), getattr(handle, 'run_id', None)
+    if eng is None or rid is None: return 0
+    from sqlalchemy import text
+    with eng.connect() as c: return c.execute(text('SELECT count(*) FROM stats WHERE run_id = :r'), dict(r=rid)).scalar()
+
+def time_block(model, step, k, cfg: Optional[Config]) -> Block:
+    "Per-step times of one block of `k` steps; armed if `cfg` (arm before / flush inside / disarm after the clock)."
     gc.collect()
+    before = set(threading.enumerate())
     handle = cfg.arm(model) if cfg else None
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     for _ in range(k): step()
     if handle is not None and hasattr(handle, 'flush'): handle.flush()
-    dt = time.perf_counter() - t0
-    if handle is not None: cfg.disarm(handle)
-    return dt / k
+    dt, dc = time.perf_counter() - t0, time.thread_time() - c0
+    out = Block(dt / k, dc / k)
+    if handle is not None:
+        writers = [t for t in threading.enumerate() if t not in before and t.name == 'torchember-writer']
+        out.writer_cpu, out.rows = _writer_cpu(writers), _rows(handle)
+        cfg.disarm(handle)
+    return out
 
 def warm_up(step, n, min_s):
     "At least `n` steps and at least `min_s` seconds: the first steps of a fresh model are often several times slower."
@@ -161,16 +190,21 @@ def bench_model(name, cfgs, blocks, steps, warmup, warmup_s):
     warm_up(step, warmup, warmup_s)
     for c in cfgs:  # one untimed armed block each, so first-use costs (imports, db creation) aren't timed
         time_block(model, step, 1, c)
-    times = {None: []} | {c.label: [] for c in cfgs}
+    runs = {None: []} | {c.label: [] for c in cfgs}
     order = [None] + cfgs
     for r in range(blocks):
         for c in (order if r % 2 == 0 else order[::-1]):
-            times[c.label if c else None].append(time_block(model, step, steps, c))
+            runs[c.label if c else None].append(time_block(model, step, steps, c))
+    times = {k: [b.wall for b in v] for k, v in runs.items()}
     bare = statistics.median(times[None])
     floor = 1 + read_floor(model) / bare
+    def per_tensor(label):   # of each block beside its round's bare one: (training-thread µs, writer µs) a recorded tensor
+        pairs = [((a.cpu - b.cpu) * steps / a.rows, a.writer_cpu / a.rows) for a, b in zip(runs[label], runs[None]) if a.rows]
+        return tuple(statistics.median(x) * 1e6 for x in zip(*pairs)) if pairs else (float('nan'), float('nan'))
     return [(name, c.label, bare, statistics.median(times[c.label]), floor, statistics.median(times[c.label]) / bare,
              statistics.median(a / b for a, b in zip(times[c.label], times[None])),
-             _spread(times[None]), _spread(times[c.label])) for c in cfgs]
+             _spread(times[None]), _spread(times[c.label]), *per_tensor(c.label),
+             statistics.median(b.rows for b in runs[c.label]) / steps) for c in cfgs]
 
 def _spread(xs): return (max(xs) - min(xs)) / statistics.median(xs) if len(xs) > 1 else 0.0
 
@@ -373,14 +407,17 @@ def main(argv=None):
     print(f"{blocks} blocks per configuration, warmup >= {warmup} steps and >= {warmup_s:.0f} s; times are median ms/step "
           f"(spread = (max-min)/median over blocks);\n"
           f"floor = 1 + one read of the params and a grad-sized copy (torch.sum of each) over the bare step: no stats of them can cost less\n")
-    hdr = f"{'model':<10} {'config':<22} {'steps':>5} {'bare ms':>9} {'armed ms':>9} {'floor':>7} {'ratio':>7} {'paired':>7} {'spread b/a':>12}"
+    print("per tensor: CPU µs of the training thread beyond bare (median over blocks, each against its round's bare block) "
+          "and of the writer thread, per recorded tensor (stats row); rows: recorded tensors a step, on average\n")
+    hdr = (f"{'model':<10} {'config':<22} {'steps':>5} {'bare ms':>9} {'armed ms':>9} {'floor':>7} {'ratio':>7} {'paired':>7} "
+           f"{'spread b/a':>12} {'µs/tensor':>9} {'writer µs':>9} {'rows':>6}")
     print(hdr); print('-' * len(hdr))
     t_all = time.perf_counter()
     for n in names:
         steps = a.steps or MODELS[n][2 if a.quick else 1]
-        for (mn, label, bare, armed, floor, ratio, paired, sb, sa) in bench_model(n, cfgs, blocks, steps, warmup, warmup_s):
+        for (mn, label, bare, armed, floor, ratio, paired, sb, sa, us, wus, rows) in bench_model(n, cfgs, blocks, steps, warmup, warmup_s):
             print(f"{mn:<10} {label:<22} {steps:5d} {bare*1e3:9.2f} {armed*1e3:9.2f} {floor:6.2f}x {ratio:7.2f}x {paired:6.2f}x "
-                  f"{sb*100:5.0f}%/{sa*100:3.0f}%", flush=True)
+                  f"{sb*100:5.0f}%/{sa*100:3.0f}% {us:9.2f} {wus:9.2f} {rows:6.0f}", flush=True)
     print(f"\ntotal {time.perf_counter() - t_all:.0f} s")
     _check_load()
     if not a.no_store and torchEmber is not None:

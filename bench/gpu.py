@@ -25,39 +25,9 @@ import corpus
 from torchember import torchEmber
 
 
-class Block(nn.Module):
-    "A GPT-2 block: pre-norm causal self-attention and a 4x GELU MLP."
-    def __init__(self, d, heads):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-
-    def forward(self, x, mask):
-        h = self.ln1(x)
-        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
-        return x + self.mlp(self.ln2(x))
-
-
-class GPT(nn.Module):
-    "A GPT-2-shaped decoder built from its sizes (no download)."
-    def __init__(self, layers=12, d=768, heads=12, vocab=50257, seq=512):
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
-        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
-        self.register_buffer('mask', torch.triu(torch.full((seq, seq), float('-inf')), 1), persistent=False)
-
-    def forward(self, ids):
-        n = ids.shape[1]
-        x = self.tok(ids) + self.pos(torch.arange(n, device=ids.device))
-        for b in self.blocks: x = b(x, self.mask[:n, :n])
-        return self.head(self.ln(x))
-
-
 def gpt_setup(device, tiny):
     cfg = dict(layers=2, d=64, heads=4, vocab=1000, seq=32) if tiny else dict()
-    model = GPT(**cfg).to(device)
+    model = corpus.GPTLike(**cfg).to(device)
     seq, batch = (32, 2) if tiny else (512, 8)
     vocab = model.head.out_features
     ids = torch.randint(0, vocab, (batch, seq), device=device)

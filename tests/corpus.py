@@ -22,7 +22,7 @@ import torch.nn as nn
 __all__ = ['loss_of', 'alexnet_like', 'resnet_like', 'lstm_model', 'transformer_model', 'kwargs_dict_model',
            'namedtuple_model', 'shared_twice_model', 'mlp32', 'CORPUS', 'BENCH',
            'AlexNetLike', 'BasicBlock', 'ResNetLike', 'LSTMModel', 'TransformerModel', 'KwargsDictModel',
-           'NamedTupleModel', 'SharedTwiceModel', 'ModelOutput']
+           'NamedTupleModel', 'SharedTwiceModel', 'ModelOutput', 'GPTBlock', 'GPTLike', 'gpt_like']
 
 
 def _float_tensors(obj):
@@ -285,9 +285,48 @@ CORPUS = {
 }
 "Name -> zero-argument factory returning `(model, make_batch)`, for the small test models."
 
+class GPTBlock(nn.Module):
+    "A GPT-2 block: pre-norm causal self-attention and a 4x GELU MLP."
+    def __init__(self, d, heads):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x, mask):
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class GPTLike(nn.Module):
+    "A GPT-2-shaped decoder built from its sizes (no download)."
+    def __init__(self, layers=12, d=768, heads=12, vocab=50257, seq=512):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(GPTBlock(d, heads) for _ in range(layers))
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+        self.register_buffer('mask', torch.triu(torch.full((seq, seq), float('-inf')), 1), persistent=False)
+
+    def forward(self, ids):
+        n = ids.shape[1]
+        x = self.tok(ids) + self.pos(torch.arange(n, device=ids.device))
+        for b in self.blocks: x = b(x, self.mask[:n, :n])
+        return self.head(self.ln(x))
+
+
+def gpt_like(layers: int = 12, d: int = 256, heads: int = 4, vocab: int = 4096, seq: int = 128, batch: int = 4):
+    "GPT-2's layout at CPU size: by default 12 layers 256 wide, 4 heads, 128 tokens of a 4,096-token vocabulary, batch 4."
+    torch.manual_seed(0)
+    model = GPTLike(layers, d, heads, vocab, seq)
+    def make_batch(seed: int): return (torch.randint(0, vocab, (batch, seq), generator=_gen(seed)),), {}
+    return model, make_batch
+
+
 BENCH = {
     'resnet18': partial(resnet_like, depth=18, tiny=False, batch=8),
     'mlp32': mlp32,
     'alexnet': partial(alexnet_like, small=False, batch=2),
+    'gpt2': gpt_like,
 }
 "Name -> zero-argument factory for the benchmark-size models."

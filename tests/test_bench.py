@@ -14,8 +14,11 @@ def test_ratios_of_both_configurations():
     out = _run('--quick', '--models', 'mlp32', '--blocks', '1', '--steps', '10', '--warmup', '1', '--no-store')
     rows = [l.split() for l in out.splitlines() if l.startswith('mlp32')]
     assert [r[1:3] for r in rows] == [['torchEmber', '10'], ['torchEmber', 'every=10']]
-    assert all(r[-3].endswith('x') and float(r[-3][:-1]) > 0 for r in rows)
-    assert all(float(r[-5][:-1]) >= 1 for r in rows)          # the floor: one read of the params and grads (the ratio may be under 1: noise)
+    ratios = [[float(t[:-1]) for t in r if t.endswith('x')] for r in rows]   # floor, ratio, paired
+    assert all(len(x) == 3 and x[1] > 0 and x[2] > 0 for x in ratios)
+    assert all(x[0] >= 1 for x in ratios)          # the floor: one read of the params and grads (the ratio may be under 1: noise)
+    us, writer, n = zip(*[map(float, r[-3:]) for r in rows])   # per tensor: training thread, writer; recorded tensors a step
+    assert all(w > 0 for w in writer) and n[0] > 200 and n[1] < n[0] / 5, (writer, n)   # every step: 258 tensors; every=10: a tenth
     machine = next(l for l in out.splitlines() if l.startswith('machine: '))
     assert 'cores' in machine and ' L' in machine, machine   # names the CPU, its cores and caches
 

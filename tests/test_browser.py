@@ -5,8 +5,9 @@ of the model map (whose hover names the cell's step, iteration and kind), the hi
 and stat with the cell's step (and iteration) marked; and a click on a
 finding of the list at the top (the notebook's model has a known culprit: its last layer's weights are multiplied by 4
 before step 15) must open its evidence on top and that module's history below, the step marked. Screenshots go to
-test-artifacts/explorer.png (after the bar click), test-artifacts/explorer-map-click.png and
-test-artifacts/explorer-finding.png.
+test-artifacts/explorer.png (after the bar click), test-artifacts/explorer-map-click.png,
+test-artifacts/explorer-finding.png and, once the **graph** switch draws the model and a click on a node has shown that
+module's history, test-artifacts/explorer-graph.png.
 
 Needs `chromium` (Debian package, /usr/bin/chromium) and the `playwright` Python package; `.ci/browser-deps`
 installs both. Skipped, saying why, only when one of them is missing."""
@@ -125,6 +126,18 @@ STAT_PICKED = "[...document.querySelectorAll('.widget-select-multiple select opt
 STATUS = "[...document.querySelectorAll('.widget-label')].map(l => l.textContent).join('|')"
 TITLES = "[...document.querySelectorAll('.js-plotly-plot .gtitle, .js-plotly-plot .annotation-text')].map(t => t.textContent)"
 HOVER = "[...document.querySelectorAll('.js-plotly-plot .hoverlayer .hovertext')].map(t => t.textContent)"
+GRAPH_NODE = """(name) => {
+  const gd = document.querySelector('.js-plotly-plot');
+  const tr = gd._fullData.find(t => t.name === 'modules' && (t.customdata || []).includes(name));
+  if (!tr) return null;
+  const i = tr.customdata.indexOf(name), L = gd._fullLayout;
+  const xa = L['xaxis' + tr.xaxis.slice(1)], ya = L['yaxis' + tr.yaxis.slice(1)];
+  const at = () => { const r = gd.getBoundingClientRect(); return [r.left + xa._offset + xa.l2p(tr.x[i]), r.top + ya._offset + ya.l2p(tr.y[i])]; };
+  let el = gd.parentElement;   // the notebook scrolls in a panel of its own: bring the node to mid-height
+  while (el && !(el.scrollHeight > el.clientHeight && /(auto|scroll)/.test(getComputedStyle(el).overflowY))) el = el.parentElement;
+  if (el) el.scrollTop += at()[1] - window.innerHeight / 2;
+  return at();
+}"""
 
 def test_explorer_renders_in_jupyterlab(lab):
     ARTIFACTS.mkdir(exist_ok=True)
@@ -231,6 +244,21 @@ def test_explorer_renders_in_jupyterlab(lab):
             page.wait_for_timeout(500)
             page.evaluate("() => window.scrollTo(0, 0)")
             page.screenshot(path=str(ARTIFACTS/'explorer-finding.png'), full_page=True)
+            # the graph switch draws the model's data flow below the map; a click on a node shows that module's history
+            page.get_by_role('button', name='graph').click()
+            page.wait_for_function(f"() => {TITLES}.some(t => t.includes('nodes (click one for its history)'))", timeout=30_000)
+            page.wait_for_timeout(1500)
+            for attempt in range(3):
+                xy = page.evaluate(GRAPH_NODE, '0')
+                assert xy is not None, page.evaluate(f"() => {TITLES}")
+                page.mouse.click(*xy)
+                try:
+                    page.wait_for_function(f"() => {TITLES}.some(t => /^0 · weight_grad weight over (applied )?steps/.test(t))", timeout=20_000)
+                    break
+                except Exception:
+                    if attempt == 2: raise
+            page.wait_for_timeout(500)
+            page.screenshot(path=str(ARTIFACTS/'explorer-graph.png'), full_page=True)
             assert not [e for e in errors if 'plotly' in e.lower() or 'widget' in e.lower()], errors
         except Exception:
             page.screenshot(path=str(ARTIFACTS/'explorer-failed.png'))

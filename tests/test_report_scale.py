@@ -38,7 +38,7 @@ def test_the_page_is_bounded(wide, page):
     assert len(page) < 8 * 2**20
     assert len(heads) <= 2 * MODULES_DRAWN                                    # a history and a histogram a module at most
     assert len({h.split(' · ')[0] for h in heads}) <= MODULES_DRAWN
-    assert len(page_figures(page)) <= 4 + 2 * MODULES_DRAWN + FINDINGS_DRAWN  # overview, modules, findings' evidence
+    assert len(page_figures(page)) <= 5 + 2 * MODULES_DRAWN + FINDINGS_DRAWN  # overview (map, scalars, 2 bars, graph), modules, evidence
 
 def test_the_modules_a_reader_looks_at_are_drawn(wide, page):
     g = combine(with_stats(wide.df(ttype='weight_grad')), ['module', 'step'])

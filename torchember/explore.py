@@ -16,6 +16,7 @@ from .stats import TTYPES
 from .store import StoreError, engine
 from .query import runs, load
 from .tree import auto_collapse, nodes
+from .graphview import GraphView
 from functools import partial
 from .diagnose import findings as _findings
 from .findings import finding_label, severity_counts, evidence, evidence_figure
@@ -43,8 +44,8 @@ def tree_options(tree:dict, filter:str='')->list:
     return walk(tree, 0)
 
 # %% ../nbs/05a_explore.ipynb #08c2c7d3
-PLOTS = ('map', 'scalars', 'history', 'histogram', 'bars', 'evidence')   # the explorer's plots; each takes the axes of its place here
-ORDER = ('evidence', *PLOTS[:-1])   # top to bottom: a finding's evidence (when one is open) above the map
+PLOTS = ('map', 'scalars', 'history', 'histogram', 'bars', 'evidence', 'graph')   # the explorer's plots; each takes the axes of its place here
+ORDER = ('evidence', 'map', 'graph', *PLOTS[1:5])   # top to bottom: a finding's evidence (when one is open) above the map
 _TOP, _GAP, _BOTTOM, _WIDTH = 60, 110, 90, 980   # px: above the first plot, between two (a title, the x axis above), below the last
 
 def _ref(ref:str, axes:list)->str:
@@ -174,6 +175,10 @@ class Explorer(W.VBox):
         self.fold_toggle = W.ToggleButton(value=True, description='fold', icon='compress', layout=W.Layout(width='80px'),
                                           tooltip="map rows folded by the module tree (click a ▸ row to open it); off: a row per module")
         self._collapsed = None   # the map's folded modules: None until the run's first map, then `auto_collapse`'s
+        self.graph_toggle = W.ToggleButton(description='graph', icon='sitemap', layout=W.Layout(width='80px'),
+                                           tooltip="the model as a graph of its modules' data flow, coloured as the map")
+        self.graph_search = W.Text(placeholder='find in the graph', layout=W.Layout(width='180px', display='none'))
+        self._gview, self._graph_hits = None, []   # the run's `GraphView` (per run and rank), the nodes search found
         self.findings, self._finding, self._diag_at, self._diag_key = _findings([]), None, -math.inf, None
         self.findings_head = W.HTML()
         self.findings_picker = W.Select(rows=5, layout=W.Layout(width='1240px', display='none'))
@@ -191,13 +196,13 @@ class Explorer(W.VBox):
                       'click a ▸ row of the map to open it</small>')
         self.children = [W.HBox([self.run_picker, self.overlay_picker, self.rank_picker, self.live_toggle, self.stop_button, self.status]),
                          W.VBox([self.findings_head, self.findings_picker, self.finding_text]),
-                         W.HBox([self.ov_ttype, self.ov_stat, self.fold_toggle, hint]), W.HBox([side, self.fig])]
+                         W.HBox([self.ov_ttype, self.ov_stat, self.fold_toggle, self.graph_toggle, self.graph_search, hint]), W.HBox([side, self.fig])]
         for w, fn in ((self.run_picker, 'show_run'), (self.overlay_picker, '_on_overlay'), (self.rank_picker, '_on_rank'), (self.module_filter, '_on_filter'),
                       (self.module_picker, '_on_module'), (self.ttype_picker, '_on_ttype'), (self.tname_picker, '_on_history'),
                       (self.stat_picker, '_on_history'), (self.log_toggle, '_on_log'), (self.all_steps_toggle, '_on_all_steps'),
                       (self.ov_ttype, '_on_ov'),
                       (self.ov_stat, '_on_ov'), (self.fold_toggle, '_on_fold'), (self.live_toggle, '_on_live'),
-                      (self.findings_picker, 'show_finding')):
+                      (self.findings_picker, 'show_finding'), (self.graph_toggle, '_on_graph'), (self.graph_search, '_on_graph_search')):
             w.observe(self._guard(fn), 'value')
         self.stop_button.on_click(lambda _: self.stop())
         names = self._fill_runs()
@@ -248,7 +253,7 @@ def _newest(self:Explorer)->str:
 def show_run(self:Explorer, name:str):
     "Show run `name` of the store, keeping the chosen module, tensor and stats where it has them."
     with self._lock:
-        self.run, self._kinds, self._collapsed = load(name, self.db), {}, None
+        self.run, self._kinds, self._collapsed, self._graph_hits = load(name, self.db), {}, None, []
         self._zoom = dict.fromkeys(self._zoom)
         seen = self._state()
         self._steps = recorded_steps(self.run)
@@ -299,6 +304,7 @@ def refresh(self:Explorer, seen:tuple=None):
             self.refresh_history()
             self.refresh_overview()
             self.refresh_map()
+            self.refresh_graph()
             self.refresh_scalars()
         self._updated = time.strftime('%H:%M:%S')
         self._stamp()
@@ -345,9 +351,10 @@ def _relayout(self:Explorer):
             self.fig.layout = lay
             for q in self.plots.values():   # the colour bars follow their plots' bands
                 d = self.fig.layout[f"yaxis{q.axes[0] if q.axes[0] > 1 else ''}"].domain
+                bar = dict(y=d[0], yanchor='bottom', len=(d[1] - d[0]) * 0.75, lenmode='fraction', x=1.02)
                 for t in q.data:
-                    if t.type == 'heatmap' and t.showscale is not False:
-                        t.colorbar.update(y=d[0], yanchor='bottom', len=(d[1] - d[0]) * 0.75, lenmode='fraction', x=1.02)
+                    if t.type == 'heatmap' and t.showscale is not False: t.colorbar.update(bar)
+                    elif t.type == 'scatter' and t.marker.showscale: t.marker.colorbar.update(bar)
     finally: self._drawing = was
     self._follow_zooms()
     return self
@@ -622,11 +629,11 @@ def _on_all_steps(self:Explorer, _):
 
 @patch
 def _on_ov(self:Explorer, _):
-    with self._lock, self._laid_out_once(): self.refresh_overview().refresh_map()
+    with self._lock, self._laid_out_once(): self.refresh_overview().refresh_map().refresh_graph()
 
 @patch
 def _on_rank(self:Explorer, _):
-    with self._lock, self._laid_out_once(): self.refresh_findings().refresh_history().refresh_overview()
+    with self._lock, self._laid_out_once(): self.refresh_findings().refresh_history().refresh_overview().refresh_graph()
 
 @patch
 def _on_filter(self:Explorer, _):
@@ -645,7 +652,7 @@ DIAGNOSE_EVERY = 30.0   # seconds between two diagnoses of a run followed live
 _FINDINGS = {}          # (store, run id, rank, steps, last step) -> findings of a run in that state, for the next explorer
 
 def _diagnosed(run, rank:int|None, key:tuple, force:bool=False)->pd.DataFrame:
-    "`run.diagnose(rank=rank)`, kept for `key` (the run's state): the same state gives the same findings (`force`: diagnose again)."
+    "`run.diagnose(rank=rank)`, kept for `key` (the run's state: the same findings); `force`: diagnose again."
     k = (str(engine(run.db).url), *key)
     if force or k not in _FINDINGS:
         if len(_FINDINGS) >= 8: _FINDINGS.pop(next(iter(_FINDINGS)))
@@ -692,6 +699,67 @@ def show_finding(self:Explorer, i:int|None, select:bool=True):
         self._draw('evidence', fig)
         if select and isinstance(f['module'], str):   # the history shows the norm where the finding judged the RMS (norm / √elements)
             self.select(f['module'], f['ttype'] if isinstance(f['ttype'], str) else None, 'norm' if f['stat'] == 'rms' else f['stat'], int(f['step']))
+    return self
+
+# %% ../nbs/05a_explore.ipynb #f8c511e0
+@patch
+def graph_view(self:Explorer)->GraphView|None:
+    "The run's `GraphView` for the rank shown, made once per run and rank; None where the run stored no graph."
+    key = (self.run.id, self._rank())
+    if self._gview is None or self._gview[0] != key:
+        v = GraphView(self.run, rank=self._rank())
+        self._gview = (key, v if len(v.edges) else None)
+    return self._gview[1]
+
+@patch
+def refresh_graph(self:Explorer):
+    "Redraw the graph, coloured by the map's ttype and stat at the newest step; hidden while the switch is off."
+    with self._lock:
+        tt = self.ov_ttype.value
+        if not self.graph_toggle.value or self.run is None: return self._draw('graph', None)
+        try: v, why = self.graph_view(), 'this run stored no graph (captured on its first recorded training step)'
+        except Exception as e: v, why = None, f"no graph: {type(e).__name__}: {e}"
+        if v is None or tt == TIME:
+            self.graph_toggle.tooltip = why if v is None else 'the graph is coloured by stats: pick a ttype'
+            return self._draw('graph', None)
+        stat = self.ov_stat.value if self.ov_stat.value in MAP_STATS else 'norm'
+        f = v.figure(tt, stat, findings=self.findings, highlight=self._graph_hits)
+        f.update_layout(yaxis_scaleanchor=None)   # the figure's width is the explorer's: the graph's y scale is its own
+        f.update_traces(showlegend=False)
+        self._draw('graph', f)
+        for t in self.plots['graph'].data:
+            if t.name in ('modules', 'instances'): t.on_click(self._on_graph_click)
+    return self
+
+@patch
+def _on_graph(self:Explorer, on:bool):
+    self.graph_search.layout.display = None if on else 'none'
+    with self._lock, self._laid_out_once(): self.refresh_graph()
+
+@patch
+def _on_graph_search(self:Explorer, text:str):
+    with self._lock:
+        v = self.graph_view() if self.run is not None else None
+        self._graph_hits = v.search(text) if v is not None and text.strip() else []
+        self.refresh_graph()
+
+@patch
+def _on_graph_click(self:Explorer, trace, points, state=None):
+    if not points.point_inds: return
+    self.open_node(trace.customdata[points.point_inds[0]])
+
+@patch
+def open_node(self:Explorer, name:str):
+    "What a click on graph node `name` does: a collapsed container or folded block opens; a module shows its history."
+    with self._lock:
+        v = self.graph_view()
+        d = v.node_at(name)
+        if d['kind'] in ('block', 'container') and (d['kind'] == 'block' or name in v.collapsed):
+            v.toggle(d['node'])
+            return self.refresh_graph()
+        if d['module'] is not None:
+            tt = self.ov_ttype.value
+            self.select(d['module'], None if tt == TIME else tt, self.ov_stat.value)
     return self
 
 # %% ../nbs/05a_explore.ipynb #68f5ae43

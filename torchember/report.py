@@ -19,6 +19,8 @@ from .stats import TTYPES
 from .query import Run, load, flow_order
 from fnmatch import fnmatchcase
 from .findings import finding_label, severity_counts, evidence, evidence_figure
+from .graphview import GraphView
+import warnings
 from .figures import (BLUE, ORANGE, recorded_steps, thin, with_stats, combine, history_traces, heatmap_traces,
                                 latest_by_module, overview_traces, module_label, module_map, map_figure, fold_map,
                                 scalars_figure, log_axis, view_steps, with_kinds, step_name, step_title, step_hover,
@@ -164,6 +166,7 @@ def report_figures(run:Run,
                    max_points:int=500,        # at most this many steps a line
                    rank:int=None,             # the rank drawn; default the run's first
                    drawn:pd.DataFrame=None,   # `report_modules`' table, when already made; default its choice
+                   findings:pd.DataFrame=None,  # `Run.diagnose()`'s, ringed on the graph
                   )->list:                    # `(heading, figure, open)`
     "The figures of `run`'s report: the overview, then the modules `report_modules` chose."
     rank = run.ranks[0] if rank is None else rank
@@ -182,6 +185,7 @@ def report_figures(run:Run,
         figs.append(('Training scalars', scalars_figure(run.steps(rank), first_bad=first and first['step'], max_points=max_points)
                                            .update_layout(title=None), True))
     figs += _bar_figures(run, rank, steps, first, kinds)
+    if (g := _graph_figure(run, rank, findings)) is not None: figs.append(g)
     if not steps: return figs
     drawn = drawn[drawn['drawn']]
     if drawn.empty: return figs
@@ -214,6 +218,19 @@ def report_figures(run:Run,
             hist = go.Figure(hm, layout=dict(height=300, xaxis_title=x_title, **_LAYOUT))
             figs.append((f'{head}: output histogram over steps', hist, opened))
     return figs
+
+# %% ../nbs/06_report.ipynb #ccc50569
+def _graph_figure(run:Run, rank:int, findings:pd.DataFrame=None)->tuple|None:
+    "The report's graph `(heading, figure, open)`: weight-grad norm at the last step, findings ringed; None if no graph."
+    try:
+        v = GraphView(run, rank=rank)
+        if not len(v.edges): return None
+        f = v.figure('weight_grad', 'norm', findings=findings).update_layout(title=None)
+    except Exception as e:
+        warnings.warn(f"torchember: the report draws no graph of run {run.name!r}: {type(e).__name__}: {e}", stacklevel=2)
+        return None
+    ringed = ', findings ringed red' if findings is not None and (findings['severity'] != 'info').any() else ''
+    return f"The model: data flow between modules, weight_grad norm at the last step{ringed}", f, True
 
 # %% ../nbs/06_report.ipynb #df0b628b
 _CSS = """body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2em auto;max-width:1200px;color:#222}
@@ -311,7 +328,7 @@ def report_html(run:Run,
     chosen = report_modules(run, modules, rank, pd.DataFrame(columns=['module', 'kind']) if failed else fs, max_points)
     parts.append(_modules_note(run, chosen))
     config = dict(displaylogo=False, responsive=True)
-    figs = report_figures(run, max_points, rank, chosen)
+    figs = report_figures(run, max_points, rank, chosen, None if failed else fs)
     top = [(h, f, None) for h, f, shown in figs if shown] + ev
     rest = [(h, f, None) for h, f, shown in figs if not shown]
     for i, (head, fig, anchor) in enumerate(top + rest):
