@@ -324,17 +324,20 @@ def steps(self:Run, rank=None)->pd.DataFrame:
         if rank is not None: norms = norms.where(s.rank.in_(_as_list(rank)))
         if len(unsummed) < len(steps) / 2: norms = norms.where(s.step.in_(unsummed))   # a few: one seek each, not a scan
         sq = pd.DataFrame([tuple(r) for r in c.execute(norms)] if unsummed else [], columns=['step', 'rank', 'ttype', 'sq', 'n', 'known'])
-    done = raw[raw['summed'].notna()]
-    summed = pd.concat([pd.DataFrame({'step': done['step'], 'rank': done['rank'], 'ttype': tt, 'sq': done[col], 'n': 1, 'known': 1})
-                        for tt, col in (('weight', 'weight_sq'), ('weight_grad', 'grad_sq'))], ignore_index=True)
-    sq = pd.concat([d for d in (sq, summed) if len(d)] or [sq], ignore_index=True)
     df = raw[_STEPS[:7]].copy()
     df = _old_kinds(df.astype({'step': int, 'rank': int, 'iteration': 'Int64', 'closed': float, 'n_records': 'Int64'}))
     df['closed'], df['training'] = pd.to_datetime(df['closed'], unit='s'), df['training'].astype('boolean')
-    sq['norm'] = (sq['sq'].astype(float) ** .5).where(sq['n'] == sq['known'])   # a NaN (stored as NULL) norm: unknown
     key = pd.MultiIndex.from_frame(df[['step', 'rank']])
-    for tt, col in (('weight_grad', 'grad_norm'), ('weight', 'weight_norm')):
-        df[col] = sq[sq['ttype'] == tt].set_index(['step', 'rank'])['norm'].reindex(key).astype(float).to_numpy()
+    if not unsummed:   # every step's sums kept by the store: its norms are their roots (a NULL sum: a NaN norm, unknown)
+        for col, s in (('grad_norm', 'grad_sq'), ('weight_norm', 'weight_sq')): df[col] = raw[s].astype(float).to_numpy() ** .5
+    else:
+        done = raw[raw['summed'].notna()]
+        summed = pd.concat([pd.DataFrame({'step': done['step'], 'rank': done['rank'], 'ttype': tt, 'sq': done[col], 'n': 1, 'known': 1})
+                            for tt, col in (('weight', 'weight_sq'), ('weight_grad', 'grad_sq'))], ignore_index=True)
+        sq = pd.concat([d for d in (sq, summed) if len(d)] or [sq], ignore_index=True)
+        sq['norm'] = (sq['sq'].astype(float) ** .5).where(sq['n'] == sq['known'])   # a NaN (stored as NULL) norm: unknown
+        for tt, col in (('weight_grad', 'grad_norm'), ('weight', 'weight_norm')):
+            df[col] = sq[sq['ttype'] == tt].set_index(['step', 'rank'])['norm'].reindex(key).astype(float).to_numpy()
     sc = self.scalars(rank).pivot(index=['step', 'rank'], columns='name', values='value')
     for name in sc.columns: df[f'scalar_{name}' if name in df.columns else name] = sc[name].reindex(key).to_numpy()
     return df
