@@ -247,12 +247,15 @@ def layered_layout(names:list,           # the nodes, in forward order (the orde
     x, L, R = np.zeros(len(layer)), np.array([e[0] for e in ext], float), np.array([e[1] for e in ext], float)
     dummy = np.arange(len(layer)) >= len(names)
     for r in rows: x[r] = place(np.zeros(len(r)), L[r], R[r], gap)
+    def toward(ns):   # the neighbours a node lines up with: its real ones where it has any (a skip's dummies step aside)
+        real = [v for v in ns if not dummy[v]]
+        return np.mean(x[real or ns])
     for k in range(8):                                  # pull each node toward its neighbours, downward then upward
         down = k % 2 == 0
         for r in (rows if down else rows[::-1]):
             nb = pred if down else succ
-            want = np.array([np.mean(x[nb[v]]) if nb[v] else x[v] for v in r])
-            x[r] = place(want, L[r], R[r], gap, np.where(dummy[r], 4., 1.))
+            want = np.array([toward(nb[v]) if nb[v] else x[v] for v in r])
+            x[r] = place(want, L[r], R[r], gap, np.where(dummy[r], 1e-3, 1.))   # a long edge bends, not the chain it passes
     x -= x.min(initial=0)
     paths = {}
     for s, d in E:
