@@ -153,11 +153,11 @@ def signals(run:Run, rank:int, hi:int, grads_from:int)->pd.DataFrame:
     gn = (select(st.step, func.sum(st.norm * st.norm))
           .where(st.run_id == run.id, st.rank == rank, st.step.between(grads_from, hi), st.ttype == 'weight_grad').group_by(st.step))
     with engine(run.db).connect() as c:
-        rows = c.execute(select(s.step, s.name, s.value).where(s.run_id == run.id, s.rank == rank, s.step <= hi)).all()
-        grads = [(step, GRAD_NORM, None if sq is None else sq ** .5) for step, sq in c.execute(gn).all()]
+        rows = c.execute(select(s.step, s.name, s.value).where(s.run_id == run.id, s.rank == rank, s.step <= hi)).cursor.fetchall()
+        grads = [(step, GRAD_NORM, None if sq is None else sq ** .5) for step, sq in c.execute(gn).cursor.fetchall()]
     micro = micro_steps(run, rank)
     grads = [g for g in grads if g[0] not in micro]
-    df = pd.DataFrame([tuple(r) for r in rows] + grads, columns=['step', 'name', 'value']).astype({'value': float})
+    df = pd.DataFrame(rows + grads, columns=['step', 'name', 'value']).astype({'value': float})   # the driver's tuples: no Row each
     df = df[~df['step'].isin(eval_steps(run, rank))]
     return df.drop_duplicates(['step', 'name']).pivot(index='step', columns='name', values='value')
 

@@ -74,7 +74,7 @@ def recorded_steps(run:Run, after:int=None)->list:
     "The closed steps of `run` (those after step `after` if given; closed by any rank), in order."
     q = select(steps_t.c.step).where(steps_t.c.run_id == run.id).distinct().order_by(steps_t.c.step)
     if after is not None: q = q.where(steps_t.c.step > after)
-    with engine(run.db).connect() as c: return list(c.execute(q).scalars())
+    with engine(run.db).connect() as c: return [s for s, in c.execute(q).cursor.fetchall()]   # the driver's tuples: no Row each
 
 def thin(steps:list, n:int)->list:
     "At most `n` of `steps`, evenly spaced, the first and last kept."
