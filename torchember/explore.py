@@ -717,13 +717,14 @@ def refresh_graph(self:Explorer):
     with self._lock:
         tt = self.ov_ttype.value
         if not self.graph_toggle.value or self.run is None: return self._draw('graph', None)
-        try: v, why = self.graph_view(), 'this run stored no graph (captured on its first recorded training step)'
-        except Exception as e: v, why = None, f"no graph: {type(e).__name__}: {e}"
-        if v is None or tt == TIME:
-            self.graph_toggle.tooltip = why if v is None else 'the graph is coloured by stats: pick a ttype'
-            return self._draw('graph', None)
         stat = self.ov_stat.value if self.ov_stat.value in MAP_STATS else 'norm'
-        f = v.figure(tt, stat, findings=self.findings, highlight=self._graph_hits)
+        try:
+            v, why = self.graph_view(), 'this run stored no graph (captured on its first recorded training step)'
+            f = v.figure(tt, stat, findings=self.findings, highlight=self._graph_hits) if v is not None and tt != TIME else None
+        except Exception as e: f, why = None, f"no graph: {type(e).__name__}: {e}"   # the rest of the explorer works on
+        if f is None:
+            self.graph_toggle.tooltip = 'the graph is coloured by stats: pick a ttype' if tt == TIME else why
+            return self._draw('graph', None)
         f.update_layout(yaxis_scaleanchor=None)   # the figure's width is the explorer's: the graph's y scale is its own
         f.update_traces(showlegend=False)
         self._draw('graph', f)
