@@ -262,7 +262,7 @@ def test_report_layout(two, tmp_path):
     for traces, layout in figs:
         axes = {k: v for k, v in layout.items() if re.fullmatch(r'[xy]axis\d*', k)}
         assert all(a.get('dtick', 1) == 1 for a in axes.values() if a.get('type') == 'log'), axes   # powers of ten, or plotly's within a decade
-        xs = [a for k, a in axes.items() if k.startswith('x')]
+        xs = [a for k, a in axes.items() if k.startswith('x') and a.get('visible', True)]   # the graph's are hidden
         assert all(a.get('title', {}).get('text') == 'step' for a in xs), xs
     assert page.count('plotly.js v') == 1 and not re.search(r'<script[^>]*\bsrc=', page)   # one copy, inlined: works offline
     assert re.search(r'<td>0</td>\s*<td>output</td>\s*<td>output</td>\s*<td>6</td>\s*<td>4</td>\s*<td>\d+</td>', page)  # integer counts

@@ -594,11 +594,10 @@ def envelope_traces(e:pd.DataFrame, color:str=BLUE)->list:
 
 # %% ../nbs/05_figures.ipynb #3e417a5b
 def finite_json(x):
-    "`x` (plotly JSON) with every NaN and Inf made None, which JSON refuses; arrays with neither stay arrays (sent as typed arrays)."
+    "`x` (a figure's, trace's or layout's plotly JSON) with every NaN and Inf made None: a kernel's JSON, and plain `json`, refuse them."
     if isinstance(x, dict): return {k: finite_json(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)): return [finite_json(v) for v in x]
     if isinstance(x, np.ndarray):
-        if x.dtype.kind in 'iub' or x.dtype.kind == 'f' and np.isfinite(x).all(): return x
         return np.where(np.isfinite(x), x, None).tolist() if x.dtype.kind == 'f' else finite_json(x.tolist())
     if isinstance(x, (float, np.floating)): return float(x) if math.isfinite(x) else None
     return x.item() if isinstance(x, np.generic) else x
@@ -736,7 +735,7 @@ def scalars_figure(st:pd.DataFrame,        # `Run.steps()` of one rank
             f = d[d['step'].isin(peaks(d['step'], pd.to_numeric(d[s], errors='coerce'), max_points))] if d['step'].is_unique \
                 else d[d['step'].isin(thin(sorted(d['step'].unique()), max_points))]   # several ranks: evenly spaced steps
             cd, at = step_hover(f)
-            fig.add_trace(go.Scatter(x=f['step'].to_numpy(), y=pd.to_numeric(f[s], errors='coerce').to_numpy(float), mode='lines', name=name or 'run',
+            fig.add_trace(go.Scatter(x=f['step'].tolist(), y=_list(pd.to_numeric(f[s], errors='coerce')), mode='lines', name=name or 'run',
                                      legendgroup=name or 'run', showlegend=i == 0, line=dict(color=color, width=1.5), customdata=cd,
                                      hovertemplate=f'{s} %{{y:.4g}} at {at}<extra>{name}</extra>'), row=i // cols + 1, col=i % cols + 1)
     for i, s in enumerate(series):
