@@ -83,7 +83,7 @@ BEYOND = 0.5   # past the recent range by half its reach from the median: a leve
 RANGE = 10     # the recent range: of this many values before (a longer one would hold the high losses of a run's first steps)
 
 def band_edges(values:np.ndarray, window:int, spike:float, factor:float, min_steps:int, rows=None)->tuple:
-    "`(lo, hi, median, mad)` of every value: it leaves its band below `lo` or above `hi`, which lie `spike` robust sigmas from the trailing median, `factor` times away from it, and past every one of the `RANGE` values before it by `BEYOND` of that value's distance from the median (NaN: no band)."
+    "`(lo, hi, median, mad)` of every value: below `lo` or above `hi` it has left its trailing band (NaN: no band)."
     med, mad = bands(values, window, min_steps, rows)
     bottom, top = trailing_range(values, min(window, RANGE), rows)
     with np.errstate(invalid='ignore'):
@@ -133,7 +133,7 @@ def micro_steps(run:Run, rank:int)->set:
     return set(train) - set(applied_steps(k))
 
 def module_norms(run:Run, rank:int, lo:int, hi:int)->pd.DataFrame:
-    "Per training step of `lo..hi`, module and watched ttype: the L2 norm over its tensors and calls, their elements, their RMS, and the smallest zero fraction."
+    "Per training step of `lo..hi`, module and watched ttype: L2 norm, elements, RMS and least zero fraction."
     s = stats_t.c
     q = (select(s.step, s.module_id, s.ttype, func.sum(s.norm * s.norm), func.sum(s.numel), func.min(s.zero_frac))
          .where(s.run_id == run.id, s.rank == rank, s.step.between(lo, hi), s.ttype.in_(WATCHED))
@@ -148,7 +148,7 @@ def module_norms(run:Run, rank:int, lo:int, hi:int)->pd.DataFrame:
     return df.assign(norm=df['sq'] ** .5, rms=(df['sq'] / df['numel'].where(df['numel'] > 0)) ** .5)
 
 def signals(run:Run, rank:int, hi:int, grads_from:int)->pd.DataFrame:
-    "Training steps x one-number-per-step signals up to step `hi`: each logged scalar, and from step `grads_from` the global grad norm (`GRAD_NORM`)."
+    "Training steps x signals up to `hi`: each logged scalar and, from `grads_from`, the global grad norm."
     s, st = scalars_t.c, stats_t.c
     gn = (select(st.step, func.sum(st.norm * st.norm))
           .where(st.run_id == run.id, st.rank == rank, st.step.between(grads_from, hi), st.ttype == 'weight_grad').group_by(st.step))
@@ -194,7 +194,7 @@ def signal_spikes(run:Run, rank:int, sig:pd.DataFrame, names:pd.DataFrame, windo
                   lead:int, most:int=5,
                   norms:pd.DataFrame=None, read:tuple=None,   # `module_norms` already read, of steps `read` (first, last): not read again
                  )->list:
-    "Findings for the first `most` upward spikes of the signals in `sig` (steps x signals), each naming the module that left its band first."
+    "Findings for the first `most` upward spikes of `sig`'s signals, each naming the module that left its band first."
     out, firsts = [], {}   # spike step -> the module that left its band first: each step's stats read once
     if sig.empty: return out
     x, steps = sig.to_numpy(float), sig.index.to_numpy()
@@ -247,7 +247,7 @@ def module_spikes(run:Run, rank:int, norms:pd.DataFrame, names:pd.DataFrame, win
 FOLLOW_MIN = 5   # logged steps after a grad spike needed to tell whether the loss followed it
 
 def loss_followed(sig:pd.DataFrame, step:int, window:int, spike:float, factor:float, lead:int)->bool|None:
-    "Whether a logged scalar of `sig` left its band upward within `lead` steps of `step` (None: nothing logged, or too near the end)."
+    "Whether a logged scalar of `sig` rose out of its band within `lead` steps of `step` (None: cannot tell)."
     logged = sig.drop(columns=[GRAD_NORM], errors='ignore')
     after = logged.index[(logged.index >= step) & (logged.index <= step + lead)]
     if logged.empty or logged.shape[1] == 0 or len(after) < min(lead, FOLLOW_MIN): return None

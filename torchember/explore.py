@@ -504,7 +504,7 @@ def _draw_overview(self:Explorer):
 # %% ../nbs/05a_explore.ipynb #c3b0ee1f
 @patch
 def select(self:Explorer, module:str, ttype:str=None, stat:str=None, step:int=None):
-    "Show the history of `module` (of `ttype` and `stat` if it has them, `step` marked), as a click on its bar or map cell does."
+    "Show `module`'s history (of `ttype` and `stat` where it has them, `step` marked), as a click on a bar or cell does."
     with self._lock, self._laid_out_once():
         if module not in [v for _, v in self.module_picker.options]: self.module_filter.value = ''
         self._mark = step
@@ -661,7 +661,7 @@ def _diagnosed(run, rank:int|None, key:tuple, force:bool=False)->pd.DataFrame:
 
 @patch
 def refresh_findings(self:Explorer, force:bool=False):
-    "List what `diagnose` finds in the run shown, of the rank shown, once per new step (while live, at most every `DIAGNOSE_EVERY` seconds). The finding open stays open if still found."
+    "List what `diagnose` finds in the run and rank shown, once per new step (live: every `DIAGNOSE_EVERY` s at most)."
     with self._lock:
         if self.run is None: return self
         key = (self.run.id, self._rank(), len(self._steps), self._steps[-1] if self._steps else None)
@@ -684,7 +684,7 @@ def refresh_findings(self:Explorer, force:bool=False):
 
 @patch
 def show_finding(self:Explorer, i:int|None, select:bool=True):
-    "Open finding `i` of `findings`: its evidence on top, its message beside the list and (if `select`) its module's history with its step marked."
+    "Open finding `i`: its evidence on top, its message beside the list, and (if `select`) its module's history."
     with self._lock, self._laid_out_once():
         self._finding = i
         if i is None:

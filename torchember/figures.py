@@ -594,7 +594,7 @@ def envelope_traces(e:pd.DataFrame, color:str=BLUE)->list:
 
 # %% ../nbs/05_figures.ipynb #3e417a5b
 def finite_json(x):
-    "`x` (a figure's, trace's or layout's plotly JSON) with every NaN and Inf made None: a kernel's JSON, and plain `json`, refuse them."
+    "`x` (plotly JSON) with every NaN and Inf made None: a kernel's JSON, and plain `json`, refuse them."
     if isinstance(x, dict): return {k: finite_json(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)): return [finite_json(v) for v in x]
     if isinstance(x, np.ndarray):

@@ -310,7 +310,7 @@ _STEPS = ['step', 'rank', 'iteration', 'kind', 'closed', 'training', 'n_records'
 
 @patch
 def steps(self:Run, rank=None)->pd.DataFrame:
-    "One row per step closed by each rank (or `rank`(s)): iteration, kind, when, mode, records, global norms, logged scalars."
+    "One row per step closed by each rank (or `rank`(s)): iteration, kind, time, mode, records, norms, logged scalars."
     st, s = steps_t.c, stats_t.c
     q = (select(st.step, st.rank, st.iteration, st.kind, st.closed, st.training, st.n_records, st.weight_sq, st.grad_sq, st.summed)
          .where(st.run_id == self.id).order_by(st.step, st.rank))
