@@ -439,8 +439,6 @@ class GraphView:
                 f"{len(self.folded)} blocks folded, {len(self.collapsed & set(g['nodes']['node']))} containers collapsed)")
 
 # %% ../nbs/05c_graphview.ipynb #96634036
-from fastcore.basics import patch
-
 @patch
 def graph(self:GraphView)->dict:
     "The graph as it is drawn now (`fold_graph`), its junctions (`merge_points`) in `edges_drawn` and `fed`."
