@@ -102,10 +102,10 @@ FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 SLOW_COMPILE_S = 5.0           # a first compile longer than this is said in a warning
 
 def _kernel(kind:str, cpu:bool):
-    "The moments function of `kind` ('flat' or 'rows'): eager on a CPU; on an accelerator compiled on first use, eager where compiling is off or failed."
+    "The moments function of `kind` ('flat' or 'rows'): eager on a CPU; on an accelerator eager, or compiled on first use with `TORCHEMBER_COMPILE=1`."
     fused, eager, on_cpu = _KERNELS[kind]
     if cpu: return on_cpu
-    if 'failed' in _COMPILE or os.environ.get('TORCHEMBER_COMPILE', '1') == '0': return eager
+    if 'failed' in _COMPILE or os.environ.get('TORCHEMBER_COMPILE', '0') != '1': return eager
     if kind not in _compiled:
         try: _compiled[kind] = _guarded(torch.compile(fused, dynamic=True), eager)
         except Exception as e: return _no_compile(e, eager)
@@ -567,9 +567,8 @@ def _reduce_groups(self):
             m = _unmeasured(None).expand(len(rows), 8)
         self._pieces.append((rows, m))
     self._groups = {}
-    if self._direct is not None:
-        self._pieces.append((self._direct_rows, self._direct.matrix()))
-        self._direct, self._direct_rows = None, []
+    if self._direct_rows: self._pieces.append((self._direct_rows, self._direct.matrix()))
+    self._direct, self._direct_rows = None, []   # an accelerator's tensors leave it empty: no host rows beside its own
 
 # %% ../nbs/01_stats.ipynb #671a09fb
 def _plan(batches, nat:bool=False)->tuple:
@@ -650,7 +649,10 @@ def _plain(m:torch.Tensor)->torch.Tensor:
 def _to_host(ts:list):
     "Concatenate float64 tensors and copy them to the host without blocking; the result and an event (or None)."
     if not ts: return None, None
-    if len({t.device for t in ts}) > 1: ts = [t.cpu() for t in ts]   # e.g. custom stats on two devices
+    devs = {t.device for t in ts}
+    if len(devs) > 1:   # custom stats on two devices, or rows made on the host: joined on one accelerator, no host wait
+        dev = next(d for d in sorted(devs, key=str) if d.type != 'cpu')
+        ts = [t.to(dev, non_blocking=True) for t in ts]
     x = torch.cat(ts)
     if x.device.type == 'cpu': return x, None
     out = x.to('cpu', non_blocking=True)

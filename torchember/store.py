@@ -502,26 +502,23 @@ def _max_variables(c)->int:
     if isinstance(con, sqlite3.Connection) and sqlite3.sqlite_version_info >= (3, 32, 0): return 32766   # Python < 3.11
     return 999
 
-def _shared_head(c, table:Table, replace:bool, n:int, k:int)->str:
-    "SQLite SQL inserting `n` rows into `table` whose first `k` columns take the same parameters `?1`..`?k` in every row."
+def _multi_row(c, table:Table, replace:bool, n:int)->str:
+    "SQLite SQL inserting `n` rows into `table`, each of plain `?` parameters."
     q = c.dialect.identifier_preparer.quote
-    cols, i, vals = [col.name for col in table.columns], k + 1, []
-    for _ in range(n):
-        vals.append('(' + ','.join([f'?{j}' for j in range(1, k + 1)] + [f'?{i + j}' for j in range(len(cols) - k)]) + ')')
-        i += len(cols) - k
+    cols = [col.name for col in table.columns]
+    vals = ['(' + ','.join('?' * len(cols)) + ')'] * n
     return f"INSERT {'OR REPLACE ' if replace else ''}INTO {q(table.name)} ({', '.join(map(q, cols))}) VALUES {', '.join(vals)}"
 
 def _insert_rows(c, table:Table, head:tuple, rows:list, replace:bool=False):
-    "Insert `rows`, each after the same `head` of leading columns: on SQLite in statements of `ROWS_PER_INSERT` rows and one of the rest, binding `head` once a statement (`_shared_head`); elsewhere in one executemany of SQLAlchemy's compiled `_insert`."
+    "Insert `rows`, each after the same `head` of leading columns: on SQLite in statements of `ROWS_PER_INSERT` rows and one of the rest, each row after `head`, flattened in C (`_multi_row`); elsewhere in one executemany of SQLAlchemy's compiled `_insert`."
     if c.dialect.name == 'sqlite':
-        k, i = len(head), 0
-        most = (_max_variables(c) - k) // (len(table.columns) - k)
+        i, most = 0, _max_variables(c) // len(table.columns)
         sizes = [n for n in ROWS_PER_INSERT if n <= most]
         while i < len(rows):
             n = next((n for n in sizes if len(rows) - i >= n), min(len(rows) - i, most))   # the largest that fits, else the rest
-            key = ('head', table.name, replace, n, k)
-            if key not in _sql: _sql[key] = (_shared_head(c, table, replace, n, k), None)
-            _execute(c, _sql[key][0], (*head, *itertools.chain.from_iterable(rows[i:i+n])))
+            key = ('rows', table.name, replace, n)
+            if key not in _sql: _sql[key] = (_multi_row(c, table, replace, n), None)
+            _execute(c, _sql[key][0], tuple(itertools.chain.from_iterable(map(partial(itertools.chain, head), rows[i:i+n]))))
             i += n
         return
     sql, order = _compiled(c, (table.name, replace), partial(_insert, table, replace))
