@@ -17,10 +17,10 @@ from .core import elapsed_ms, _transforms_on
 from . import native
 
 # %% auto #0
-__all__ = ['MOMENTS', 'STATS', 'F64', 'SMALL', 'FLOATS', 'SLOW_COMPILE_S', 'CHUNK', 'SEGMENT_DTYPES', 'NORM_EXTRAS', 'VECTOR_MAX',
-           'ROW_FIELDS', 'TTYPES', 'SLOW_FRACTION', 'SLOW_S', 'SLOW_STEPS', 'as_real', 'moments', 'stats_of_moments',
-           'native_moments', 'fused_moments', 'segment_moments', 'Segments', 'default_stats', 'merge_stats',
-           'check_stats', 'StepRecord', 'Recorder', 'dtype_name', 'local_shard', 'shape_of', 'unwrapped']
+__all__ = ['MOMENTS', 'STATS', 'F64', 'SMALL', 'FLOATS', 'SLOW_COMPILE_S', 'NORM_EXTRAS', 'VECTOR_MAX', 'ROW_FIELDS', 'TTYPES',
+           'SLOW_FRACTION', 'SLOW_S', 'SLOW_STEPS', 'as_real', 'moments', 'stats_of_moments', 'native_moments',
+           'fused_moments', 'default_stats', 'merge_stats', 'check_stats', 'StepRecord', 'Recorder', 'dtype_name',
+           'local_shard', 'shape_of', 'unwrapped']
 
 # %% ../nbs/01_stats.ipynb #676c44cd
 MOMENTS = ('n', 'sum', 'sumsq', 'min', 'max', 'nonzero', 'nan', 'inf')
@@ -129,7 +129,7 @@ def _guarded(compiled, eager):
         if 'slow' not in _COMPILE and (s := time.perf_counter() - t0) > SLOW_COMPILE_S:
             _COMPILE['slow'] = s
             warnings.warn(f"torchember: compiling a fused stats kernel took {s:.1f} s (once per process); "
-                          "without TORCHEMBER_COMPILE=1, eager kernels are used")
+                          "TORCHEMBER_COMPILE=0 uses eager kernels instead")
         return m
     return f
 
@@ -161,43 +161,6 @@ def fused_moments(t:torch.Tensor)->torch.Tensor:
     m = _kernel('flat', cpu)(_flat(t))
     if cpu and not math.isfinite(m[1]): m = _counted(t)
     return m
-
-# %% ../nbs/01_stats.ipynb #1a98a972
-CHUNK = 2**24   # elements of an accelerator's shared float32 buffer (64 MiB; its float64 sums take twice that for a moment)
-SEGMENT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-def segment_moments(x:torch.Tensor, lens:list)->torch.Tensor:
-    "The `MOMENTS` of the consecutive pieces of lengths `lens` of 1-d float `x`, as float64 `(len(lens), 8)` on its device."
-    n = torch.tensor(lens, dtype=torch.int64)
-    if x.device.type != 'cpu': n = n.pin_memory().to(x.device, non_blocking=True)
-    seg = partial(torch.segment_reduce, lengths=n, unsafe=True)
-    d = x.to(F64)
-    s = seg(d, 'sum')
-    nan = seg(x.isnan().to(F64), 'sum')
-    cols = [n.to(F64), s, seg(d.square_(), 'sum'), seg(x, 'min').to(F64), seg(x, 'max').to(F64),
-            seg((x != 0).to(F64), 'sum'), nan, seg(x.isinf().to(F64), 'sum')]
-    m = torch.stack(cols, 1)
-    m[:, 3:5] = torch.where(nan[:, None] > 0, float('nan'), m[:, 3:5])   # a NaN min and max where any is NaN, as `moments`
-    return m
-
-class Segments:
-    "An accelerator's tensors of one step, copied into shared float32 buffers and measured a buffer at a time."
-    def __init__(self, device, chunk:int=CHUNK): self.device, self.chunk, self.done = device, chunk, []; self._empty()
-    def _empty(self): self.buf, self.rows, self.lens, self.off = None, [], [], 0
-    def fits(self, t:torch.Tensor)->bool:
-        "Whether `t` goes into a buffer: a strided float tensor of at most `chunk` elements (and at least one)."
-        return t.dtype in SEGMENT_DTYPES and 0 < t.numel() <= self.chunk and t.layout == torch.strided
-    def add(self, row:int, t:torch.Tensor):
-        "Copy `t` (see `fits`) into the buffer, for moments row `row`."
-        n = t.numel()
-        if self.off + n > self.chunk: self.reduce()
-        if self.buf is None: self.buf = torch.empty(self.chunk, dtype=torch.float32, device=self.device)
-        self.buf[self.off:self.off + n].view(t.shape).copy_(t.detach())
-        self.rows.append(row); self.lens.append(n); self.off += n
-    def reduce(self):
-        "Measure the buffer's tensors into `done` as `(rows, moments)`; the buffer is free again."
-        if self.rows: self.done.append((self.rows, segment_moments(self.buf[:self.off], self.lens)))
-        self._empty()
 
 # %% ../nbs/01_stats.ipynb #0de888e0
 def default_stats(t:torch.Tensor)->dict:
@@ -372,7 +335,6 @@ class Recorder:
         self.rec = StepRecord(step, training=training, iteration=iteration, kind=kind)
         self._groups, self._pieces, self._nm, self._seen, self._xvals, self._weights = {}, [], 0, {}, [], None
         self._direct, self._direct_rows = None, []   # CPU tensors measured at once (`_now`)
-        self._segs = {}                               # device -> `Segments`: an accelerator's tensors, measured together
         self._nat = native.library() is not None     # looked up once a step
         self._spent, self._t0 = {}, time.perf_counter()   # seconds per custom stat function, in a step that began at `_t0`
 
@@ -380,7 +342,7 @@ class Recorder:
         "What the open step turned out to be, once its forward is over (a train-mode call that built no graph: 'no_grad')."
         if self.rec is not None: self.rec.kind = kind
 
-_STEP_STATE = ('rec', '_groups', '_pieces', '_nm', '_seen', '_xvals', '_weights', '_direct', '_direct_rows', '_segs', '_nat', '_spent', '_t0')
+_STEP_STATE = ('rec', '_groups', '_pieces', '_nm', '_seen', '_xvals', '_weights', '_direct', '_direct_rows', '_nat', '_spent', '_t0')
 
 # %% ../nbs/01_stats.ipynb #a3561aa6
 _DTYPES = {}
@@ -436,8 +398,7 @@ def _default(self, t, copy:bool, where=None, row:int=None):
         t = t.detach()
         t = local_shard(t)
         if t.dtype in FLOATS and t.layout == torch.strided and not t.is_nested and t.device.type != 'meta':
-            if t.device.type != 'cpu' and type(t) in native._PLAIN and (s := self._segments(t.device)).fits(t): s.add(row, t)
-            elif t.numel() > SMALL: self._pieces.append(([row], fused_moments(t)[None]))
+            if t.numel() > SMALL: self._pieces.append(([row], fused_moments(t)[None]))
             else: self._groups.setdefault((t.device, t.dtype, t.shape), []).append((row, t.clone() if copy else t))
         elif t.device.type == 'meta': self._pieces.append(([row], _unmeasured(t.numel())))
         else:
@@ -459,13 +420,6 @@ def _now(self, t, row:int)->bool:
     if not finite: d[len(d) - 1] = _counted(t)
     self._direct_rows.append(row)
     return True
-
-@patch_to(Recorder)
-def _segments(self, device)->Segments:
-    "The step's `Segments` of accelerator `device`."
-    s = self._segs.get(device)
-    if s is None: s = self._segs[device] = Segments(device)
-    return s
 
 def _unmeasured(n)->torch.Tensor:
     "A moments row for a tensor whose values can't be read: only its element count, if known."
@@ -613,10 +567,6 @@ def _reduce_groups(self):
             m = _unmeasured(None).expand(len(rows), 8)
         self._pieces.append((rows, m))
     self._groups = {}
-    for s in self._segs.values():
-        s.reduce()
-        self._pieces += s.done
-        s.done = []
     if self._direct_rows: self._pieces.append((self._direct_rows, self._direct.matrix()))
     self._direct, self._direct_rows = None, []   # an accelerator's tensors leave it empty: no host rows beside its own
 
