@@ -129,7 +129,7 @@ def _guarded(compiled, eager):
         if 'slow' not in _COMPILE and (s := time.perf_counter() - t0) > SLOW_COMPILE_S:
             _COMPILE['slow'] = s
             warnings.warn(f"torchember: compiling a fused stats kernel took {s:.1f} s (once per process); "
-                          "TORCHEMBER_COMPILE=0 uses eager kernels instead")
+                          "without TORCHEMBER_COMPILE=1, eager kernels are used")
         return m
     return f
 
