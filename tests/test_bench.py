@@ -69,3 +69,12 @@ def test_gpu_benchmark_runs_as_is():
     rows = [l.split() for l in r.stdout.splitlines() if l.startswith(('gpt2-small', 'resnet18-b256'))]
     assert [r[:2] for r in rows] == [['gpt2-small', 'every=1'], ['gpt2-small', 'every=10'],
                                      ['resnet18-b256', 'every=1'], ['resnet18-b256', 'every=10']]
+
+def test_gpu_stats_benchmark_runs_as_is():
+    "The script that times ways of measuring many tensors on an accelerator runs end to end on the CPU, every way timed."
+    r = subprocess.run([sys.executable, str(GPU.parent/'gpu_stats.py'), '--device', 'cpu', '--layers', '1', '--repeats', '1'],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [l.split() for l in r.stdout.splitlines()[2:]]
+    assert [w[0] for w in rows] == ['eager', 'stacked', 'segments', 'foreach'], r.stdout
+    assert all(float(w[1]) > 0 and float(w[2]) >= float(w[1]) for w in rows), r.stdout
