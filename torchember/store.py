@@ -19,11 +19,11 @@ from .stats import merge_stats, NORM_EXTRAS, TTYPES
 # %% auto #0
 __all__ = ['SCHEMA_VERSION', 'MEMORY', 'metadata', 'STAT_COLS', 'Str', 'Size', 'meta_t', 'runs_t', 'ranks_t', 'modules_t',
            'steps_t', 'digests_t', 'events_t', 'stats_t', 'calls_t', 'scalars_t', 'shards_t', 'rollups_t',
-           'snapshots_t', 'flows_t', 'VIEWS', 'RETIRED_RUN_ID', 'ROWS_PER_INSERT', 'ROLLUP_WIDTHS', 'ROLL_EVERY',
-           'THINNED', 'LINGER_S', 'PENDING_STEPS', 'PENDING_BYTES', 'RETRY_S', 'EXIT_WAIT_S', 'default_db', 'db_url',
-           'check_name', 'escaped', 'StoreError', 'engine', 'keyed_by_rank', 'create_run', 'drop_run', 'last_iteration',
-           'claim', 'release', 'rows_digest', 'write_step', 'write_steps', 'merge_pieces', 'module_steps_sql',
-           'roll_up', 'roll_up_closed', 'rolled_steps', 'thin_steps', 'idle_priority', 'store_busy', 'Writer']
+           'snapshots_t', 'flows_t', 'VIEWS', 'RETIRED_RUN_ID', 'ROWS_PER_INSERT', 'ROLLUP_WIDTHS', 'THINNED',
+           'LINGER_S', 'PENDING_STEPS', 'PENDING_BYTES', 'RETRY_S', 'EXIT_WAIT_S', 'default_db', 'db_url', 'check_name',
+           'escaped', 'StoreError', 'engine', 'keyed_by_rank', 'create_run', 'drop_run', 'last_iteration', 'claim',
+           'release', 'rows_digest', 'write_step', 'write_steps', 'merge_pieces', 'module_steps_sql', 'roll_up',
+           'roll_up_closed', 'rolled_steps', 'thin_steps', 'idle_priority', 'store_busy', 'Writer']
 
 # %% ../nbs/02_store.ipynb #2b4773a6
 SCHEMA_VERSION = 2
@@ -684,11 +684,9 @@ def roll_up(c, run_id:int,
         c.exec_driver_sql(_refold_sql(d, w, f"run_id = {rid} AND {rk} AND ttype IN ({tts}) "
                                            f"AND bin BETWEEN {first // w * f} AND {(last // w + 1) * f - 1}"))
 
-ROLL_EVERY = 4 * ROLLUP_WIDTHS[0]   # steps the writer folds at a time: each fold also folds every wider width again once
-
 def roll_up_closed(c, run_id:int, rank:int, closed:list, written:list=()):
-    "Fold the groups of `ROLL_EVERY` steps of `rank` that steps `closed` completed, and completed bins that `written` steps' rows came late to."
-    w, rid = ROLL_EVERY, int(run_id)
+    "Fold the bins of `rank` that steps `closed` completed, and completed bins that `written` steps' rows came late to."
+    w, rid = ROLLUP_WIDTHS[0], int(run_id)
     prev = c.exec_driver_sql(f'SELECT MAX(step) FROM steps WHERE run_id = {rid} AND rank = {int(rank)} AND step < {min(closed)}').scalar()
     start, end = (min(closed) if prev is None else prev) // w * w, max(closed) // w * w - 1
     if end >= start: roll_up(c, rid, first=start, last=end, ranks=[rank])
