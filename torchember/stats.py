@@ -102,7 +102,7 @@ FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 SLOW_COMPILE_S = 5.0           # a first compile longer than this is said in a warning
 
 def _kernel(kind:str, cpu:bool):
-    "The moments function of `kind` ('flat' or 'rows'): eager on a CPU; on an accelerator eager, or compiled on first use with `TORCHEMBER_COMPILE=1`."
+    "The moments function of `kind` ('flat' or 'rows'): eager; on an accelerator with `TORCHEMBER_COMPILE=1`, compiled on first use."
     fused, eager, on_cpu = _KERNELS[kind]
     if cpu: return on_cpu
     if 'failed' in _COMPILE or os.environ.get('TORCHEMBER_COMPILE', '0') != '1': return eager

@@ -510,7 +510,7 @@ def _multi_row(c, table:Table, replace:bool, n:int)->str:
     return f"INSERT {'OR REPLACE ' if replace else ''}INTO {q(table.name)} ({', '.join(map(q, cols))}) VALUES {', '.join(vals)}"
 
 def _insert_rows(c, table:Table, head:tuple, rows:list, replace:bool=False):
-    "Insert `rows`, each after the same `head` of leading columns: on SQLite in statements of `ROWS_PER_INSERT` rows and one of the rest, each row after `head`, flattened in C (`_multi_row`); elsewhere in one executemany of SQLAlchemy's compiled `_insert`."
+    "Insert `rows`, each after the same `head` of leading columns: multi-row statements on SQLite, one executemany elsewhere."
     if c.dialect.name == 'sqlite':
         i, most = 0, _max_variables(c) // len(table.columns)
         sizes = [n for n in ROWS_PER_INSERT if n <= most]
