@@ -650,7 +650,7 @@ def _to_host(ts:list):
     "Concatenate float64 tensors and copy them to the host without blocking; the result and an event (or None)."
     if not ts: return None, None
     devs = {t.device for t in ts}
-    if len(devs) > 1:   # custom stats on two devices, or rows made on the host: joined on one accelerator, no host wait
+    if len(devs) > 1:   # custom stats on two devices, or rows made on the host: joined on one accelerator, not all copied to the host
         dev = next(d for d in sorted(devs, key=str) if d.type != 'cpu')
         ts = [t.to(dev, non_blocking=True) for t in ts]
     x = torch.cat(ts)
