@@ -44,7 +44,7 @@ def eager(ts):
 
 def stacked(ts):
     groups = {}
-    for i, t in enumerate(ts): groups.setdefault((t.shape, t.dtype), []).append(t.clone())
+    for t in ts: groups.setdefault((t.shape, t.dtype), []).append(t.clone())
     return [stats._eager_rows(torch.stack(g).reshape(len(g), -1), counts=True) for g in groups.values()]
 
 def segments(ts, chunk:int=2**24):

@@ -79,7 +79,7 @@ def _flat8(x):
 SMALL = 2**16   # elements up to which a tensor is small: copied and stacked with others of its size, summed in float64
 
 def _eager8(x):
-    "The 8 `MOMENTS` of 1-d `x` with eager kernels, NaN and Inf counts zeros (a CPU counts them only where the sum is not finite)."
+    "The 8 `MOMENTS` of 1-d `x` with eager kernels; NaN and Inf counts zero (a CPU counts them where the sum isn't finite)."
     if x.numel() > SMALL:   # sums in float32 (torch's cascade sums): a float64 sum of float32 converts it first, ~30x slower
         return native.torch_moments(x if x.dtype in (torch.float32, torch.float64) else x.float())
     if x.dtype not in (torch.float32, torch.float64): x = x.to(F64)   # squares of half-precision values, exact
@@ -102,7 +102,7 @@ FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 SLOW_COMPILE_S = 5.0           # a first compile longer than this is said in a warning
 
 def _kernel(kind:str, cpu:bool):
-    "The moments function of `kind` ('flat' or 'rows'): eager; on an accelerator with `TORCHEMBER_COMPILE=1`, compiled on first use."
+    "The moments function of `kind` ('flat' or 'rows'): eager, or compiled on an accelerator if `TORCHEMBER_COMPILE=1`."
     fused, eager, on_cpu = _KERNELS[kind]
     if cpu: return on_cpu
     if 'failed' in _COMPILE or os.environ.get('TORCHEMBER_COMPILE', '0') != '1': return eager
@@ -147,7 +147,7 @@ def _counted(t:torch.Tensor)->torch.Tensor:
     return _flat8(_flat(t.detach()))
 
 def native_moments(ts:list, batch=None, checked:bool=False)->torch.Tensor:
-    "The `MOMENTS` of CPU tensors `ts` (see `native.supports`) as `(len(ts), 8)` float64, NaN and Inf counted where a sum isn't finite; with `batch`, a `native.Batch` for them (`checked`: see it)."
+    "The `MOMENTS` of CPU tensors `ts` as float64 `(len(ts), 8)`, NaN and Inf counted where a sum isn't finite."
     m = native.moments(ts) if batch is None else batch(ts, checked=checked)
     for i in np.flatnonzero(~np.isfinite(m.numpy()[:, 1])): m[i] = _counted(ts[i])
     return m
@@ -164,7 +164,7 @@ def fused_moments(t:torch.Tensor)->torch.Tensor:
 
 # %% ../nbs/01_stats.ipynb #0de888e0
 def default_stats(t:torch.Tensor)->dict:
-    "The default `STATS` of `t` as 0-d tensors on its device: numel, mean, std, min, max, norm, zero_frac, nan and inf counts."
+    "The default `STATS` of `t`, as 0-d tensors on its device."
     if t.device.type == 'meta': return {'numel': t.numel()}
     with torch.no_grad():
         m = fused_moments(t) if t.numel() > SMALL or _native(t) else moments(as_real(t)[None])[0]
@@ -202,7 +202,7 @@ def _too_long(fn_name:str, k:str, n:int)->ValueError:
     return ValueError(f"{fn_name}: stat {k!r} has {n} values, over the bound of {VECTOR_MAX} (torchember.stats.VECTOR_MAX); not stored")
 
 def check_stats(d, fn_name:str='stat function')->dict:
-    "Validate a stat function's result: a dict of str -> number, 0-d tensor, or 1-d tensor or list of at most `VECTOR_MAX` numbers."
+    "Validate a stat function's result: str -> number, 0-d tensor, or at most `VECTOR_MAX` numbers."
     if not isinstance(d, dict): raise TypeError(f"{fn_name} must return a dict of name -> value, got {type(d).__name__}")
     out = {}
     for k, v in d.items():
@@ -286,7 +286,7 @@ def _nbytes(shape, dtype:str):
 
 @patch_to(StepRecord)
 def rows(self:StepRecord)->list:
-    "One tuple per recorded tensor, fields as `ROW_FIELDS`: its key, the default `STATS` (None where a custom function left them out), `extra` (JSON of other stats) and `nbytes`."
+    "One tuple per recorded tensor, fields as `ROW_FIELDS` (a stat a custom function left out is None)."
     self.ready()
     S = _stats_np(self.moments.numpy()).tolist() if self.moments is not None and len(self.moments) else []
     vals = self.values.tolist() if self.values is not None else []
@@ -364,7 +364,7 @@ def shape_of(t:torch.Tensor)->tuple|None:
 _functorch = torch._C._functorch
 
 def unwrapped(t:torch.Tensor)->torch.Tensor:
-    "`t` without `torch.func`'s wrappers (`vmap`'s batched tensors, `grad`'s and `jacrev`'s tracking tensors): under `vmap`, the whole batch."
+    "`t` without `torch.func`'s wrappers (`vmap`, `grad`, `jacrev`): under `vmap`, the whole batch."
     while _functorch.is_functorch_wrapped_tensor(t): t = _functorch.get_unwrapped(t)
     return t
 
@@ -389,7 +389,7 @@ def tensor(self, mi, call, ttype, tname, t):
 
 @patch_to(Recorder)
 def _default(self, t, copy:bool, where=None, row:int=None):
-    "Start the default stats of `t` (a copy of it, if small and `copy`) in `row` of the step's moments matrix (default: a new one); the row."
+    "Start the default stats of `t` (a copy of it if small and `copy`) in `row` of the moments (default: a new row); the row."
     if row is None:
         row = self._nm
         self._nm += 1
@@ -412,7 +412,7 @@ def _default(self, t, copy:bool, where=None, row:int=None):
 
 @patch_to(Recorder)
 def _now(self, t, row:int)->bool:
-    "Measure `t` into `row` at once, if it is a CPU tensor the native kernel reads, in the step's `native.MomentRows` (nothing to copy; NaN and Inf counted at once if any); whether it did."
+    "Measure CPU tensor `t` into `row` at once with the native kernel, if it reads `t`; whether it did."
     d = self._direct
     if d is None: d = self._direct = native.MomentRows()
     finite = d.take(t)
@@ -441,7 +441,7 @@ def _warn(self, key, msg):
 
 @patch_to(Recorder)
 def _custom(self, fn, t, mi, ttype, tname):
-    "Run a custom stat function on `t` (its time added to `fn`'s seconds in the step); its index in the step's extras, or -1 if it failed."
+    "Run custom stat function `fn` on `t`, timed; its index in the step's extras, or -1 if it failed."
     t0 = time.perf_counter()
     try: return self._run_custom(fn, t, mi, ttype, tname)
     finally: self._spent[fn] = self._spent.get(fn, 0.) + time.perf_counter() - t0
@@ -474,7 +474,7 @@ SLOW_FRACTION, SLOW_S, SLOW_STEPS = 0.5, 0.1, 2
 
 @patch_to(Recorder)
 def _name_slow(self):
-    "Warn, once per function, of a custom stat function that took most of the step now closing, and of `SLOW_STEPS` steps so far."
+    "Warn once per function of a custom stat function that took most of the step now closing."
     if not self._spent: return
     wall = time.perf_counter() - self._t0
     slow = self._slow_steps
@@ -490,7 +490,7 @@ def _name_slow(self):
 @patch_to(Recorder)
 @contextmanager
 def _late(self, step:int):
-    "Record into a `StepRecord` of its own for `step`, emitted as late rows (`closed=False`); an open step is set aside meanwhile."
+    "Record into a `StepRecord` of its own for `step`, emitted as late rows; an open step is set aside meanwhile."
     keep = {k: getattr(self, k) for k in _STEP_STATE} if self.rec else None
     self.open(step)
     try: yield
@@ -572,7 +572,7 @@ def _reduce_groups(self):
 
 # %% ../nbs/01_stats.ipynb #671a09fb
 def _plan(batches, nat:bool=False)->tuple:
-    "`(metas, natives, batch, groups, large, other)` of `(ttype, [(mi, tname, tensor)])` batches: key metadata, indices of tensors for the native kernel (if `nat`) and its `native.Batch` of them, index lists of small same-size float tensors, large float tensors, and the rest."
+    "`(metas, natives, batch, groups, large, other)`: how `(ttype, [(mi, tname, tensor)])` batches are measured."
     metas, natives, nts, groups, large, other = [], [], [], {}, [], []
     for ttype, items in batches:
         for mi, tname, t in items:
@@ -589,7 +589,7 @@ _PLAIN = native._PLAIN
 
 @patch_to(Recorder)
 def _planned(self, batches):
-    "Record `(ttype, [(mi, tname, tensor)])` batches with default stats, by a cached `_plan` of them together (one by one where planning fails)."
+    "Record `(ttype, [(mi, tname, tensor)])` batches with default stats by a cached `_plan` (one by one if it fails)."
     lib = native.library()
     nat = lib is not None
     try:
@@ -642,7 +642,7 @@ def _pending_weights(self)->list:
 
 # %% ../nbs/01_stats.ipynb #fd0ce0b7
 def _plain(m:torch.Tensor)->torch.Tensor:
-    "Moments that a tensor subclass's own ops returned as that subclass, as a plain tensor (NaN where it can't give its values)."
+    "Moments a tensor subclass returned as that subclass, as a plain tensor (NaN where it can't give its values)."
     try: return torch.tensor([x.item() for x in m.reshape(-1).unbind()], dtype=torch.float64, device=m.device).reshape(m.shape)
     except Exception: return torch.full(tuple(m.shape), float('nan'), dtype=torch.float64)
 
@@ -678,7 +678,7 @@ def close(self, step, events, closed:bool=True, calls=()):
 
 @patch_to(Recorder)
 def _gather(self, rec:StepRecord):
-    "Reduce what is pending and start the copies of the step's moments (in key order; a row no part measured is NaN) and custom values to the host."
+    "Reduce what is pending, and start copying the step's moments (in key order) and custom values to the host."
     if self._weights is not None: self._planned(self._pending_weights())
     self._reduce_groups()
     order, mats = [], []

@@ -47,7 +47,7 @@ def db_url(db=None)->str:
     return f"sqlite:///{p.absolute()}"
 
 def _utf8(s:str)->bool:
-    "Whether `s` can be stored as text: no lone surrogates (what `surrogateescape` makes of undecodable bytes, or `'\\ud800'`)."
+    "Whether `s` can be stored as text: no lone surrogates."
     try: s.encode('utf-8')
     except UnicodeEncodeError: return False
     return True
@@ -165,7 +165,7 @@ def _sqlite_pragmas(dbapi_conn, _):
     cur.close()
 
 def _wal(eng):
-    "Switch a store's file to the WAL journal (it stays so); retried, as SQLite refuses at once, without waiting, while another process switches it."
+    "Switch a store's file to the WAL journal, retried while another process switches it."
     with eng.connect() as c:
         for i in range(300):
             try: return c.exec_driver_sql('PRAGMA journal_mode=WAL').scalar()
@@ -180,7 +180,7 @@ def _file_id(path)->tuple|None:
     return st.st_dev, st.st_ino
 
 def _same_file(path, fid, conn):
-    "Refuse a transaction on a store file deleted or replaced since the engine opened it: what it wrote would reach no file anyone reads."
+    "Refuse a transaction on a store file deleted or replaced since the engine opened it."
     if _file_id(path) != fid:
         raise StoreError(f"torchember store {path!r} was deleted or replaced while this process had it open; what is recorded "
                          "into it now is lost (a new torchEmber on that path starts a new store)")
@@ -206,7 +206,7 @@ def _memory_engine()->sa.Engine:
     return sa.create_engine(MEMORY, creator=lambda: con, poolclass=sa.pool.QueuePool, pool_size=1, max_overflow=0)
 
 def engine(db=None, create:bool=True)->sa.Engine:
-    "The SQLAlchemy engine of store `db`, its schema created or checked; `create=False` refuses a SQLite file that doesn't exist."
+    "The SQLAlchemy engine of store `db`, its schema created or checked (`create=False`: the file must exist)."
     url = db_url(db)
     with _lock:
         if url in _engines and (url not in _opened or _file_id(_opened[url][0]) == _opened[url][1]): return _engines[url]
@@ -273,7 +273,7 @@ def _init_schema(eng, tries:int=3):
         _init_schema(eng, tries - 1)
 
 def _begin_immediate(c):
-    "Open the SQLite transaction now, with the write lock, so the whole schema commits at once and creators take turns (a read-only file: nothing to lock)."
+    "Open the SQLite transaction now, with the write lock, so that creators of the schema take turns."
     try: c.exec_driver_sql('BEGIN IMMEDIATE')
     except sa.exc.OperationalError as e:
         if 'readonly' not in str(e.orig) and 'read-only' not in str(e.orig): raise
@@ -329,7 +329,7 @@ def _stored_version(c, eng)->int|None:
 # %% ../nbs/02_store.ipynb #cd2f66e7
 def create_run(eng, name:str, model:str, modules:list, tree:dict, config:dict=None, resume:bool=False,
                rank:int=0, world_size:int=1, overwrite:bool=False)->tuple:
-    "Create run `name`, join it as another `rank` of its world, or find it with `resume`; `modules` as `(name, mtype, parent[, n_params, n_learnable, param_bytes])`. Its id, and with `resume` the last step this rank closed; `overwrite` replaces a run of that name. This process then holds the rank (see `claim`)."
+    "Create run `name`, join it as another `rank`, or find it with `resume`; its id (and with `resume` the last step)."
     check_name(name, 'run name')
     if overwrite and (resume or world_size > 1): raise ValueError("overwrite=True replaces a single process's run and cannot resume it; delete a run of several ranks with torchember.delete_run")
     model, modules = escaped(model), [(escaped(n), escaped(t), *rest) for n, t, *rest in modules]   # names the model gave
@@ -370,7 +370,7 @@ def _create_run(eng, name, model, modules, tree, config, resume, rank, world_siz
         return row.id, last
 
 def drop_run(c, run_id:int)->dict:
-    "Delete run `run_id`'s rows from every table, in the open transaction of connection `c`, its id never to be given again: table -> rows deleted."
+    "Delete run `run_id`'s rows from every table in transaction `c`, its id never given again: table -> rows deleted."
     out = {t.name: c.execute(t.delete().where((t.c.id if t is runs_t else t.c.run_id) == run_id)).rowcount
            for t in reversed(metadata.sorted_tables) if t is runs_t or 'run_id' in t.c}
     retired = c.execute(select(meta_t.c.value).where(meta_t.c.key == RETIRED_RUN_ID)).scalar()
@@ -389,7 +389,7 @@ def last_iteration(eng, run_id:int, rank:int=0)->int:
     return 0 if row is None else int(row[0] if row[0] is not None else row[1] or 0)
 
 def _fresh_id(c)->dict:
-    "The id for a new run, where the store would give a deleted run's id again (SQLite): one above every id it gave; else nothing."
+    "The id for a new run where the store would give a deleted run's id again (SQLite); else nothing."
     if c.dialect.name != 'sqlite': return {}
     retired = c.execute(select(meta_t.c.value).where(meta_t.c.key == RETIRED_RUN_ID)).scalar()
     top = c.execute(select(func.max(runs_t.c.id))).scalar() or 0
@@ -407,7 +407,7 @@ def _torch_version():
 
 # %% ../nbs/02_store.ipynb #9a9ba6e1
 def claim(c, name:str, run_id:int, rank:int, joined:bool=True):
-    "In transaction `c`, claim `rank` of run `run_id` (named `name`) for this process; a `StoreError` if another live process holds it."
+    "In transaction `c`, claim `rank` of run `run_id` for this process; a `StoreError` if a live process holds it."
     if c.dialect.name == 'postgresql' and not _pg_claimed(c.engine, run_id, rank) or joined and _held_elsewhere(c, run_id, rank):
         h = c.execute(select(ranks_t.c.host, ranks_t.c.pid, ranks_t.c.joined).where(ranks_t.c.run_id == run_id, ranks_t.c.rank == rank)).first()
         since = time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(h.joined)) if h and h.joined else 'unknown'
@@ -424,7 +424,7 @@ def _held_elsewhere(c, run_id:int, rank:int)->bool:
     return h is not None and h.host == socket.gethostname() and h.pid not in (None, os.getpid()) and _alive(h.pid, h.joined)
 
 def _alive(pid:int, since:float=None)->bool:
-    "Whether process `pid` runs and, where `/proc` tells, started no later than `since` (so is not a later process that reused the pid)."
+    "Whether process `pid` runs and, where `/proc` tells, started no later than `since`."
     try: os.kill(pid, 0)
     except ProcessLookupError: return False
     except PermissionError: pass          # another user's process: it exists
@@ -438,7 +438,7 @@ def _alive(pid:int, since:float=None)->bool:
     return since is None or started <= since + 2    # btime is whole seconds
 
 def _pg_claimed(eng, run_id:int, rank:int, tries:int=10)->bool:
-    "Whether this process got `(run_id, rank)`'s advisory lock, trying for a second: the session of a holder killed a moment ago may still be ending."
+    "Whether this process got `(run_id, rank)`'s advisory lock, trying for a second."
     for _ in range(tries):
         if _pg_lock(eng, run_id, rank): return True
         time.sleep(0.1)
@@ -451,7 +451,7 @@ def _pg_key(run_id:int, rank:int)->int:
     return int.from_bytes(hashlib.blake2b(f'torchember run {run_id} rank {rank}'.encode(), digest_size=8).digest(), 'big', signed=True)
 
 def _pg_lock(eng, run_id:int, rank:int)->bool:
-    "Take the session advisory lock of `(run_id, rank)` on a connection held for the life of the process; whether it was free."
+    "Take `(run_id, rank)`'s advisory lock on a connection held for the process's life; whether it was free."
     url = eng.url.render_as_string(hide_password=False)
     with _lock:
         key = _pg_key(run_id, rank)
@@ -477,7 +477,7 @@ def release(eng, run_id:int, rank:int):
 _sql = {}
 
 def _compiled(c, key, build)->tuple:
-    "`(sql, names)` of the statement `build(dialect)` compiled once per dialect; `names`: the order of positional parameters, or None."
+    "`(sql, names)` of `build(dialect)` compiled once per dialect; `names`: the positional parameters' order, or None."
     d = c.engine.dialect
     k = (d.name, d.driver, key)
     if k not in _sql:
@@ -486,7 +486,7 @@ def _compiled(c, key, build)->tuple:
     return _sql[k]
 
 def _insert(table:Table, replace:bool, dialect):
-    "An `insert` into `table` for drivers other than SQLite's (see `_insert_rows`); `replace`: on PostgreSQL, a row with the same key replaces the old one."
+    "An `insert` into `table` for drivers other than SQLite's; `replace`: PostgreSQL replaces a row with the same key."
     if replace and dialect.name == 'postgresql':
         ins = pg_insert(table)
         return ins.on_conflict_do_update(constraint=f'{table.name}_pkey',   # the key the store has (without rank in old ones)
@@ -530,26 +530,26 @@ def _executemany(c, table:Table, rows:list, replace:bool=False):
     _insert_rows(c, table, (), rows, replace)
 
 def _execute(c, sql:str, params):
-    "Run `sql` with `params`; a text SQLite or PostgreSQL cannot encode (a lone surrogate in a name the model or a stat function gave) is stored `escaped`, never failing the step."
+    "Run `sql` with `params`; text the database cannot encode (a lone surrogate) is stored `escaped`."
     try: c.exec_driver_sql(sql, params)
     except UnicodeEncodeError:   # raised while binding, before the statement runs: the transaction goes on
         esc = lambda row: {k: escaped(v) for k, v in row.items()} if isinstance(row, dict) else tuple(map(escaped, row))
         c.exec_driver_sql(sql, [esc(r) for r in params] if isinstance(params, list) else esc(params))
 
 def rows_digest(rows:list)->str|None:
-    "A digest of a step's stat rows as written: equal rows in equal order give equal digests; None where they cannot be pickled."
+    "A digest of a step's stat rows as written (equal rows in equal order: equal digests); None if unpicklable."
     try: return hashlib.sha256(pickle.dumps(rows, protocol=5)).hexdigest()[:32]   # ~70 µs for an MLP's 258 rows, SHA in hardware
     except Exception: return None
 
 def write_step(eng, run_id:int, step:int, rows:list, events:list=(), closed:bool=True, events_step:int=None,
                training:bool=None, calls:list=(), scalars:dict=None, snapshots:list=(), rank:int=0,
                iteration:int=None, kind:str=None, pieces:list=()):
-    "Write a step of `rank`: its stat `rows` (tuples in `stats` column order after `run_id, step, rank`), `events` (`(kind, module_id, call)`), `calls` (`(module_id, call, training, fwd_ms, bwd_ms)`), `scalars` `snapshots` (`(module_id, ttype, tname, call, dtype, shape, data)`) and `pieces` of sharded tensors (`shards` rows) in one transaction of engine `eng`, or in the open one of connection `eng`; `events_step`: an earlier step of the rank whose events these equal (none are written)."
+    "Write a step of `rank`, its rows of every kind, in one transaction of `eng` (or in connection `eng`'s open one)."
     write_steps(eng, run_id, [dict(step=step, rows=rows, events=events, closed=closed, events_step=events_step, training=training,
                                    iteration=iteration, kind=kind, calls=calls, scalars=scalars, snapshots=snapshots, pieces=pieces)], rank=rank)
 
 def write_steps(eng, run_id:int, steps:list, rank:int=0):
-    "Write several steps of `rank` (each a dict of `write_step`'s arguments after `run_id`) in one transaction of `eng` (or in the open one of connection `eng`): their small rows in one statement each."
+    "Write several steps of `rank` (dicts of `write_step`'s arguments) in one transaction of `eng`."
     digests, closes, pieced = [], [], []
     with (nullcontext(eng) if isinstance(eng, sa.Connection) else eng.begin()) as c:
         if any(s.get('pieces') for s in steps) and c.dialect.name == 'postgresql':
@@ -748,7 +748,7 @@ PENDING_STEPS, PENDING_BYTES = 1024, 256 << 20    # the most that waits in memor
 RETRY_S = 0.1                                     # pause before writing again to a store that said it was locked
 
 def store_busy(e:Exception)->bool:
-    "Whether `e` says another writer holds the store for now: SQLite busy or locked, a PostgreSQL lock or serialization conflict."
+    "Whether `e` says another writer holds the store for now (SQLite busy or locked, a PostgreSQL lock conflict)."
     orig = getattr(e, 'orig', e)
     return (getattr(orig, 'sqlstate', None) in ('55P03', '40001', '40P01')
             or isinstance(orig, sqlite3.OperationalError) and any(m in str(orig) for m in ('locked', 'busy')))
@@ -761,7 +761,7 @@ def _short(e:Exception)->str:
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 class Writer:
-    "A background thread that writes submitted items in order, several to a transaction, each within `LINGER_S` of its arrival."
+    "A background thread that writes submitted items in order, several to a transaction, each within `LINGER_S`."
     def __init__(self,
                  write,              # `write(items)`: store a list of items in one transaction, or raise
                  strict:bool=False,  # keep errors for `flush` to raise, instead of warning
@@ -781,7 +781,7 @@ class Writer:
         _writers.add(self)
 
     def submit(self, item):
-        "Hand `item` to the writer: an append, and a wakeup only when the thread must look; past the bound the oldest waiting item is dropped."
+        "Hand `item` to the writer without waiting; past the bound the oldest waiting item is dropped."
         if not self._t.is_alive(): raise RuntimeError("torchember writer is closed")
         n = self.size(item)
         with self._cv:
@@ -829,7 +829,7 @@ class Writer:
                 if back: self._cv.wait(RETRY_S)
 
     def _write_batch(self, batch:list)->list:
-        "Write `batch` in one transaction, else item by item, so that only an item that cannot be written is lost; what the store was too busy to take."
+        "Write `batch` in one transaction, else item by item; the items the store was too busy to take."
         try:
             self.write([item for _, item, _ in batch])
             return self._wrote()
@@ -846,7 +846,7 @@ class Writer:
         return []
 
     def _wrote(self)->list:
-        "An item was written: say how many were lost or dropped since the last one that was (with `strict`, `flush` raised that already)."
+        "An item was written: say how many were lost or dropped since the last one that was."
         with self._cv: lost, error, drops, self._lost, self._error, self._drops = self._lost, self._error, self._drops, 0, None, 0
         if self.strict: return []
         if lost: self._say(StoreError(f"{_steps(lost)} lost while writing to the store failed ({_short(error)}); it takes steps again"))
@@ -877,7 +877,7 @@ class Writer:
         with self._cv: return len(self.pending) + len(self._busy or ())
 
     def flush(self, timeout:float=None)->bool:
-        "Wait until every submitted item is written or given up (at most `timeout` s, then say how many still wait); with `strict`, raise the first error since the last flush. Whether all were."
+        "Wait until every submitted item is written or given up (at most `timeout` s); with `strict`, raise; whether all were."
         done = self.wait(timeout)
         if not done:
             self._late_said = True
