@@ -66,7 +66,7 @@ def bands(values:np.ndarray,  # steps x series, NaN where a series has no value
     return np.where(few, np.nan, med), np.where(few, np.nan, mad)
 
 def _nanmedian(a:np.ndarray, n:np.ndarray)->np.ndarray:
-    "The median along the last axis of `a` ignoring NaN, given `n` values known in each: a sort (NaN sorts last) and two picks, quicker than `np.nanmedian`."
+    "The median along the last axis of `a` ignoring NaN, with `n` values known in each: quicker than `np.nanmedian`."
     s = np.sort(a, axis=-1)
     lo, hi = np.maximum((n - 1) // 2, 0), np.maximum(n // 2, 0)
     pick = lambda i: np.take_along_axis(s, i[..., None], axis=-1)[..., 0]
@@ -225,7 +225,7 @@ def signal_spikes(run:Run, rank:int, sig:pd.DataFrame, names:pd.DataFrame, windo
 
 def module_spikes(run:Run, rank:int, norms:pd.DataFrame, names:pd.DataFrame, window:int, spike:float, factor:float,
                   lo:int, most:int=10)->list:
-    "Findings for the steps from `lo` at which a module's RMS newly left its band: one per step, naming the first in the step's order."
+    "Findings for the steps from `lo` at which a module's RMS newly left its band, one a step: the first module in order."
     deps = departures(norms, names, window, spike, factor, norms['step'].min() if len(norms) else lo)
     if deps.empty: return []
     deps = deps.sort_values(['module', 'ttype', 'step'])
@@ -275,7 +275,7 @@ def zero_inputs(run:Run, rank:int, lo:int, hi:int, modules:list)->pd.Series:
 def dead_modules(norms:pd.DataFrame, names:pd.DataFrame, lo:int, dead:float, min_steps:int=3,
                  zeros_in=None,   # `zero_inputs` as a function of the candidates' ids: those handed zeros only pass them on
                 )->list:
-    "Findings for modules whose output was at least `dead` zeros on every recorded step from `lo` (at least `min_steps` of them), and whose inputs were not."
+    "Findings for modules whose output was at least `dead` zeros on every recorded step from `lo`, and inputs were not."
     out = norms[(norms['ttype'] == 'output') & norms['zero_frac'].notna()]
     recent = out[out['step'] >= lo].groupby('module_id').agg(zf=('zero_frac', 'min'), n=('step', 'nunique'))
     res, cands = [], recent[(recent['zf'] >= dead) & (recent['n'] >= min_steps)]
@@ -301,7 +301,7 @@ def _forward_order(run:Run, rank:int, step:int, names:pd.DataFrame)->list:
     return [ids[n] for n in first if n in ids] + [i for i in names.index if names.loc[i, 'module'] not in first]
 
 def _grad_rms(norms:pd.DataFrame)->pd.DataFrame:
-    "Steps x module ids: each module's weight grad RMS (norm over the square root of its element count); no entry for zero grads."
+    "Steps x module ids: each module's weight grad RMS; no entry for zero grads."
     g = norms[(norms['ttype'] == 'weight_grad') & (norms['sq'] > 0) & (norms['numel'] > 0)]
     return g.assign(rms=(g['sq'] / g['numel']) ** .5).pivot_table(index='step', columns='module_id', values='rms', aggfunc='first')
 
@@ -328,7 +328,7 @@ def across_depth(rms:pd.Series, order:list, names:pd.DataFrame, step:int, orders
     return res
 
 def over_steps(rms:pd.DataFrame, order:list, names:pd.DataFrame, orders:float)->list:
-    "Findings where a module's weight grad RMS changed by `orders` magnitudes over the steps of `rms`, naming the module that moved an order first."
+    "Findings where a module's weight grad RMS moved `orders` magnitudes over `rms`'s steps: the module that moved first."
     if len(rms) < 3: return []
     start = rms.iloc[:3].median()
     change = np.log10(rms.div(start, axis=1))
@@ -348,7 +348,7 @@ def over_steps(rms:pd.DataFrame, order:list, names:pd.DataFrame, orders:float)->
 
 # %% ../nbs/03a_diagnose.ipynb #a65be04e
 def update_ratios(run:Run, rank:int, lo:int, hi:int, names:pd.DataFrame, band:tuple)->list:
-    "Findings for weights (not biases) whose median ‖Δw‖/‖w‖ per recorded step of `lo..hi` lies outside `band` (needs `track_updates=True`)."
+    "Findings for weights whose median ‖Δw‖/‖w‖ over `lo..hi` lies outside `band` (needs `track_updates=True`)."
     s = stats_t.c
     q = select(s.step, s.module_id, s.tname, s.norm, s.extra).where(
         s.run_id == run.id, s.rank == rank, s.step.between(lo, hi), s.ttype == 'weight', s.extra.isnot(None))
@@ -386,7 +386,7 @@ def _grads_only(run:Run, rank:int, hi:int)->int|None:
         return c.execute(select(func.count(sa.distinct(s.step))).where(*bad, s.ttype.in_(GRADS))).scalar()
 
 def nonfinite_finding(run:Run, rank:int, hi:int)->list:
-    "The run's first NaN or Inf (`Run.first_nonfinite`) up to step `hi`, as a finding: an error, unless only grads ever held one (a skipped step, as AMP's GradScaler makes)."
+    "The run's first NaN or Inf up to step `hi` as a finding: an error, unless only grads ever held one (a skipped step)."
     f = run.first_nonfinite(rank=rank)
     if f is None or f['step'] > hi: return []
     what = ' and '.join(f"{n} {k}" for n, k in ((f['nan_count'], 'NaN'), (f['inf_count'], 'Inf')) if n)
@@ -435,7 +435,7 @@ def diagnose(self:Run,
              rank:int=None,       # the rank to look at; default the run's first
              ignore=None,         # findings judged harmless: 'kind' or 'kind:glob' (the glob on the module, or the stat), or a list of them
             )->pd.DataFrame:      # one finding per row, most important first: kind, severity, step, iteration, module, ..., message
-    "What went wrong in this run, and which module started it: non-finite values, spikes, dead outputs, vanishing or exploding grads, update ratios."
+    "What went wrong in this run, and which module started it: NaN/Inf, spikes, dead outputs, grads, update ratios."
     _check_diagnose(step, window, spike, factor, lead, dead, orders, update_band)
     quiet = _ignored(ignore)
     rank = _one_rank(self, rank)
@@ -497,7 +497,7 @@ def _fetch(c, q)->list:
     return c.execute(q).cursor.fetchall()
 
 def _plain(c):
-    "Connection `c`, on PostgreSQL set for this transaction to sum in one order (no parallel workers) and to compile no query (no JIT: on these it costs more than it saves, seconds on the bench)."
+    "Connection `c` set, on PostgreSQL, to sum in one order (no parallel workers) and compile no query (no JIT)."
     if c.dialect.name == 'postgresql':
         c.exec_driver_sql('SET LOCAL max_parallel_workers_per_gather = 0')
         c.exec_driver_sql('SET LOCAL jit = off')
@@ -516,7 +516,7 @@ def fingerprints(run:Run, lo:int, hi:int)->pd.DataFrame:
     return _sums(run, ['step'], stats_t.c.step.between(lo, hi))
 
 def step_digests(run:Run, lo:int, hi:int)->pd.DataFrame|None:
-    "Per step of `lo..hi`: the digests its ranks' closing writes stored (`store.rows_digest`), as one text; None if a step of the range has none."
+    "Per step of `lo..hi`: its ranks' stored digests (`store.rows_digest`) as one text; None if a step has none."
     st, dg = steps_t.c, digests_t.c
     on = sa.and_(dg.run_id == st.run_id, dg.step == st.step, dg.rank == st.rank)
     q = (select(st.step, st.rank, dg.digest).select_from(steps_t.outerjoin(digests_t, on))
@@ -562,18 +562,18 @@ def _frame(rows:list, names:pd.DataFrame)->pd.DataFrame:
     return df.astype(types).join(names, on='module_id').drop(columns='module_id')
 
 def stat_rows(run:Run, steps:list, names:pd.DataFrame, modules:list=None)->pd.DataFrame:
-    "The stat rows of `steps` (of the modules with ids `modules`, default all), keyed by module name: step, rank, module, mtype, call, ttype, tname and the compared stats."
+    "The stat rows of `steps` (of modules with ids `modules`, default all), keyed by module name, with the compared stats."
     s = stats_t.c
     only = [] if modules is None else [s.module_id.in_(modules)]
     with engine(run.db).connect() as c: rows = _fetch(c, select(*[s[c] for c in _ROW]).where(s.run_id == run.id, s.step.in_(steps), *only))
     return _frame(rows, names)
 
 def _paired(a:pd.DataFrame, b:pd.DataFrame)->pd.DataFrame:
-    "Two runs' `stat_rows` side by side (suffixes `_a`, `_b`), matched on `_KEY`, sorted by it; `_merge` says which side has the row."
+    "Two runs' `stat_rows` side by side (suffixes `_a`, `_b`), matched and sorted on `_KEY`; `_merge` says who has it."
     return a.merge(b, on=_KEY, how='outer', suffixes=('_a', '_b'), indicator=True)
 
 def _differing(m:pd.DataFrame, rtol:float)->pd.DataFrame:
-    "The (row, stat) pairs of `_paired` rows `m` that differ by more than `rtol` of the larger (of a mean: or of the std); NaN equals NaN; a row one side lacks: stat `row`."
+    "The (row, stat) pairs of `_paired` rows `m` that differ by more than `rtol`; NaN equals NaN; a missing row: `row`."
     m = m.assign(mtype=m['mtype_a'].fillna(m['mtype_b']))
     out = []
     for c in ('row', *COMPARED):
@@ -595,7 +595,7 @@ def _nan_free(c, x):
 def _larger(x, y): return sa.case((x >= y, x), else_=y)   # both dialects: SQLite's max(x, y) is PostgreSQL's greatest
 
 def _may_differ(c, a, b, rtol:float):
-    "SQL, true where stats rows `a` and `b` may differ by more than `rtol` as `_differing` decides; never false where they do."
+    "SQL, true where stats rows `a` and `b` may differ by more than `rtol` (as `_differing`), never false where they do."
     ors = []
     for col in COMPARED:
         x, y = _nan_free(c, a.c[col]), _nan_free(c, b.c[col])

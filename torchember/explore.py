@@ -49,7 +49,7 @@ ORDER = ('evidence', 'map', 'graph', *PLOTS[1:5])   # top to bottom: a finding's
 _TOP, _GAP, _BOTTOM, _WIDTH = 60, 110, 90, 980   # px: above the first plot, between two (a title, the x axis above), below the last
 
 def _ref(ref:str, axes:list)->str:
-    "Axis reference `ref` of a plot's own figure ('x2', 'y domain', 'paper') as it reads in the explorer's figure, whose axes `axes` the plot has."
+    "Axis reference `ref` of a plot's own figure ('x2', 'y domain', 'paper') as it reads in the explorer's figure."
     xy, n, dom = re.fullmatch(r'([xy])(\d*)( domain)?', ref).groups() if ref and ref != 'paper' else (None, None, None)
     if xy is None: return ref
     k = axes[int(n or 1) - 1]
@@ -89,7 +89,7 @@ def _traces(p:Plot, f:go.Figure)->list:
     return out
 
 def _layout(plots:list, n_axes:int)->dict:
-    "The explorer figure's layout: `plots` stacked, each in a band as tall as its `height`, with its axes, title, legend, shapes and annotations."
+    "The explorer figure's layout: `plots` stacked, each in a band as tall as its `height`, with its axes and decorations."
     shown = [p for p in plots if p.shown]
     inner = max(sum(p.height for p in shown) + _GAP * (len(shown) - 1), 1)
     lay = dict(height=_TOP + inner + _BOTTOM, width=_WIDTH, template='plotly_white', barmode='group', hovermode='closest',
@@ -315,7 +315,7 @@ def _draw(self:Explorer,
           name:str,           # one of `PLOTS`
           f:go.Figure=None,   # what the plot shows: traces and layout of a figure of its own; None hides the plot
          ):
-    "Show figure `f` as plot `name` of the explorer's figure, as tall as `f`; its traces update in place where names, types and axes match."
+    "Show figure `f` as plot `name` of the explorer's figure; traces update in place where names, types and axes match."
     p = self.plots[name]
     if f is not None and name == 'scalars':   # its subplots take the axes after the other plots'
         n = sum(1 for k in f.layout.to_plotly_json() if re.fullmatch(r'xaxis\d*', k))
@@ -384,7 +384,7 @@ def _stamp(self:Explorer):
 
 @patch
 def _find_first_bad(self:Explorer):
-    "Look for the run's first NaN/Inf in the steps not searched yet (and the newest searched one, which late grads may reach)."
+    "Look for the run's first NaN/Inf in the steps not searched yet (and the newest searched one)."
     if self._first_bad is not None or not self._steps: return
     self._first_bad = self.run.first_nonfinite(after=self._bad_after)
     self._bad_after = self._steps[-2] if len(self._steps) > 1 else None
@@ -592,7 +592,7 @@ def refresh_map(self:Explorer):
 
 @patch
 def refresh_scalars(self:Explorer):
-    "Redraw the training scalars: what was logged with `te.log`, and the global grad and weight norms, the overlay's in orange."
+    "Redraw the training scalars: what `te.log` logged, and the global grad and weight norms (the overlay's in orange)."
     with self._lock:
         if self.run is None: return self
         other = self.overlay.steps(self._overlay_rank()) if self.overlay is not None else None

@@ -211,7 +211,7 @@ def history_traces(h:pd.DataFrame,      # per-step records, as `history` returns
                    run:str='',          # a run name to prefix trace names with (for an overlaid run)
                    color:str=BLUE,      # the run's colour
                   )->list:
-    "Traces of `stats` of `h` over steps: the mean in a ±std band in a min/max envelope, other stats as lines, NaN/Inf markers."
+    "Traces of `stats` of `h` over steps: the mean in a ±std band in a min/max envelope, other stats, NaN/Inf markers."
     pre, x, tr, first = f'{run}: ' if run else '', h['step'].tolist(), [], None
     cd, at = step_hover(h)
     stats = [s for s in stats if s in h]
@@ -242,7 +242,7 @@ def _in_tree_order(df:pd.DataFrame, run:Run)->pd.DataFrame:
     return df.assign(_o=df['module'].map(order)).sort_values(keys, kind='stable').drop(columns='_o').reset_index(drop=True)
 
 def latest_by_module(run:Run, ttype:str='weight_grad', step:int=None, rank:int=None)->pd.DataFrame:
-    "One row per module of `run` at `step` (default: the latest) and rank (or just `rank`), its `ttype` tensors combined, in tree order."
+    "One row per module of `run` at `step` (default: the latest) and rank, its `ttype` tensors combined, in tree order."
     step = run.last_step if step is None else step
     return _in_tree_order(combine(with_stats(run.df(step=-1 if step is None else step, ttype=ttype, rank=rank)), ['rank', 'module']), run)
 
@@ -267,7 +267,7 @@ def overview_traces(o:pd.DataFrame,     # one row per module, from `latest_by_mo
 
 # %% ../nbs/05_figures.ipynb #6071aa57
 def latest_times(run:Run, step:int=None, rank:int=None)->pd.DataFrame:
-    "One row per timed module of `run` at `step` (default: the latest) and rank (or just `rank`): forward and backward ms summed over its calls, in tree order."
+    "One row per timed module of `run` at `step` (default: the latest) and rank: forward and backward ms, in tree order."
     step = run.last_step if step is None else step
     g = run.calls(step=-1 if step is None else step, rank=rank).groupby(['run', 'step', 'rank', 'module', 'mtype'], sort=False)
     df = g[['fwd_ms', 'bwd_ms']].sum(min_count=1).join(g.size().rename('n_calls')).reset_index()
@@ -289,7 +289,7 @@ def heatmap_traces(h:pd.DataFrame, bins:int=None)->list:
 RANK_COLORS = (BLUE, ORANGE, '#2ca02c', '#9467bd', '#8c564b', '#e377c2', '#7f7f7f', '#bcbd22', '#17becf')   # red is for NaN
 
 def rank_traces(h:pd.DataFrame, stats=('mean',))->list:
-    "`history_traces` of each rank of `h` (per step and rank, as `history` gives it), in a colour per rank, names prefixed `rank r`."
+    "`history_traces` of each rank of `h`, in a colour per rank, names prefixed `rank r`."
     return [t for i, (r, d) in enumerate(h.groupby('rank')) for t in history_traces(d, stats, run=f'rank {r}', color=RANK_COLORS[i % len(RANK_COLORS)])]
 
 def rank_spread(h:pd.DataFrame,     # per-step records of several ranks, as `history` gives them
@@ -307,7 +307,7 @@ def rank_spread(h:pd.DataFrame,     # per-step records of several ranks, as `his
     return out.reset_index()
 
 def spread_traces(sp:pd.DataFrame, stats=('mean',), color:str=BLUE)->list:
-    "Each stat of `rank_spread`'s `sp` as its mean over ranks inside the band from the lowest to the highest rank, and NaN/Inf markers."
+    "Each stat of `rank_spread`'s `sp`: its mean over ranks inside the lowest-to-highest band, and NaN/Inf markers."
     x, tr, first = sp['step'].tolist(), [], None
     cd, at = step_hover(sp)
     for i, s in enumerate(st for st in stats if st in sp):
@@ -329,7 +329,7 @@ def _host(t:torch.Tensor)->torch.Tensor:
 def tensor_image(t:torch.Tensor,    # any tensor
                  max_tiles:int=64,  # from 3-D on: at most this many channels
                 )->np.ndarray:      # 2-D, float64, NaN between tiles
-    "`t` as a 2-D array to draw: a vector as a row, a matrix as is, and from 3-D on its first sample, channels tiled in a grid."
+    "`t` as a 2-D array to draw: a vector as a row, a matrix as is, from 3-D its first sample's channels tiled."
     x = _host(t)
     if x.numel() == 0: return np.zeros((0, 0))
     if x.ndim < 2: return x.reshape(1, -1).numpy()
@@ -352,7 +352,7 @@ def _top_directions(x:torch.Tensor, k:int, extra:int=8, iters:int=4)->torch.Tens
     return torch.linalg.svd(q.T @ x, full_matrices=False)[2][:k].T
 
 def _pcs(x:torch.Tensor)->tuple:
-    "The rows of `x` (samples x features, centred) on their first two principal components, and each one's share of the variance."
+    "The rows of centred `x` on their first two principal components, and each one's share of the variance."
     if min(x.shape) > 256: p = x @ _top_directions(x, 2)   # large: randomized
     else:
         u, s, _ = torch.linalg.svd(x, full_matrices=False)
@@ -441,7 +441,7 @@ def _map_agg(stat:str, s)->list:
     return [(func.max if stat == 'max' else func.min)(col), func.count()]
 
 def forward_order(run:Run, step:int=None, rank:int=None)->list:
-    "Module names of `run` in the order `step`'s forward entered them (default: its newest closed step), the modules it did not call after, in tree order."
+    "Module names of `run` in the order `step`'s forward entered them (default: newest), then the rest in tree order."
     called = [m for k, m in zip(*run.events(step, rank)[['kind', 'module']].values.T) if k == 'enter'] if run.last_step is not None else []
     return list(dict.fromkeys([*called, *modules_in_order(run.tree())]))
 
@@ -603,7 +603,7 @@ def finite_json(x):
     return x.item() if isinstance(x, np.generic) else x
 
 def map_labels(m:dict, run:Run)->list:
-    "The row labels of `module_map` `m`: each module's full name indented by its depth in the tree, and its class (unique, as names are)."
+    "The row labels of `module_map` `m`: each module's full name indented by its depth, and its class."
     mods = run.modules()
     types, depth = dict(zip(mods['module'], mods['mtype'])), {}
     for n, p in zip(mods['module'], mods['parent']): depth[n] = depth.get(p, -1) + 1 if n else 0
@@ -656,7 +656,7 @@ def _cell_edges(x:list, j:int, width:int=1)->tuple:
     return left, right
 
 def _first_cell(m:dict, first:dict=None)->tuple|None:
-    "Row and column of the first NaN/Inf cell: the earliest column, and there `first`'s module if it is a row, else the first row."
+    "Row and column of the first NaN/Inf cell: the earliest column, there `first`'s row if present, else the first."
     if not m['bad'].any(): return None
     j = int(np.argmax(m['bad'].any(0)))
     rows = np.flatnonzero(m['bad'][:, j])
@@ -692,14 +692,14 @@ def fold_map(m:dict,          # a `module_map`
 from plotly.subplots import make_subplots
 
 def log_axis(values)->dict:
-    "A log y axis for `values`: ticks at every power of ten where they span a decade or more, plotly's own finer ticks where they span less."
+    "A log y axis for `values`: ticks at powers of ten where they span a decade or more, plotly's own where less."
     v = pd.to_numeric(pd.Series(list(values)), errors='coerce')
     v = v[np.isfinite(v) & (v > 0)]
     wide = len(v) and np.log10(v.max() / v.min()) >= 1
     return dict(type='log', dtick=1) if wide else dict(type='log')
 
 def flat_range(values)->list|None:
-    "A y range that shows a constant series (a fixed learning rate) as a line at mid-height with its value on a tick; None if it varies."
+    "A y range showing a constant series as a line at mid-height with its value on a tick; None if it varies."
     v = pd.to_numeric(pd.Series(list(values)), errors='coerce')
     v = v[np.isfinite(v)]
     if not len(v) or v.min() != v.max(): return None

@@ -23,7 +23,7 @@ __all__ = ['SUMMARY', 'FORWARD', 'BACKWARD', 'NONFINITE_KINDS', 'GRAPH_ENDS', 'r
 
 # %% ../nbs/03_query.ipynb #1536ffaf
 def runs(db=None)->pd.DataFrame:
-    "The runs in store `db`, newest first: name, model, started, steps recorded, last step (closed by every rank), user, host, torch version, world size."
+    "The runs in store `db`, newest first: name, model, start, steps, last step, user, host, torch version, world size."
     eng = engine(db, create=False)
     s = steps_t.c
     per_rank = select(s.run_id, func.max(s.step).label('last')).group_by(s.run_id, s.rank).subquery()
@@ -60,7 +60,7 @@ _META = ['run', 'step', 'rank', 'call', 'module', 'mtype', 'ttype', 'tname', 'sh
 def _as_list(x): return None if x is None else [x] if isinstance(x, (str, int)) else list(x)
 
 def _newest_steps(c, run_id:int)->dict:
-    "rank -> newest step it closed, for run `run_id`, by ranks in order: one backwards seek on the steps key per rank that joined."
+    "rank -> newest step it closed, for run `run_id`: one backwards seek on the steps key per rank."
     s = steps_t.c
     joined = c.execute(select(ranks_t.c.rank).where(ranks_t.c.run_id == run_id).order_by(ranks_t.c.rank)).scalars().all()
     if not joined:   # a store older than the ranks table: scan the run's steps
@@ -152,7 +152,7 @@ from fastcore.basics import patch
 
 @patch
 def df(self:Run, step=None, module=None, ttype=None, tname=None, steps:tuple=None, rank=None)->pd.DataFrame:
-    "Records of this run, optionally filtered by step(s), a `(first, last)` step range, module(s), ttype(s), tname(s), rank(s)."
+    "Records of this run, filtered by step(s) or a `(first, last)` range, module(s), ttype(s), tname(s), rank(s)."
     return records(self.db, self.id, self.name, step=step, module=module, ttype=ttype, tname=tname, steps=steps, rank=rank)
 
 @patch
@@ -199,7 +199,7 @@ def step_kinds(self:Run, rank:int=None)->pd.DataFrame:
     return df.copy()
 
 def _old_kinds(df:pd.DataFrame)->pd.DataFrame:
-    "`df` (steps with `kind` and `training`) with the kinds a store written before them lacks: 'eval' in eval mode, else 'train'."
+    "`df` with the step kinds a store written before them lacks: 'eval' in eval mode, else 'train'."
     old = df['kind'].isna()
     df.loc[old, 'kind'] = np.where(df.loc[old, 'training'].eq(0), 'eval', 'train')
     return df
@@ -222,7 +222,7 @@ def tree(self:Run)->dict:
 
 @patch
 def events(self:Run, step:int=None, rank:int=None)->pd.DataFrame:
-    "The enter and exit events of `step` (default: the newest closed step) on `rank` (default: the first) in the order they happened: kind, module, call."
+    "The enter and exit events of `step` (default: newest closed) on `rank` (default: first), in order."
     step, rank = self.last_step if step is None else step, _one_rank(self, rank)
     e, m, st = events_t.c, modules_t, steps_t.c
     src = select(st.events_step).where(st.run_id == self.id, st.step == step, st.rank == rank).scalar_subquery()
@@ -232,7 +232,7 @@ def events(self:Run, step:int=None, rank:int=None)->pd.DataFrame:
 
 @patch
 def sequence(self:Run, step:int=None, rank:int=None)->list:
-    "Enter/exit order of `step` (default: the newest closed step) on `rank` (default: the first), as `'enter features.0'` strings."
+    "Enter/exit order of `step` (default: newest closed) on `rank` (default: first), as `'enter features.0'` strings."
     ev = self.events(step, rank)
     return [f"{k} {n}" for k, n in zip(ev['kind'], ev['module'])]
 
@@ -257,7 +257,7 @@ def summary(df:pd.DataFrame)->pd.DataFrame:
 
 @patch
 def summary(self:Run, step:int=None, rank:int=None)->pd.DataFrame:
-    "One line per module call of `step` (default: the newest training step) on `rank` (default: the first), and its iteration."
+    "One line per module call of `step` (default: the newest training step) on `rank` (default: the first)."
     rank = _one_rank(self, rank)
     if step is None: step, it = self.newest_train_step(self.last_steps.get(rank), rank)
     else: it = self.step_kinds(rank).set_index('step')['iteration'].get(step)
@@ -382,7 +382,7 @@ def roll_up(self:Run, again:bool=False)->Run:
     return self
 
 def _rolled_first_bad(c, run_id:int, rank:int=None)->int|None:
-    "The first step with NaN/Inf in `NONFINITE_KINDS` from the widest `rollups` (and rows after them), -1 if none; None if unfolded."
+    "The first step with NaN/Inf in `NONFINITE_KINDS`, from the widest `rollups`; -1 if none; None if unfolded."
     r, st, s, w = rollups_t.c, steps_t.c, stats_t.c, ROLLUP_WIDTHS[-1]
     ranks = [rank] if rank is not None else c.execute(select(st.rank).where(st.run_id == run_id).distinct()).scalars().all()
     firsts = []
@@ -488,7 +488,7 @@ _SNAPS = ['module', 'ttype', 'tname', 'call', 'rank', 'step', 'dtype', 'shape']
 
 @patch
 def snapshots(self:Run, module=None, rank=None)->pd.DataFrame:
-    "The run's tensor snapshots, of module(s) `module` and rank(s) `rank` if given, without their data: module, ttype, tname, call, rank, step, dtype, shape."
+    "The run's tensor snapshots of `module`(s) and `rank`(s), without their data."
     p, m = snapshots_t.c, modules_t
     q = (select(m.c.name, p.ttype, p.tname, p.call, p.rank, p.step, p.dtype, p.shape)
          .join(m, sa.and_(m.c.run_id == p.run_id, m.c.id == p.module_id)).where(p.run_id == self.id))
