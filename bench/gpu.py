@@ -11,8 +11,9 @@ show up here), split into recorded and unrecorded steps.
 
     python bench/gpu.py                       # on a CUDA machine
     python bench/gpu.py --device cpu --tiny   # a smoke test of the script itself, anywhere
+    python bench/gpu.py --breakdown           # where a recorded step's time goes, part by part
 """
-import argparse, statistics, sys, tempfile, time, warnings
+import argparse, importlib.util, statistics, sys, tempfile, time, warnings
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -93,6 +94,41 @@ def syncs_per_step(model, step, device, db, steps=20, every=10):
     return bare, max(counts[True]), max(counts[False])
 
 
+def _cpu_bench():
+    "bench/bench.py as a module: its switches that turn parts of an armed model off (`PARTS`)."
+    spec = importlib.util.spec_from_file_location('cpu_bench', HERE / 'bench.py')
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    return m
+
+
+def breakdown(m, model, step, device, db, blocks, k):
+    "Where a recorded step's time goes: ms a step armed every step, each part switched off in turn (cumulatively)."
+    parts = _cpu_bench().PARTS
+    times = {label: [] for label, _, _ in [(None, None, None)] + parts}
+    def block(i):
+        label = parts[i - 1][0] if i else None
+        te = torchEmber(model, db=db, every=1) if i else None
+        for _, f, _ in parts[:i]:
+            if f: f(te)
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(k): step()
+        if te is not None: te.flush()
+        sync(device)
+        times[label].append((time.perf_counter() - t0) / k)
+        if te is not None: te.disarm()
+    for r in range(blocks):
+        for i in (range(len(parts) + 1) if r % 2 == 0 else reversed(range(len(parts) + 1))): block(i)
+    bare = statistics.median(times[None])
+    print(f"{m}: where a step recorded every step goes ({blocks} blocks of {k} steps); bare {bare * 1e3:.2f} ms")
+    prev = None
+    for label, _, part in parts:
+        ms = (statistics.median(times[label]) - bare) * 1e3
+        print(f"  {label:<22} {ms:+8.2f} ms a step" + (f"   ({part}: {prev - ms:+.2f} ms)" if part else ""), flush=True)
+        prev = ms
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('--device', default='cuda')
@@ -100,16 +136,20 @@ def main(argv=None):
     p.add_argument('--blocks', type=int, default=7)
     p.add_argument('--steps', type=int, default=20, help="steps a block (a multiple of 10)")
     p.add_argument('--tiny', action='store_true', help="small models: a smoke test of the script")
+    p.add_argument('--breakdown', action='store_true', help="only where a step recorded every step goes, part by part")
     a = p.parse_args(argv)
     device = torch.device(a.device)
     if device.type == 'cuda' and not torch.cuda.is_available(): sys.exit("no CUDA device here: run with --device cpu --tiny to check the script")
     name = torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'
     print(f"device: {name}; torch {torch.__version__}")
     db = str(Path(tempfile.mkdtemp(prefix='torchember-gpu-')) / 'bench.db')
-    print(f"{'model':<14} {'config':<12} {'bare ms':>9} {'armed ms':>9} {'ratio':>7} {'paired':>7}")
+    if not a.breakdown: print(f"{'model':<14} {'config':<12} {'bare ms':>9} {'armed ms':>9} {'ratio':>7} {'paired':>7}")
     for m in a.models.split(','):
         model, step = MODELS[m](device, a.tiny)
         for _ in range(3): step()
+        if a.breakdown:
+            breakdown(m, model, step, device, db, a.blocks, a.steps)
+            continue
         times = {None: [], 1: [], 10: []}
         for r in range(a.blocks):
             for every in ((None, 1, 10) if r % 2 == 0 else (10, 1, None)):

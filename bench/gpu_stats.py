@@ -10,16 +10,19 @@ session with a GPU picks by measurement:
 - `eager`: the eight moments of each tensor with eager kernels (`stats._flat8`), what an accelerator runs today;
 - `stacked`: tensors cloned as they come, then stacked by shape and reduced a group at a time (`stats._eager_rows`);
 - `segments`: tensors copied into one float32 buffer, reduced with `torch.segment_reduce`;
+- `triton_one`: the Triton kernels of `torchember.triton_moments`, a launch a tensor (as activations are read);
+- `triton_many`: the same, a launch per dtype and size class for the whole list (as weights and grads are read);
 - `foreach`: `torch._foreach_norm` over the list, one statistic only: a floor for multi-tensor kernels;
 - `compiled` (with `--compile`): `torch.compile` of `stats._flat8`, first call (the compile) timed apart.
 
 For each: the host's µs a tensor to launch the work (what the training thread pays) and the device's µs a tensor
-until it is done, medians of `--repeats`.
+until it is done, medians of `--repeats`, on those tensors and on 200 small ones (where launches are all the cost).
+The Triton ways are first checked against `eager`.
 
     python bench/gpu_stats.py                      # on a CUDA machine
     python bench/gpu_stats.py --device cpu --layers 1   # a smoke test of the script, anywhere
 """
-import argparse, statistics, sys, time
+import argparse, os, statistics, sys, time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -67,6 +70,29 @@ def segments(ts, chunk:int=2**24):
     if lens: reduce()
     return out
 
+def triton_one(ts):
+    from torchember import triton_moments
+    P = triton_moments.Partials(ts[0].device)
+    for t in ts: P.add(t)
+    return P.finish()
+
+def triton_many(ts):
+    from torchember import triton_moments
+    P = triton_moments.Partials(ts[0].device)
+    order = P.add_many(ts)
+    m = P.finish()
+    return m[torch.tensor(order, device=m.device).argsort()]   # in the order of `ts`
+
+def agree(ts, device):
+    "Print the Triton kernels' first call (their compile) and their largest relative difference from `eager` per moment."
+    t0 = time.perf_counter(); triton_one(ts[:1]); sync(device)
+    print(f"triton: first call (compiles) {time.perf_counter() - t0:.2f} s")
+    x = torch.randn(1000, device=device); x[3], x[5], x[7] = float('nan'), float('inf'), 0
+    ref = eager(ts + [x])
+    rel = lambda got: ((got - ref).abs() / ref.abs().clamp_min(1e-30)).nan_to_num(0).amax(0).tolist()
+    print("triton_one against eager, largest relative difference per moment:", rel(triton_one(ts + [x])))
+    print("triton_many against eager:", rel(triton_many(ts + [x])))
+
 def foreach(ts):
     return torch._foreach_norm(ts)
 
@@ -95,7 +121,7 @@ def main(argv=None):
     p.add_argument('--device', default='cuda')
     p.add_argument('--layers', type=int, default=12)
     p.add_argument('--repeats', type=int, default=5)
-    p.add_argument('--ways', default='eager,stacked,segments,foreach')
+    p.add_argument('--ways', default='eager,stacked,triton_one,triton_many,foreach')
     p.add_argument('--compile', action='store_true', help="also time `torch.compile` of the fused kernel (its compile apart)")
     a = p.parse_args(argv)
     device = torch.device(a.device)
@@ -105,17 +131,21 @@ def main(argv=None):
     ts = gpt2_tensors(device, a.layers, **(dict(d=64, seq=32, batch=2) if small else {}))
     print(f"device: {name}; torch {torch.__version__}; {len(ts)} tensors, {sum(t.numel() for t in ts) / 1e6:.0f}M elements")
     ways = {w: globals()[w] for w in a.ways.split(',')}
+    if device.type == 'cpu' and os.environ.get('TRITON_INTERPRET') != '1':   # Triton compiles for accelerators only
+        ways = {w: f for w, f in ways.items() if not w.startswith('triton')}
     if a.compile:
         f = torch.compile(stats._flat8, dynamic=True)
         t0 = time.perf_counter(); f(ts[0].reshape(-1)); sync(device)
         print(f"compiled: first call (the compile) {time.perf_counter() - t0:.1f} s")
         ways['compiled'] = lambda ts: torch.stack([f(t.reshape(-1)) for t in ts])
-    print(f"{'way':<10} {'host µs/tensor':>15} {'done µs/tensor':>15}")
+    if 'triton_one' in ways or 'triton_many' in ways: agree(ts, device)
+    small = [torch.randn(100, device=device) for _ in range(200)]
+    print(f"{'way':<12} {'host µs/tensor':>15} {'done µs/tensor':>15} {'200 small: host':>16} {'done':>8}")
     for w, fn in ways.items():
-        try: h, d = timed(fn, ts, device, a.repeats)
+        try: h, d = timed(fn, ts, device, a.repeats); hs, ds = timed(fn, small, device, a.repeats)
         except Exception as e:
-            print(f"{w:<10} failed: {type(e).__name__}: {e}"); continue
-        print(f"{w:<10} {h:15.1f} {d:15.1f}", flush=True)
+            print(f"{w:<12} failed: {type(e).__name__}: {e}"); continue
+        print(f"{w:<12} {h:15.1f} {d:15.1f} {hs:16.1f} {ds:8.1f}", flush=True)
 
 
 if __name__ == '__main__':

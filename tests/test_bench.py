@@ -1,5 +1,5 @@
 "The benchmark runs and reports every configuration and every part (its figures are not checked: they are timings)."
-import subprocess, sys
+import importlib.util, os, subprocess, sys
 import pytest
 from pathlib import Path
 
@@ -71,10 +71,14 @@ def test_gpu_benchmark_runs_as_is():
                                      ['resnet18-b256', 'every=1'], ['resnet18-b256', 'every=10']]
 
 def test_gpu_stats_benchmark_runs_as_is():
-    "The script that times ways of measuring many tensors on an accelerator runs end to end on the CPU, every way timed."
-    r = subprocess.run([sys.executable, str(GPU.parent/'gpu_stats.py'), '--device', 'cpu', '--layers', '1', '--repeats', '1'],
-                       capture_output=True, text=True, timeout=600)
+    "The script that times ways of measuring many tensors on an accelerator runs end to end on the CPU, every way timed (Triton's in its interpreter)."
+    triton = importlib.util.find_spec('triton') is not None
+    r = subprocess.run([sys.executable, str(GPU.parent/'gpu_stats.py'), '--device', 'cpu', '--layers', '1', '--repeats', '1',
+                        '--ways', 'eager,stacked,segments,triton_one,triton_many,foreach'],
+                       capture_output=True, text=True, timeout=600, env=dict(os.environ, TRITON_INTERPRET='1'))
     assert r.returncode == 0, r.stderr[-3000:]
-    rows = [l.split() for l in r.stdout.splitlines()[2:]]
-    assert [w[0] for w in rows] == ['eager', 'stacked', 'segments', 'foreach'], r.stdout
+    lines = r.stdout.splitlines()
+    rows = [l.split() for l in lines[[l.startswith('way') for l in lines].index(True) + 1:]]   # the table's rows
+    assert [w[0] for w in rows] == ['eager', 'stacked', 'segments'] + ['triton_one', 'triton_many'] * triton + ['foreach'], r.stdout
+    if triton: assert 'triton_many against eager' in r.stdout, r.stdout
     assert all(float(w[1]) > 0 and float(w[2]) >= float(w[1]) for w in rows), r.stdout

@@ -17,10 +17,10 @@ from .core import elapsed_ms, _transforms_on
 from . import native
 
 # %% auto #0
-__all__ = ['MOMENTS', 'STATS', 'F64', 'SMALL', 'FLOATS', 'SLOW_COMPILE_S', 'NORM_EXTRAS', 'VECTOR_MAX', 'ROW_FIELDS', 'TTYPES',
-           'SLOW_FRACTION', 'SLOW_S', 'SLOW_STEPS', 'as_real', 'moments', 'stats_of_moments', 'native_moments',
-           'fused_moments', 'default_stats', 'merge_stats', 'check_stats', 'StepRecord', 'Recorder', 'dtype_name',
-           'local_shard', 'shape_of', 'unwrapped']
+__all__ = ['MOMENTS', 'STATS', 'TRITON_DEVICES', 'F64', 'SMALL', 'FLOATS', 'SLOW_COMPILE_S', 'NORM_EXTRAS', 'VECTOR_MAX',
+           'ROW_FIELDS', 'TTYPES', 'SLOW_FRACTION', 'SLOW_S', 'SLOW_STEPS', 'as_real', 'moments', 'stats_of_moments',
+           'triton_moments', 'native_moments', 'fused_moments', 'default_stats', 'merge_stats', 'check_stats',
+           'StepRecord', 'Recorder', 'dtype_name', 'local_shard', 'shape_of', 'unwrapped']
 
 # %% ../nbs/01_stats.ipynb #676c44cd
 MOMENTS = ('n', 'sum', 'sumsq', 'min', 'max', 'nonzero', 'nan', 'inf')
@@ -65,6 +65,27 @@ def stats_of_moments(m:torch.Tensor)->torch.Tensor:
     mean = s / n
     var = ((ss - s*mean) / (n - 1)).clamp_min(0)
     return torch.stack([n, mean, var.sqrt(), mn, mx, ss.sqrt(), 1 - nz/n, nan, inf], 1)
+
+# %% ../nbs/01_stats.ipynb #e7fdf49e
+TRITON_DEVICES = {'cuda'}   # device types whose float tensors the Triton kernels measure
+_TRITON = []                # the `triton_moments` module once looked up (None: not used in this process)
+
+def triton_moments():
+    "The `torchember.triton_moments` module, imported on first use; None without Triton, or with `TORCHEMBER_TRITON=0`."
+    if not _TRITON:
+        m = None
+        if os.environ.get('TORCHEMBER_TRITON', '1') != '0':
+            try: from torchember import triton_moments as m
+            except Exception: m = None   # no Triton here (a CPU build of torch), or one that won't import
+        _TRITON.append(m)
+    return _TRITON[0]
+
+def _no_triton(e:Exception):
+    "Measure with the eager kernels from now on, saying once why."
+    if _TRITON and _TRITON[0] is None: return
+    _TRITON[:] = [None]
+    warnings.warn(f"torchember: the Triton moments kernel failed ({type(e).__name__}: {e}); eager kernels measure "
+                  "from now on (the same numbers, more launches a tensor)")
 
 # %% ../nbs/01_stats.ipynb #1fbe18f7
 F64 = torch.float64
@@ -335,6 +356,7 @@ class Recorder:
         self.rec = StepRecord(step, training=training, iteration=iteration, kind=kind)
         self._groups, self._pieces, self._nm, self._seen, self._xvals, self._weights = {}, [], 0, {}, [], None
         self._direct, self._direct_rows = None, []   # CPU tensors measured at once (`_now`)
+        self._parts = {}                             # device -> (triton_moments.Partials, rows): read by Triton kernels
         self._nat = native.library() is not None     # looked up once a step
         self._spent, self._t0 = {}, time.perf_counter()   # seconds per custom stat function, in a step that began at `_t0`
 
@@ -342,7 +364,8 @@ class Recorder:
         "What the open step turned out to be, once its forward is over (a train-mode call that built no graph: 'no_grad')."
         if self.rec is not None: self.rec.kind = kind
 
-_STEP_STATE = ('rec', '_groups', '_pieces', '_nm', '_seen', '_xvals', '_weights', '_direct', '_direct_rows', '_nat', '_spent', '_t0')
+_STEP_STATE = ('rec', '_groups', '_pieces', '_nm', '_seen', '_xvals', '_weights', '_direct', '_direct_rows', '_parts', '_nat',
+               '_spent', '_t0')
 
 # %% ../nbs/01_stats.ipynb #a3561aa6
 _DTYPES = {}
@@ -398,6 +421,7 @@ def _default(self, t, copy:bool, where=None, row:int=None):
         t = t.detach()
         t = local_shard(t)
         if t.dtype in FLOATS and t.layout == torch.strided and not t.is_nested and t.device.type != 'meta':
+            if t.device.type in TRITON_DEVICES and self._on_device([t], [row]): return row
             if t.numel() > SMALL: self._pieces.append(([row], fused_moments(t)[None]))
             else: self._groups.setdefault((t.device, t.dtype, t.shape), []).append((row, t.clone() if copy else t))
         elif t.device.type == 'meta': self._pieces.append(([row], _unmeasured(t.numel())))
@@ -569,6 +593,42 @@ def _reduce_groups(self):
     self._groups = {}
     if self._direct_rows: self._pieces.append((self._direct_rows, self._direct.matrix()))
     self._direct, self._direct_rows = None, []   # an accelerator's tensors leave it empty: no host rows beside its own
+    for dev, (p, rows) in self._parts.items():
+        try: m = p.finish()
+        except Exception as e:
+            _no_triton(e)
+            m = _unmeasured(None).expand(len(rows), 8)
+        self._pieces.append((rows, m))
+    self._parts = {}
+
+@patch_to(Recorder)
+def _on_device(self, ts:list, rows:list)->bool:
+    "Start the moments of plain float tensors `ts` (one device) into `rows` with the Triton kernels; whether they run here."
+    tm = triton_moments()
+    if tm is None or any(type(t) not in _PLAIN for t in ts): return False
+    dev = ts[0].device
+    p, done = self._parts.get(dev) or self._parts.setdefault(dev, (tm.Partials(dev), []))
+    ts = [t if t.is_contiguous() else t.contiguous() for t in ts]
+    try:
+        if len(ts) == 1: p.add(ts[0]); order = [0]
+        else: order = p.add_many(ts)
+    except Exception as e:       # these go to the eager kernels; tensors started before are finished as usual
+        _no_triton(e)
+        return False
+    done += [rows[i] for i in order]
+    return True
+
+@patch_to(Recorder)
+def _triton_planned(self, ts:list, groups:list, large:list, base:int)->tuple:
+    "Start the planned `groups` and `large` on Triton's devices, a launch per device and dtype; `(groups, large)` left."
+    on = {}
+    for j in [j for idx in groups for j in idx] + large:
+        if ts[j].device.type in TRITON_DEVICES: on.setdefault(ts[j].device, []).append(j)
+    took = set()
+    for js in on.values():
+        if self._on_device([ts[j] for j in js], [base + j for j in js]): took.update(js)
+    if not took: return groups, large
+    return [idx for idx in groups if idx[0] not in took], [j for j in large if j not in took]
 
 # %% ../nbs/01_stats.ipynb #671a09fb
 def _plan(batches, nat:bool=False)->tuple:
@@ -614,6 +674,7 @@ def _planned(self, batches):
             except Exception as e:
                 self._failed("the native kernel", e)
                 large = large + natives
+        if groups or large: groups, large = self._triton_planned(ts, groups, large, base)
         for idx in groups:
             try: self._pieces.append(([base + j for j in idx], moments(torch.stack([ts[j] for j in idx]).reshape(len(idx), -1))))
             except Exception:            # measure them one by one, each with its own error handling

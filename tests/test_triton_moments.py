@@ -1,0 +1,108 @@
+"Issue 29, accelerators: the Triton moments kernels record the same stats as the eager ones, and fall back to them when they fail."
+import json, os, subprocess, sys, textwrap
+import pytest, torch
+
+pytest.importorskip('triton')
+
+SCRIPT = textwrap.dedent('''
+    import json, sys, warnings
+    import torch
+    from torch import nn
+    from torchember import torchEmber, stats, triton_moments
+
+    db, how, device = sys.argv[1], sys.argv[2], torch.device(sys.argv[3])
+    if device.type == 'cpu': stats.TRITON_DEVICES.add('cpu')   # Triton's interpreter runs the kernels on CPU tensors
+
+    class Block(nn.Module):
+        "A residual conv block that changes tensors in place after their hooks saw them (ReLU(inplace), +=)."
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn, self.relu = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(inplace=True)
+        def forward(self, x):
+            out = self.bn(self.conv(x))
+            out += x
+            return self.relu(out)
+
+    def model_of(dtype):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), Block(), Block(), nn.Flatten(), nn.Linear(4 * 8 * 8, 300),
+                             nn.GELU(), nn.Linear(300, 10)).to(device, dtype)
+
+    def record(dtype, db, run):
+        model = model_of(dtype)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter('always')
+            te = torchEmber(model, db=db, run=run)
+            for step in range(3):
+                x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(step)).to(device, dtype)
+                if step == 2: x[0, 0, 0, 0] = float('nan')
+                model(x).float().pow(2).mean().backward(); opt.step(); opt.zero_grad()
+            te.flush()
+            df = te.df()
+            te.disarm()
+        cols = ['step', 'module', 'ttype', 'tname', 'call', 'numel', 'mean', 'std', 'min', 'max', 'norm', 'zero_frac',
+                'nan_count', 'inf_count']
+        df = df[cols].sort_values(['step', 'module', 'ttype', 'tname', 'call']).reset_index(drop=True)
+        return df, [str(x.message) for x in w if str(x.message).startswith('torchember')]
+
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        launches = []
+        add, many = triton_moments.Partials.add, triton_moments.Partials.add_many
+        if how == "fails":
+            def broken(self, *a, **k): raise RuntimeError('no kernel image is available')
+            triton_moments.Partials.add_many = broken
+        else:
+            add, many = triton_moments.Partials.add, triton_moments.Partials.add_many
+            triton_moments.Partials.add = lambda self, t: launches.append(1) or add(self, t)
+            triton_moments.Partials.add_many = lambda self, ts: launches.append(len(ts)) or many(self, ts)
+        stats._TRITON[:] = []
+        kernels, warned = record(dtype, db, f'triton-{dtype}')
+        triton_moments.Partials.add, triton_moments.Partials.add_many = add, many
+        stats._TRITON[:] = [None]              # the eager kernels, as without Triton
+        eager, _ = record(dtype, db, f'eager-{dtype}')
+        out[str(dtype)] = dict(kernels=kernels.to_dict('list'), eager=eager.to_dict('list'), warned=warned, launches=launches)
+    print(json.dumps(out))
+''')
+
+
+def run(tmp_path, how, device='cpu'):
+    "Record with the kernels and without, on `device` (a CPU: in Triton's interpreter, without the native kernel)."
+    env = dict(os.environ, TORCHEMBER_NATIVE='0', **({'TRITON_INTERPRET': '1'} if device == 'cpu' else {}))
+    p = subprocess.run([sys.executable, '-c', SCRIPT, str(tmp_path / 'k.db'), how, device],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def close(a, b):
+    "Equal, or both NaN, or as close as a float32 sum is (the eager kernels sum a large float32 tensor in float32)."
+    import math
+    return all(x == y or (x != x and y != y) or (isinstance(x, float) and math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-9))
+               for x, y in zip(a, b))
+
+
+DEVICES = ['cpu'] + (['cuda'] if torch.cuda.is_available() else [])
+
+@pytest.mark.parametrize('device', DEVICES)
+def test_kernels_record_what_eager_kernels_record(tmp_path, device):
+    "Every row of three steps (in-place changes, a NaN input, float32 and bfloat16): the same stats from the Triton kernels."
+    for dtype, r in run(tmp_path, 'works', device).items():
+        k, e = r['kernels'], r['eager']
+        assert not r['warned'], r['warned']
+        assert len(k['step']) == len(e['step']) > 40, dtype
+        for c in k:
+            assert close(k[c], e[c]), (dtype, c, [(i, x, y) for i, (x, y) in enumerate(zip(k[c], e[c])) if not close([x], [y])][:5])
+        assert sum(k['nan_count']) > 0, dtype              # the NaN of step 2 was counted
+        assert 1 in r['launches'] and any(n > 1 for n in r['launches']), r['launches']   # activations alone, params together
+
+
+@pytest.mark.parametrize('device', DEVICES)
+def test_a_failing_kernel_falls_back_to_eager(tmp_path, device):
+    "A Triton kernel that raises is said once; that step's weights and grads and every later tensor are still measured."
+    for dtype, r in run(tmp_path, 'fails', device).items():
+        k, e = r['kernels'], r['eager']
+        assert len(r['warned']) == 1 and 'Triton' in r['warned'][0], r['warned']
+        assert len(k['step']) == len(e['step'])
+        for c in k: assert close(k[c], e[c]), (dtype, c)
