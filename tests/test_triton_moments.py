@@ -5,7 +5,7 @@ import pytest, torch
 pytest.importorskip('triton')
 
 SCRIPT = textwrap.dedent('''
-    import json, sys, warnings
+    import json, os, sys, warnings
     import torch
     from torch import nn
     from torchember import torchEmber, stats, triton_moments
@@ -59,10 +59,18 @@ SCRIPT = textwrap.dedent('''
             triton_moments.Partials.add_many = lambda self, ts: launches.append(len(ts)) or many(self, ts)
         stats._TRITON[:] = []
         kernels, warned = record(dtype, db, f'triton-{dtype}')
+        at_hooks = launches.count(1)
+        if how != "fails":
+            os.environ['TORCHEMBER_LATER'] = '0'        # every activation read at its hook, one launch each
+            each, _ = record(dtype, db, f'each-{dtype}')
+            del os.environ['TORCHEMBER_LATER']
+            assert each.equals(kernels), "activations read at their hooks and batched give other stats"
+            at_hooks = (at_hooks, launches.count(1) - at_hooks)
         triton_moments.Partials.add, triton_moments.Partials.add_many = add, many
         stats._TRITON[:] = [None]              # the eager kernels, as without Triton
         eager, _ = record(dtype, db, f'eager-{dtype}')
-        out[str(dtype)] = dict(kernels=kernels.to_dict('list'), eager=eager.to_dict('list'), warned=warned, launches=launches)
+        out[str(dtype)] = dict(kernels=kernels.to_dict('list'), eager=eager.to_dict('list'), warned=warned, launches=launches,
+                               at_hooks=at_hooks)
     print(json.dumps(out))
 ''')
 
@@ -95,7 +103,8 @@ def test_kernels_record_what_eager_kernels_record(tmp_path, device):
         for c in k:
             assert close(k[c], e[c]), (dtype, c, [(i, x, y) for i, (x, y) in enumerate(zip(k[c], e[c])) if not close([x], [y])][:5])
         assert sum(k['nan_count']) > 0, dtype              # the NaN of step 2 was counted
-        assert 1 in r['launches'] and any(n > 1 for n in r['launches']), r['launches']   # activations alone, params together
+        batched, each = r['at_hooks']     # one-tensor launches over the three steps: activations batched, and not
+        assert 0 < batched < each, r["at_hooks"]     # batched once seen unchanged; the first step and in-place ones at hooks
 
 
 @pytest.mark.parametrize('device', DEVICES)
@@ -106,3 +115,51 @@ def test_a_failing_kernel_falls_back_to_eager(tmp_path, device):
         assert len(r['warned']) == 1 and 'Triton' in r['warned'][0], r['warned']
         assert len(k['step']) == len(e['step'])
         for c in k: assert close(k[c], e[c]), (dtype, c)
+
+
+SOMETIMES = textwrap.dedent('''
+    import json, sys, warnings
+    import torch
+    from torch import nn
+    from torchember import torchEmber, stats
+
+    db, device = sys.argv[1], torch.device(sys.argv[2])
+    if device.type == 'cpu': stats.TRITON_DEVICES.add('cpu')
+
+    class Sometimes(nn.Module):
+        "Changes its layer's output in place at step 2 only, after the layer's hook saw it."
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+        def forward(self, x, step):
+            y = self.lin(x)
+            if step == 2: y.mul_(2)
+            return y
+
+    torch.manual_seed(0)
+    model = Sometimes().to(device)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        te = torchEmber(model, db=db)
+        for step in range(4): model(torch.ones(2, 8, device=device), step).sum().backward()
+        te.flush()
+        df = te.df()
+        te.disarm()
+    out = df[(df.module == 'lin') & (df.ttype == 'output')].sort_values('step')
+    print(json.dumps(dict(steps=out.step.tolist(), mean=out['mean'].tolist(),
+                          warned=[str(x.message) for x in w if str(x.message).startswith('torchember')])))
+''')
+
+
+@pytest.mark.parametrize('device', DEVICES)
+def test_a_batched_tensor_changed_in_place_is_said(tmp_path, device):
+    "A layer's output changed in place at one step only, after it was batched: that step's row is empty and said, the others right."
+    env = dict(os.environ, TORCHEMBER_NATIVE='0', **({'TRITON_INTERPRET': '1'} if device == 'cpu' else {}))
+    p = subprocess.run([sys.executable, '-c', SOMETIMES, str(tmp_path / 's.db'), device], capture_output=True, text=True,
+                       env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r['steps'] == [0, 1, 2, 3]
+    m = r['mean']
+    assert m[0] == m[1] == m[3] and m[2] != m[2], m          # the same input each step; step 2 left empty (NaN)
+    assert len(r['warned']) == 1 and 'changed in place' in r['warned'][0] and 'step 2' in r['warned'][0], r['warned']

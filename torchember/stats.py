@@ -18,9 +18,9 @@ from . import native
 
 # %% auto #0
 __all__ = ['MOMENTS', 'STATS', 'TRITON_DEVICES', 'F64', 'SMALL', 'FLOATS', 'SLOW_COMPILE_S', 'NORM_EXTRAS', 'VECTOR_MAX',
-           'ROW_FIELDS', 'TTYPES', 'SLOW_FRACTION', 'SLOW_S', 'SLOW_STEPS', 'as_real', 'moments', 'stats_of_moments',
-           'triton_moments', 'native_moments', 'fused_moments', 'default_stats', 'merge_stats', 'check_stats',
-           'StepRecord', 'Recorder', 'dtype_name', 'local_shard', 'shape_of', 'unwrapped']
+           'ROW_FIELDS', 'TTYPES', 'SLOW_FRACTION', 'SLOW_S', 'SLOW_STEPS', 'LATER_MAX', 'LATER_BYTES', 'as_real',
+           'moments', 'stats_of_moments', 'triton_moments', 'native_moments', 'fused_moments', 'default_stats',
+           'merge_stats', 'check_stats', 'StepRecord', 'Recorder', 'dtype_name', 'local_shard', 'shape_of', 'unwrapped']
 
 # %% ../nbs/01_stats.ipynb #676c44cd
 MOMENTS = ('n', 'sum', 'sumsq', 'min', 'max', 'nonzero', 'nan', 'inf')
@@ -350,6 +350,7 @@ class Recorder:
         self._slow_steps = {}      # custom stat function -> recorded steps it took most of
         self.on_tensor = None      # called as `(rec, mi, call, ttype, tname, t)` for every recorded tensor (snapshots)
         self.param_extras = None   # called as `(ttype, items)`: per item a dict of more stats of weights, or None
+        self._unchanged, self._inplace = set(), set()   # (module, ttype, name)s seen unchanged / changed after their hooks
 
     def open(self, step:int, training:bool=None, iteration:int=None, kind:str=None):
         "Start recording `step`: everything of the open step is in the attributes `_STEP_STATE` names."
@@ -357,6 +358,7 @@ class Recorder:
         self._groups, self._pieces, self._nm, self._seen, self._xvals, self._weights = {}, [], 0, {}, [], None
         self._direct, self._direct_rows = None, []   # CPU tensors measured at once (`_now`)
         self._parts = {}                             # device -> (triton_moments.Partials, rows): read by Triton kernels
+        self._later, self._watch, self._held = [], [], 0   # activations batched for the Triton kernels (`_at_hook`)
         self._nat = native.library() is not None     # looked up once a step
         self._spent, self._t0 = {}, time.perf_counter()   # seconds per custom stat function, in a step that began at `_t0`
 
@@ -364,8 +366,8 @@ class Recorder:
         "What the open step turned out to be, once its forward is over (a train-mode call that built no graph: 'no_grad')."
         if self.rec is not None: self.rec.kind = kind
 
-_STEP_STATE = ('rec', '_groups', '_pieces', '_nm', '_seen', '_xvals', '_weights', '_direct', '_direct_rows', '_parts', '_nat',
-               '_spent', '_t0')
+_STEP_STATE = ('rec', '_groups', '_pieces', '_nm', '_seen', '_xvals', '_weights', '_direct', '_direct_rows', '_parts',
+               '_later', '_watch', '_held', '_nat', '_spent', '_t0')
 
 # %% ../nbs/01_stats.ipynb #a3561aa6
 _DTYPES = {}
@@ -421,7 +423,8 @@ def _default(self, t, copy:bool, where=None, row:int=None):
         t = t.detach()
         t = local_shard(t)
         if t.dtype in FLOATS and t.layout == torch.strided and not t.is_nested and t.device.type != 'meta':
-            if t.device.type in TRITON_DEVICES and self._on_device([t], [row]): return row
+            if t.device.type in TRITON_DEVICES and (self._at_hook(t, row, where) if copy and where else self._on_device([t], [row])):
+                return row
             if t.numel() > SMALL: self._pieces.append(([row], fused_moments(t)[None]))
             else: self._groups.setdefault((t.device, t.dtype, t.shape), []).append((row, t.clone() if copy else t))
         elif t.device.type == 'meta': self._pieces.append(([row], _unmeasured(t.numel())))
@@ -583,6 +586,7 @@ def scalar(self, step:int, name:str, value):
 @patch_to(Recorder)
 def _reduce_groups(self):
     "Reduce the pending small tensors, stacked by size, and add the rows measured at once."
+    if self._later or self._watch: self._read_later()
     for rows_snaps in self._groups.values():
         rows = [r for r, _ in rows_snaps]
         try: m = moments(torch.stack([s for _, s in rows_snaps]).reshape(len(rows), -1))
@@ -629,6 +633,45 @@ def _triton_planned(self, ts:list, groups:list, large:list, base:int)->tuple:
         if self._on_device([ts[j] for j in js], [base + j for j in js]): took.update(js)
     if not took: return groups, large
     return [idx for idx in groups if idx[0] not in took], [j for j in large if j not in took]
+
+# %% ../nbs/01_stats.ipynb #bf559534
+LATER_MAX, LATER_BYTES = 64, 2**29   # activations kept for one batched read, at most: how many, and their bytes
+
+@patch_to(Recorder)
+def _at_hook(self, t:torch.Tensor, row:int, key:tuple)->bool:
+    "Start the moments of activation `t` into `row` with the Triton kernels, now or batched (see above); whether they run."
+    try: version = t._version
+    except RuntimeError: version = None      # an inference tensor keeps no version counter
+    if version is None or key in self._inplace or key not in self._unchanged or os.environ.get('TORCHEMBER_LATER') == '0':
+        if not self._on_device([t], [row]): return False
+        if version is not None and key not in self._inplace: self._watch.append((t, version, key))
+    elif triton_moments() is None or type(t) not in _PLAIN: return False
+    else: self._later.append((t, version, row, key))
+    self._held += t.numel() * t.element_size()
+    if len(self._later) + len(self._watch) >= LATER_MAX or self._held > LATER_BYTES: self._read_later()
+    return True
+
+@patch_to(Recorder)
+def _read_later(self):
+    "Launch the batched activations' kernels, and learn which watched tensors stayed unchanged since their hooks."
+    later, watch = self._later, self._watch
+    self._later, self._watch, self._held = [], [], 0
+    for t, version, key in watch:
+        if t._version == version: self._unchanged.add(key)
+        else: self._inplace.add(key)
+    now, lost = {}, []
+    for t, version, row, key in later:
+        if t._version == version: now.setdefault(t.device, []).append((t, row))
+        else:
+            lost.append(row)
+            self._unchanged.discard(key); self._inplace.add(key)
+            self._warn(('inplace',) + key, f"{self._where(key)} was changed in place after its hook, before it was read; its "
+                       f"stats at step {self.rec.step} are left empty, and it is read at its hook from now on")
+    if lost: self._pieces.append((lost, _unmeasured(None).expand(len(lost), 8)))
+    for pairs in now.values():
+        ts, rows = [t for t, _ in pairs], [r for _, r in pairs]
+        if not self._on_device(ts, rows):   # Triton failed: the eager kernels read them now
+            for t, r in pairs: self._default(t, copy=False, row=r)
 
 # %% ../nbs/01_stats.ipynb #671a09fb
 def _plan(batches, nat:bool=False)->tuple:
