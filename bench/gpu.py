@@ -13,7 +13,7 @@ show up here), split into recorded and unrecorded steps.
     python bench/gpu.py --device cpu --tiny   # a smoke test of the script itself, anywhere
     python bench/gpu.py --breakdown           # where a recorded step's time goes, part by part
 """
-import argparse, importlib.util, statistics, sys, tempfile, time, warnings
+import argparse, importlib.util, statistics, sys, tempfile, threading, time, warnings
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -104,28 +104,36 @@ def _cpu_bench():
 
 def breakdown(m, model, step, device, db, blocks, k):
     "Where a recorded step's time goes: ms a step armed every step, each part switched off in turn (cumulatively)."
-    parts = _cpu_bench().PARTS
+    cb = _cpu_bench()
+    parts = cb.PARTS
     times = {label: [] for label, _, _ in [(None, None, None)] + parts}
+    cpu, writer = {label: [] for label in times}, {label: [] for label in times}
     def block(i):
         label = parts[i - 1][0] if i else None
+        before = set(threading.enumerate())
         te = torchEmber(model, db=db, every=1) if i else None
         for _, f, _ in parts[:i]:
             if f: f(te)
         sync(device)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         for _ in range(k): step()
         if te is not None: te.flush()
         sync(device)
-        times[label].append((time.perf_counter() - t0) / k)
+        times[label].append((time.perf_counter() - t0) / k); cpu[label].append((time.thread_time() - c0) / k)
+        writer[label].append(cb._writer_cpu([t for t in threading.enumerate() if t not in before and t.name == 'torchember-writer']) / k)
         if te is not None: te.disarm()
     for r in range(blocks):
         for i in (range(len(parts) + 1) if r % 2 == 0 else reversed(range(len(parts) + 1))): block(i)
     bare = statistics.median(times[None])
-    print(f"{m}: where a step recorded every step goes ({blocks} blocks of {k} steps); bare {bare * 1e3:.2f} ms")
+    med = lambda xs: statistics.median(xs) * 1e3
+    print(f"{m}: where a step recorded every step goes ({blocks} blocks of {k} steps); bare {bare * 1e3:.2f} ms a step, "
+          f"its training thread's CPU {med(cpu[None]):.2f} ms. Per variant: ms a step beyond bare, the training thread's "
+          "CPU ms a step beyond bare's, the writer thread's CPU ms a step")
     prev = None
     for label, _, part in parts:
-        ms = (statistics.median(times[label]) - bare) * 1e3
-        print(f"  {label:<22} {ms:+8.2f} ms a step" + (f"   ({part}: {prev - ms:+.2f} ms)" if part else ""), flush=True)
+        ms = med(times[label]) - bare * 1e3
+        print(f"  {label:<22} {ms:+8.2f} {med(cpu[label]) - med(cpu[None]):+8.2f} {med(writer[label]):8.2f}"
+              + (f"   ({part}: {prev - ms:+.2f} ms)" if part else ""), flush=True)
         prev = ms
 
 

@@ -359,6 +359,7 @@ class Recorder:
         self._direct, self._direct_rows = None, []   # CPU tensors measured at once (`_now`)
         self._parts = {}                             # device -> (triton_moments.Partials, rows): read by Triton kernels
         self._later, self._watch, self._held = [], [], 0   # activations batched for the Triton kernels (`_at_hook`)
+        self._batch = os.environ.get('TORCHEMBER_LATER') != '0'   # looked up once a step
         self._nat = native.library() is not None     # looked up once a step
         self._spent, self._t0 = {}, time.perf_counter()   # seconds per custom stat function, in a step that began at `_t0`
 
@@ -367,7 +368,7 @@ class Recorder:
         if self.rec is not None: self.rec.kind = kind
 
 _STEP_STATE = ('rec', '_groups', '_pieces', '_nm', '_seen', '_xvals', '_weights', '_direct', '_direct_rows', '_parts',
-               '_later', '_watch', '_held', '_nat', '_spent', '_t0')
+               '_later', '_watch', '_held', '_batch', '_nat', '_spent', '_t0')
 
 # %% ../nbs/01_stats.ipynb #a3561aa6
 _DTYPES = {}
@@ -642,7 +643,7 @@ def _at_hook(self, t:torch.Tensor, row:int, key:tuple)->bool:
     "Start the moments of activation `t` into `row` with the Triton kernels, now or batched (see above); whether they run."
     try: version = t._version
     except RuntimeError: version = None      # an inference tensor keeps no version counter
-    if version is None or key in self._inplace or key not in self._unchanged or os.environ.get('TORCHEMBER_LATER') == '0':
+    if version is None or not self._batch or key in self._inplace or key not in self._unchanged:
         if not self._on_device([t], [row]): return False
         if version is not None and key not in self._inplace: self._watch.append((t, version, key))
     elif triton_moments() is None or type(t) not in _PLAIN: return False
