@@ -38,6 +38,7 @@ SCRIPT = textwrap.dedent('''
                 x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(step)).to(device, dtype)
                 if step == 2: x[0, 0, 0, 0] = float('nan')
                 model(x).float().pow(2).mean().backward(); opt.step(); opt.zero_grad()
+            with torch.inference_mode(): model(x)        # inference tensors keep no version counter: read at their hooks
             te.flush()
             df = te.df()
             te.disarm()
@@ -99,7 +100,7 @@ DEVICES = ['cpu'] + (['cuda'] if torch.cuda.is_available() else [])
 
 @pytest.mark.parametrize('device', DEVICES)
 def test_kernels_record_what_eager_kernels_record(tmp_path, device):
-    "Every row of three steps (in-place changes, a NaN input, float32 and bfloat16): the same stats from the Triton kernels."
+    "Every row of three steps and an inference call (in-place changes, a NaN input, float32 and bfloat16): the same stats."
     for dtype, r in run(tmp_path, 'works', device).items():
         k, e = r['kernels'], r['eager']
         assert not r['warned'], r['warned']
@@ -169,3 +170,21 @@ def test_a_batched_tensor_changed_in_place_is_said(tmp_path, device):
     m = r['mean']
     assert m[0] == m[1] == m[3] and m[2] != m[2], m          # the same input each step; step 2 left empty (NaN)
     assert len(r['warned']) == 1 and 'changed in place' in r['warned'][0] and 'step 2' in r['warned'][0], r['warned']
+
+
+def test_a_cpu_run_never_imports_triton(tmp_path):
+    "Recording on a CPU never imports Triton (about 0.3 s, and a compiler it would look for): only a CUDA tensor does."
+    code = textwrap.dedent('''
+        import sys, torch
+        from torch import nn
+        from torchember import torchEmber
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        te = torchEmber(model, db=sys.argv[1])
+        for _ in range(2): model(torch.randn(3, 4)).sum().backward()
+        te.flush()
+        assert len(te.df()) > 0
+        print('triton' in sys.modules)
+    ''')
+    p = subprocess.run([sys.executable, '-c', code, str(tmp_path / 'c.db')], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.strip().splitlines()[-1] == 'False'

@@ -586,7 +586,7 @@ def scalar(self, step:int, name:str, value):
 
 @patch_to(Recorder)
 def _reduce_groups(self):
-    "Reduce the pending small tensors, stacked by size, and add the rows measured at once."
+    "Read what is pending (batched activations, small tensors stacked by size, Triton's partial rows) into the step's pieces."
     if self._later or self._watch: self._read_later()
     for rows_snaps in self._groups.values():
         rows = [r for r, _ in rows_snaps]
