@@ -638,6 +638,16 @@ def _triton_planned(self, ts:list, groups:list, large:list, base:int)->tuple:
 # %% ../nbs/01_stats.ipynb #bf559534
 LATER_MAX, LATER_BYTES = 64, 2**29   # activations kept for one batched read, at most: how many, and their bytes
 
+_CAPS = {}
+def _later_cap(device:torch.device)->int:
+    "Bytes of activations kept for a batched read on `device`: `LATER_BYTES`, or 1/64 of a smaller device's memory."
+    cap = _CAPS.get(device)
+    if cap is None:
+        try: cap = min(LATER_BYTES, torch.cuda.get_device_properties(device).total_memory // 64)
+        except Exception: cap = LATER_BYTES     # not a CUDA device (Triton's interpreter, in tests)
+        _CAPS[device] = cap
+    return cap
+
 @patch_to(Recorder)
 def _at_hook(self, t:torch.Tensor, row:int, key:tuple)->bool:
     "Start the moments of activation `t` into `row` with the Triton kernels, now or batched (see above); whether they run."
@@ -649,7 +659,7 @@ def _at_hook(self, t:torch.Tensor, row:int, key:tuple)->bool:
     elif triton_moments() is None or type(t) not in _PLAIN: return False
     else: self._later.append((t, version, row, key))
     self._held += t.numel() * t.element_size()
-    if len(self._later) + len(self._watch) >= LATER_MAX or self._held > LATER_BYTES: self._read_later()
+    if len(self._later) + len(self._watch) >= LATER_MAX or self._held > _later_cap(t.device): self._read_later()
     return True
 
 @patch_to(Recorder)
