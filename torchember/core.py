@@ -364,7 +364,7 @@ def _hook_dicts(m:nn.Module)->tuple:
 
 @patch
 def _key_taken(self:Capture, key:int)->bool:
-    "Whether a hook of the model already sits under `key` (hooks unpickled with a model keep the keys of the process that saved it)."
+    "Whether a hook of the model already sits under `key` (unpickled hooks keep the keys of the process that saved them)."
     return (any(key in d for m, _, _ in self._made for d in _hook_dicts(m))
             or any(p._post_accumulate_grad_hooks is not None and key in p._post_accumulate_grad_hooks for p in self.hooked()))
 
@@ -403,12 +403,12 @@ _transforms_on = torch._C._are_functorch_transforms_active   # inside torch.func
 _aside = threading.local()                                    # `.on`: this thread is in `_normal_mode`
 
 def _set_aside()->bool:
-    "Whether torchember's work in a hook must first step aside: the call runs under `torch.inference_mode` or inside `torch.func`'s transforms."
+    "Whether torchember's hook work must step aside: the call runs under `torch.inference_mode` or `torch.func`'s transforms."
     return _inference_on() or (_transforms_on() and not getattr(_aside, 'on', False))
 
 @contextmanager
 def _normal_mode():
-    "Inference mode and grad off, and `torch.func`'s transforms out of the way (tensors made are plain), for torchember's own work in such a call."
+    "Inference mode and grad off, `torch.func`'s transforms set aside (tensors made are plain), for torchember's own work."
     prev, _aside.on = getattr(_aside, 'on', False), True
     try:
         with torch.inference_mode(False), torch.no_grad(), torch._C._DisableFuncTorch(): yield

@@ -234,7 +234,7 @@ def _pieces(self:torchEmber, rows:list)->tuple:
 
 @patch
 def _written(self:torchEmber)->tuple:
-    "What writing a step moves forward (the last events written, the snapshots' digests), to put back if its transaction fails."
+    "What writing a step moves forward (last events written, snapshots' digests): put back if its transaction fails."
     return self._last_events, dict(self._changes.last)
 
 @patch
@@ -260,7 +260,7 @@ def _close_open_steps():
         except Exception: pass
 
 def _forked_child():
-    "In a forked child every torchEmber of the parent goes inert: its steps are the parent's, its writer is the parent's thread."
+    "In a forked child every torchEmber of the parent goes inert: its steps and its writer thread are the parent's."
     for te in list(_embers): te._forked, te.writer, te.capture.enabled = True, None, False
 
 if hasattr(os, 'register_at_fork'): os.register_at_fork(after_in_child=_forked_child)
@@ -283,7 +283,8 @@ def _on_signal(signum, frame):
     signal.raise_signal(signum)
 
 def _write_finished(ends:bool):
-    "Wait (up to `SIGNAL_WAIT_S`) until the writers have written every finished step; when the process `ends`, close first the open steps that nothing is in the middle of."
+    "Wait (up to `SIGNAL_WAIT_S`) until the writers have written every finished step."
+    # if the process `ends`, the open steps that nothing is in the middle of are closed first
     if ends:
         for te in list(_armed.values()):
             cap = te.capture   # a step whose forward or backward is under way, or whose backward has not yet run, is not finished
@@ -293,14 +294,15 @@ def _write_finished(ends:bool):
         if te.writer is not None: te.writer.wait(max(end - time.monotonic(), 0))
 
 def _closing(frame)->bool:
-    "Whether the main thread was stopped inside torchember's closing or handing over of a step (closing it again would lose it)."
+    "Whether the main thread stopped inside torchember closing or handing over a step (closing it again would lose it)."
     while frame is not None:
         if frame.f_code.co_name in ('close', '_emit') and frame.f_globals.get('__name__', '').startswith('torchember.'): return True
         frame = frame.f_back
     return False
 
 def _install_handlers():
-    "Put `_on_signal` in front of SIGTERM's and SIGINT's handlers (from the main thread only; one set from C or ignored is left alone); at arming, and at each recorded step for a handler the user set since."
+    "Put `_on_signal` in front of SIGTERM's and SIGINT's handlers (main thread only; C-set or ignored ones left alone)."
+    # called at arming, and at each recorded step for a handler the user set since
     if threading.current_thread() is not threading.main_thread(): return
     for sig in (signal.SIGTERM, signal.SIGINT):
         cur = signal.getsignal(sig)
@@ -309,7 +311,7 @@ def _install_handlers():
         signal.signal(sig, _on_signal)
 
 def _restore_handlers():
-    "Once no model is armed, give back the handlers `_install_handlers` stood in front of (unless the user has set others since)."
+    "Once no model is armed, give back the handlers `_install_handlers` stood in front of (unless the user set others)."
     if len(_armed) or threading.current_thread() is not threading.main_thread(): return
     for sig, prev in list(_chained.items()):
         if signal.getsignal(sig) is _on_signal: signal.signal(sig, prev)
@@ -342,7 +344,7 @@ FLUSH_WAIT_S = 30   # the longest `flush` and `disarm` wait for a store that ano
 
 @patch
 def flush(self:torchEmber):
-    "Close the open step and wait until everything recorded is in the store (at most `FLUSH_WAIT_S`, then say how many steps still wait)."
+    "Close the open step and wait until all recorded is stored (at most `FLUSH_WAIT_S`, then say how many steps wait)."
     self.capture.close()
     if self.writer is not None: self.writer.flush(FLUSH_WAIT_S)
     return self
@@ -369,7 +371,8 @@ def disarm(self:torchEmber):
     return self
 
 def _release(eng, run_id:int, rank:int, after=None):
-    "Give up the claim on `rank` of run `run_id` (another process may then resume it); with writer `after`, once it has written all it holds, retried while the store is locked."
+    "Give up the claim on `rank` of run `run_id` (another process may resume it), after writer `after` wrote all it holds."
+    # retried while the store is locked
     if after is not None: after._t.join()
     while True:
         try: return release(eng, run_id, rank)
@@ -414,7 +417,7 @@ _TT = {'in': 'input', 'out': 'output', 'weight': 'weight', 'grad': 'weight_grad'
 
 @patch
 def how_record(self:torchEmber, ttype:str, fn=None):
-    "Use `fn(tensor) -> dict` for the stats of `ttype` (`input`, `output`, `weight`, `weight_grad`); a decorator without `fn`."
+    "Use `fn(tensor) -> dict` for the stats of `ttype` (input, output, weight, weight_grad); a decorator without `fn`."
     if ttype not in TTYPES: raise ValueError(f"unknown ttype {ttype!r}; choose one of {', '.join(TTYPES)}")
     if fn is None: return partial(self.how_record, ttype)
     if not callable(fn): raise TypeError(f"a stat function must be callable, got {type(fn).__name__}")

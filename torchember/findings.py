@@ -47,7 +47,7 @@ def severity_counts(fs:pd.DataFrame)->str:
 
 # %% ../nbs/05b_findings.ipynb #bb23c83a
 def _judged(f)->str:
-    "What finding `f` was judged on: 'signal' (a scalar's spike with no culprit), or a stat (rms, zero_frac, nan_count, inf_count, update_ratio)."
+    "What finding `f` was judged on: 'signal' (a spike of a scalar, no culprit) or its stat (rms, zero_frac, nan_count...)."
     if f['kind'] == 'spike': return 'rms' if _module(f) is not None else 'signal'
     return f['stat']
 
@@ -127,7 +127,7 @@ def evidence_figure(ev:pd.DataFrame,   # `evidence` of `f`
                     f,                 # the finding
                     height:int=340,
                    )->go.Figure:
-    "The evidence of finding `f`: its series over steps, the band it left shaded, the values outside it in red, its step marked."
+    "The evidence of finding `f`: its series over steps, the band it left shaded, values outside it red, its step marked."
     judged, x = _judged(f), ev['step'].tolist()
     cd, at = step_hover(ev)
     what = f['stat'] if judged == 'signal' else _YTITLE.get(judged, judged).format(ttype=f['ttype'], tname=f['tname'])

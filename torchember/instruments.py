@@ -19,7 +19,7 @@ def hist_stats(bins:int=32,        # bins between hist_lo and hist_hi
                sample_n:int=None,  # bin a random sample of this many elements of larger tensors
                outliers:float=None,# range mean ± outliers·std (within min..max) instead of min..max
               ):                   # a stat function `tensor -> dict`
-    "A stat function: `default_stats` plus a histogram (`hist`, `hist_lo`, `hist_hi`, `hist_out`), computed on the tensor's device."
+    "A stat function: `default_stats` plus a histogram (`hist`, `hist_lo`, `hist_hi`, `hist_out`) on the tensor's device."
     if not (isinstance(bins, int) and bins >= 1): raise ValueError(f"hist_stats needs at least one bin, got {bins!r}")
     if sample_n is not None and not (isinstance(sample_n, int) and sample_n >= 1): raise ValueError(f"sample_n must be a positive int, got {sample_n!r}")
     gens = {}                                     # device -> this function's sampling generator

@@ -236,7 +236,7 @@ def build(cxx:str|None=None,    # the compiler; default `compiler()`
           folder=None,          # where to keep the library; default `cache_dir()`
           flags:tuple=FLAGS,    # compiler flags
          )->Path:
-    "Compile `SOURCE` into a shared library in `folder`, unless a build for this source, compiler, flags and CPU is there; its path."
+    "Compile `SOURCE` to a shared library in `folder` unless one for this source, compiler, flags and CPU is there; its path."
     cxx = cxx or compiler()
     if cxx is None: raise RuntimeError("no C++ compiler found: install one or set CXX")
     folder = Path(folder or cache_dir())
@@ -313,7 +313,7 @@ def library()->ctypes.CDLL|None:
 
 # %% ../nbs/00a_native.ipynb #75d1431a
 def use_openmp(on:bool=True)->bool:
-    "Run the kernel's threads on torch's OpenMP workers (`on`, where `openmp_runtime` finds them) or start them per call; whether it now uses OpenMP."
+    "Run the kernel's threads on torch's OpenMP workers (`on`, where found) or start them per call; whether OpenMP is used."
     lib = library()
     if lib is None: return False
     _hand_over(lib, openmp_runtime() if on else None)
@@ -336,7 +336,7 @@ def _threads(n:int, lib)->int:
     return max(1, min(torch.get_num_threads(), n // (PER_THREAD if lib.openmp else PER_STARTED)))
 
 def supports(t:torch.Tensor)->bool:
-    "Whether `moments` reads `t`: a plain dense CPU tensor of a dtype of `KINDS` with at least one element (a large one only where `large_native`)."
+    "Whether `moments` reads `t`: a plain dense non-empty CPU tensor of a `KINDS` dtype (a large one only if `large_native`)."
     return _kind(t) >= 0 and 0 < (n := t.numel()) and (n < LARGE or large_native())
 
 def _dense(t:torch.Tensor)->torch.Tensor:
@@ -385,7 +385,8 @@ def moments(ts:list,             # tensors that `supports` accepts
 
 # %% ../nbs/00a_native.ipynb #db9ed1df
 def torch_moments(t:torch.Tensor)->torch.Tensor:
-    "The 8 moments of float CPU tensor `t` (float32 or float64) with torch's fastest kernels, NaN and Inf not counted: what stats use where the kernel is not (sums in `t`'s dtype: a float64 `sum` of float32 converts first, ~30× slower)."
+    "The 8 moments of float32 or float64 CPU tensor `t` by torch's fastest kernels, NaN and Inf not counted."
+    # what stats use where the native kernel is not; sums in `t`'s dtype: a float64 `sum` of float32 converts first, ~30x slower
     mn, mx = torch.aminmax(t)
     z = t.new_zeros((), dtype=torch.float64)
     return torch.stack([z + t.numel(), t.sum().double(), torch.linalg.vector_norm(t).double().square(),
@@ -394,7 +395,7 @@ def torch_moments(t:torch.Tensor)->torch.Tensor:
 def measure_large(n:int=4*LARGE,   # elements of the float32 tensor timed
                   reps:int=5,      # rounds; each times the three in turn
                  )->dict:          # median ms of `native`, `torch` and `sum`
-    "Time the kernel, torch's kernels for the same moments and one `torch.sum` on a float32 tensor of `n` elements, on torch's threads."
+    "Time the kernel, torch's kernels for the same moments and one `torch.sum`, on `n` float32 elements, on torch's threads."
     x = torch.randn(n, generator=torch.Generator().manual_seed(0))
     fns = dict(native=lambda: moments([x]), torch=lambda: torch_moments(x), sum=lambda: x.sum())
     times = {k: [] for k in fns}
@@ -410,7 +411,7 @@ def _large_file(threads:int)->Path:
     return cache_dir()/f'large-{key}.json'
 
 def large_choice()->dict:
-    "The measurement behind `large_native` for torch's current thread count (`measure_large`'s dict), from the cache or measured now."
+    "The measurement behind `large_native` for torch's thread count (`measure_large`'s dict), cached or measured now."
     threads = torch.get_num_threads()
     if threads in _large: return _large[threads]
     f = _large_file(threads)
@@ -444,7 +445,7 @@ class MomentRows:
         self._buf, self._cap, self._ptr = buf, len(buf), buf.data_ptr()
 
     def take(self, t:torch.Tensor, most:int|None=None)->bool|None:
-        "Write the moments of `t` into the next row if `supports(t)` (and it has at most `most` elements): whether its sum is finite; None if not taken."
+        "Moments of `t` into the next row if `supports(t)` (at most `most` elements): whether its sum is finite; None: not taken."
         kind = _kind(t)
         if kind < 0 or (n := t.numel()) == 0 or most is not None and n > most or n >= LARGE and not large_native(): return None
         i = self.n

@@ -240,7 +240,7 @@ td,th{border:1px solid #ddd;padding:.25em .6em;text-align:left}.meta td:first-ch
 FINDINGS_DRAWN = 8   # findings whose evidence the report draws; the others are listed only
 
 def _evidence(run:Run, fs:pd.DataFrame, rank:int, kinds:pd.DataFrame=None)->tuple:
-    "The evidence figures of the first `FINDINGS_DRAWN` findings as `(heading, figure, anchor)`, one per distinct figure; and each finding's anchor."
+    "The first `FINDINGS_DRAWN` findings' evidence as `(heading, figure, anchor)`, one per figure; and each finding's anchor."
     drawn, anchors = {}, {}
     for i, (_, f) in enumerate(fs.head(FINDINGS_DRAWN).iterrows()):
         fig = evidence_figure(evidence(run, f, rank=rank, kinds=kinds), f)
@@ -448,7 +448,7 @@ def main(command:Annotated[str, "report: write RUN's HTML report; ls: list the s
          ignore:str=None,             # doctor: findings judged harmless, comma-separated 'kind' or 'kind:glob' (e.g. 'spike:(grad norm)')
          version:Annotated[str, "print torchember's version", {'action': 'version'}]=f'torchember {__version__}',
         ):
-    "torchember's command line: `report RUN -o report.html` writes a run's self-contained HTML report; `ls` lists the runs; `rm RUN` deletes one; `doctor RUN` prints its findings; `diff A B` where two runs part."
+    "torchember's command line: `report RUN -o FILE`, `ls`, `rm RUN`, `doctor RUN` (findings), `diff A B` (where runs part)."
     if command is None: _fail("torchember: give a command: report RUN, ls, rm RUN, doctor RUN or diff A B (torchember --help says more)")
     if command in ('report', 'rm', 'doctor', 'diff') and not run: _fail(f"torchember {command}: give the run's name (torchember ls lists them)")
     if command == 'diff' and not other: _fail("torchember diff: give two runs: diff A B")
