@@ -7,7 +7,7 @@ beyond a 30 ms bare step with eager kernels, and `torch.compile` of the fused ke
 tensors of such a step (the activation, weight and grad shapes of one GPT-2-small layer, repeated), so that the next
 session with a GPU picks by measurement:
 
-- `eager`: the eight moments of each tensor with eager kernels (`stats._flat8`), what an accelerator runs today;
+- `eager`: the eight moments of each tensor with eager kernels (`stats._flat8`), what an accelerator runs without Triton;
 - `stacked`: tensors cloned as they come, then stacked by shape and reduced a group at a time (`stats._eager_rows`);
 - `segments`: tensors copied into one float32 buffer, reduced with `torch.segment_reduce`;
 - `triton_one`: the Triton kernels of `torchember.triton_moments`, a launch a tensor (as activations are read);

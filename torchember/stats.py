@@ -350,7 +350,7 @@ class Recorder:
         self._slow_steps = {}      # custom stat function -> recorded steps it took most of
         self.on_tensor = None      # called as `(rec, mi, call, ttype, tname, t)` for every recorded tensor (snapshots)
         self.param_extras = None   # called as `(ttype, items)`: per item a dict of more stats of weights, or None
-        self._unchanged, self._inplace = set(), set()   # (module, ttype, name)s seen unchanged / changed after their hooks
+        self._batchable = {}       # (module, ttype, name) -> seen unchanged after its hook (True), or changed (False: for good)
 
     def open(self, step:int, training:bool=None, iteration:int=None, kind:str=None):
         "Start recording `step`: everything of the open step is in the attributes `_STEP_STATE` names."
@@ -653,9 +653,10 @@ def _at_hook(self, t:torch.Tensor, row:int, key:tuple)->bool:
     "Start the moments of activation `t` into `row` with the Triton kernels, now or batched (see above); whether they run."
     try: version = t._version
     except RuntimeError: version = None      # an inference tensor keeps no version counter
-    if version is None or not self._batch or key in self._inplace or key not in self._unchanged:
+    batchable = self._batchable.get(key)
+    if version is None or not self._batch or batchable is not True:
         if not self._on_device([t], [row]): return False
-        if version is not None and key not in self._inplace: self._watch.append((t, version, key))
+        if version is not None and batchable is None: self._watch.append((t, version, key))
     elif triton_moments() is None or type(t) not in _PLAIN: return False
     else: self._later.append((t, version, row, key))
     self._held += t.numel() * t.element_size()
@@ -668,14 +669,14 @@ def _read_later(self):
     later, watch = self._later, self._watch
     self._later, self._watch, self._held = [], [], 0
     for t, version, key in watch:
-        if t._version == version: self._unchanged.add(key)
-        else: self._inplace.add(key)
+        if t._version != version: self._batchable[key] = False
+        else: self._batchable.setdefault(key, True)
     now, lost = {}, []
     for t, version, row, key in later:
         if t._version == version: now.setdefault(t.device, []).append((t, row))
         else:
             lost.append(row)
-            self._unchanged.discard(key); self._inplace.add(key)
+            self._batchable[key] = False
             self._warn(('inplace',) + key, f"{self._where(key)} was changed in place after its hook, before it was read; its "
                        f"stats at step {self.rec.step} are left empty, and it is read at its hook from now on")
     if lost: self._pieces.append((lost, _unmeasured(None).expand(len(lost), 8)))
