@@ -149,12 +149,16 @@ def module_norms(run:Run, rank:int, lo:int, hi:int)->pd.DataFrame:
 
 def signals(run:Run, rank:int, hi:int, grads_from:int)->pd.DataFrame:
     "Training steps x signals up to `hi`: each logged scalar and, from `grads_from`, the global grad norm."
-    s, st = scalars_t.c, stats_t.c
-    gn = (select(st.step, func.sum(st.norm * st.norm))
-          .where(st.run_id == run.id, st.rank == rank, st.step.between(grads_from, hi), st.ttype == 'weight_grad').group_by(st.step))
+    s, st, k = scalars_t.c, stats_t.c, steps_t.c
+    kept = select(k.step, k.grad_sq, k.summed).where(k.run_id == run.id, k.rank == rank, k.step.between(grads_from, hi))
     with engine(run.db).connect() as c:
         rows = c.execute(select(s.step, s.name, s.value).where(s.run_id == run.id, s.rank == rank, s.step <= hi)).cursor.fetchall()
-        grads = [(step, GRAD_NORM, None if sq is None else sq ** .5) for step, sq in c.execute(gn).cursor.fetchall()]
+        sums = c.execute(kept).cursor.fetchall()   # the store keeps each step's sum: NULL where a norm was NaN, or none was
+        grads = [(step, GRAD_NORM, sq ** .5) for step, sq, summed in sums if summed is not None and sq is not None]
+        if old := [step for step, _, summed in sums if summed is None]:   # steps written before the store kept sums
+            gn = (select(st.step, func.sum(st.norm * st.norm)).where(st.run_id == run.id, st.rank == rank, st.step.in_(old),
+                                                                     st.ttype == 'weight_grad').group_by(st.step))
+            grads += [(step, GRAD_NORM, None if sq is None else sq ** .5) for step, sq in c.execute(gn).cursor.fetchall()]
     micro = micro_steps(run, rank)
     grads = [g for g in grads if g[0] not in micro]
     df = pd.DataFrame(rows + grads, columns=['step', 'name', 'value']).astype({'value': float})   # the driver's tuples: no Row each
@@ -172,13 +176,14 @@ def departures(norms:pd.DataFrame,  # `module_norms` rows
     "The module RMS values that left their trailing band (`band_edges`) at step `lo` or later."
     cols = ['step', 'module', 'mtype', 'ttype', 'value', 'median', 'mad', 'lo', 'hi']
     if norms.empty: return pd.DataFrame(columns=cols)
-    wide = norms.pivot_table(index='step', columns=['module_id', 'ttype'], values='rms', aggfunc='first')
-    x = wide.to_numpy(float)
-    low, high, med, mad = band_edges(x, window, spike, factor, min(window, MIN_BAND))
-    i, j = np.nonzero(left_band(x, low, high) & (wide.index.to_numpy()[:, None] >= lo))
+    wide = norms.pivot(index='step', columns=['module_id', 'ttype'], values='rms')   # `module_norms`: one row a step, module, ttype
+    x, rows = wide.to_numpy(float), np.flatnonzero(wide.index.to_numpy() >= lo)        # bands of the steps reported only
+    low, high, med, mad = band_edges(x, window, spike, factor, min(window, MIN_BAND), rows)
+    r, j = np.nonzero(left_band(x[rows], low, high))
+    i = rows[r]
     keys = wide.columns[j]
     df = pd.DataFrame({'step': wide.index[i], 'module_id': keys.get_level_values(0), 'ttype': keys.get_level_values(1),
-                       'value': x[i, j], 'median': med[i, j], 'mad': mad[i, j], 'lo': low[i, j], 'hi': high[i, j]})
+                       'value': x[i, j], 'median': med[r, j], 'mad': mad[r, j], 'lo': low[r, j], 'hi': high[r, j]})
     return df.join(names, on='module_id')[cols]
 
 def first_departure(run:Run, rank:int, deps:pd.DataFrame)->pd.Series|None:
@@ -226,11 +231,12 @@ def signal_spikes(run:Run, rank:int, sig:pd.DataFrame, names:pd.DataFrame, windo
 def module_spikes(run:Run, rank:int, norms:pd.DataFrame, names:pd.DataFrame, window:int, spike:float, factor:float,
                   lo:int, most:int=10)->list:
     "Findings for the steps from `lo` at which a module's RMS newly left its band, one a step: the first module in order."
-    deps = departures(norms, names, window, spike, factor, norms['step'].min() if len(norms) else lo)
+    steps_of = sorted(set(norms['step']))
+    before = [s for s in steps_of if s < lo]
+    deps = departures(norms, names, window, spike, factor, before[-1] if before else lo)   # and the step before: still outside?
     if deps.empty: return []
     deps = deps.sort_values(['module', 'ttype', 'step'])
     prev = deps.groupby(['module', 'ttype'])['step'].shift()
-    steps_of = sorted(set(norms['step']))
     back = {b: a for a, b in zip(steps_of, steps_of[1:])}   # step -> the recorded step before it
     deps = deps[(prev != deps['step'].map(back)) & (deps['step'] >= lo)]   # a band left anew, not still outside
     out = []

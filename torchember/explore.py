@@ -7,6 +7,7 @@ Docs: https://torchember.github.io/torchember/explore.html.md"""
 # %% ../nbs/05a_explore.ipynb #f53175b4
 from __future__ import annotations
 import html, os, re, threading, time
+import numpy as np
 from contextlib import contextmanager
 import pandas as pd
 import ipywidgets as W
@@ -79,11 +80,19 @@ class Plot:
     @property
     def yaxis(self): return self.fig.layout[f"yaxis{self.axes[0] if self.axes[0] > 1 else ''}"]
 
+def _numbers(v)->np.ndarray|None:
+    "`v` as a float array if it is a flat list of numbers (None, NaN and Inf made NaN: a gap in the line), else None."
+    if not isinstance(v, (list, tuple)) or not all(e is None or isinstance(e, (int, float)) for e in v): return None
+    a = np.array(v, dtype=float)
+    a[~np.isfinite(a)] = np.nan
+    return a
+
 def _traces(p:Plot, f:go.Figure)->list:
     "The traces of figure `f`, drawn by plot `p`, as dicts on the explorer figure's axes and legend, NaN and Inf left out."
     out = []
-    for t in finite_json(f.to_plotly_json()).get('data', []):
-        t = {k: v for k, v in t.items() if k != 'uid'}
+    for t in f.to_plotly_json().get('data', []):
+        xy = {k: a for k in ('x', 'y') if (a := _numbers(t.get(k))) is not None}   # sent as binary arrays, checked once
+        t = {**finite_json({k: v for k, v in t.items() if k != 'uid' and k not in xy}), **xy}
         t.update(xaxis=_ref(t.get('xaxis') or 'x', p.axes), yaxis=_ref(t.get('yaxis') or 'y', p.axes), legend=f'legend{PLOTS.index(p.name) + 2}')
         out.append(t)
     return out
