@@ -65,6 +65,38 @@ def test_at_most_one_sync_per_recorded_step_on_gpu(db):
     assert 4 in set(df.step) and df[df.step == 4]['mean'].notna().all(), df   # a sync inside the step's gather empties its stats
     te.disarm()
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: no CUDA device here")
+def test_cuda_graph_capture_of_an_armed_model(db):
+    "A whole step captured in a CUDA graph (as torch's docs show it) and replayed: the capture works, nothing is recorded in it."
+    torch.manual_seed(0)
+    model = mlp().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8, device='cuda')
+    te = torchEmber(model, run='graph', db=db)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):                     # warm-up on a side stream: recorded, steps 0-2
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            model(x).sum().backward()
+            opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)
+    with pytest.warns(UserWarning, match='CUDA graph is being captured'):
+        with torch.cuda.graph(g):
+            loss = model(x).sum()
+            loss.backward()
+            opt.step()
+    for _ in range(3): g.replay()                     # no hooks run: not recorded
+    torch.cuda.synchronize()
+    model(x).sum().backward()                         # eager again: step 3
+    te.flush()
+    df = te.df()
+    assert sorted(df.step.unique()) == [0, 1, 2, 3] and df['mean'].notna().all(), df
+    assert torch.isfinite(loss).item()
+    te.disarm()
+
 def _policy(tid): return open(f'/proc/self/task/{tid}/sched').read().split('policy')[1].split(':')[1].split()[0]
 
 @pytest.mark.skipif(sys.platform != 'linux', reason="scheduling policies are Linux's")

@@ -181,6 +181,7 @@ class Capture:
         self.pieces = self.piece_map()
         self.step, self.enabled, self.armed = -1, True, False
         self.recording, self._depth, self._open, self._skip = False, 0, False, False
+        self._captured = self._said_capture = False   # the last root call ran inside a CUDA graph's capture; said so
         self._root, self._made, self._hooked = [], None, None
         self._grads, self._times, self._tensor_hooks = None, {}, []
         self._backward_due = False   # the open step's outputs need grad and no backward has ended since: it is not finished
@@ -402,6 +403,10 @@ _graph_task = torch._C._current_graph_task_id   # -1 unless a backward is runnin
 _transforms_on = torch._C._are_functorch_transforms_active   # inside torch.func's vmap, grad, jacrev, ...
 _aside = threading.local()                                    # `.on`: this thread is in `_normal_mode`
 
+def _capturing()->bool:
+    "Whether this thread's CUDA stream is capturing a graph (`torch.cuda.graph`, `make_graphed_callables`)."
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
 def _set_aside()->bool:
     "Whether torchember's hook work must step aside: the call runs under `torch.inference_mode` or `torch.func`'s transforms."
     return _inference_on() or (_transforms_on() and not getattr(_aside, 'on', False))
@@ -422,6 +427,8 @@ def _root_pre(self:Capture, mod, args, kwargs, inference:bool=False):
         with _normal_mode(): return self._root_pre(mod, args, kwargs, inference=inference)
     if self._depth and not self._nested(): self._depth = 0   # the last root call was interrupted (Ctrl-C)
     if self._depth == 0:
+        if _capturing(): return self._in_capture()
+        self._captured = False
         self._stepped = False          # optimizer steps from now until the next call count as one iteration
         training = mod.training and not inference
         self._skip = not self.record_eval and not training
@@ -448,6 +455,16 @@ def _root_pre(self:Capture, mod, args, kwargs, inference:bool=False):
             self.recorder.params(self.step, 'weight', [(mi, pn, p) for mi, pn, p in self.params] + self.flat_weights())
     self._depth += 1
     if self.recording and self.selected[0]: self._pre(0, mod, args, kwargs, inference)
+
+@patch
+def _in_capture(self:Capture):
+    "A root call inside a CUDA graph's capture: no step, nothing launched, its backward's grads not read; said once."
+    self._captured = self._skip = True
+    self._depth += 1
+    if not self._said_capture:
+        self._said_capture = True
+        warnings.warn("torchember: a CUDA graph is being captured; torchember records nothing inside a capture, and a replay "
+                      "runs no hooks, so replayed steps are not recorded (calls run outside a graph are)", stacklevel=4)
 
 @patch
 def _nested(self:Capture)->bool:
@@ -557,6 +574,7 @@ def sample_norms(g:torch.Tensor)->torch.Tensor:
 # %% ../nbs/00_core.ipynb #bba5f788
 @patch
 def _grad_hook(self:Capture, pi, p):
+    if self._captured: return   # the backward of a call inside a CUDA graph's capture
     if self.timing and self._open and not isinstance(pi, tuple):
         now, mi = self.clock(), self.params[pi][0]
         for c in range(self._calls[mi]):            # every call of the module that owns `p` ends its backward no earlier
