@@ -691,16 +691,18 @@ def fold_map(m:dict,          # a `module_map`
 # %% ../nbs/05_figures.ipynb #758bfd19
 from plotly.subplots import make_subplots
 
+def _series(values)->pd.Series: return values if isinstance(values, pd.Series) else pd.Series(list(values))
+
 def log_axis(values)->dict:
     "A log y axis for `values`: ticks at powers of ten where they span a decade or more, plotly's own where less."
-    v = pd.to_numeric(pd.Series(list(values)), errors='coerce')
+    v = pd.to_numeric(_series(values), errors='coerce')
     v = v[np.isfinite(v) & (v > 0)]
     wide = len(v) and np.log10(v.max() / v.min()) >= 1
     return dict(type='log', dtick=1) if wide else dict(type='log')
 
 def flat_range(values)->list|None:
     "A y range showing a constant series as a line at mid-height with its value on a tick; None if it varies."
-    v = pd.to_numeric(pd.Series(list(values)), errors='coerce')
+    v = pd.to_numeric(_series(values), errors='coerce')
     v = v[np.isfinite(v)]
     if not len(v) or v.min() != v.max(): return None
     x = float(v.iloc[0])
@@ -740,7 +742,7 @@ def scalars_figure(st:pd.DataFrame,        # `Run.steps()` of one rank
                                      hovertemplate=f'{s} %{{y:.4g}} at {at}<extra>{name}</extra>'), row=i // cols + 1, col=i % cols + 1)
     for i, s in enumerate(series):
         fig.update_xaxes(title_text=step_title(st), row=i // cols + 1, col=i % cols + 1)
-        vals = [*st.get(s, [])] + ([*other[s]] if other is not None and s in other else [])
+        vals = pd.concat([f[s] for f in (st, other) if f is not None and s in f] or [pd.Series(dtype=float)])   # no list of each step
         if s.endswith('norm'): fig.update_yaxes(**log_axis(vals), row=i // cols + 1, col=i % cols + 1)
         elif (r := flat_range(vals)): fig.update_yaxes(range=r, row=i // cols + 1, col=i % cols + 1)
     if first_bad is not None: fig.add_vline(x=first_bad, line=dict(color=RED, dash='dash', width=1))
