@@ -25,7 +25,7 @@ from .ember import torchEmber
 from .figures import (ORANGE, RANK_COLORS, recorded_steps, history, stat_columns, module_label, history_traces,
                                 heatmap_traces, latest_times, latest_by_module, overview_traces, rank_traces, rank_spread,
                                 spread_traces, module_map, map_figure, map_labels, MAP_STATS, scalars_figure, finite_json, fold_map,
-                                view_steps, with_kinds, step_name, step_title, iteration_text, module_envelope, envelope_traces)
+                                view_steps, with_kinds, step_name, step_title, iteration_text, module_envelope, envelope_traces, log_axis, bars_axis)
 import math
 import numpy as np
 
@@ -505,7 +505,8 @@ def _draw_overview(self:Explorer):
     kind = f" · a{'n' if k.iloc[0] == 'eval' else ''} {k.iloc[0]} step" if len(k) and k.iloc[0] != 'train' else ''
     log = self.log_toggle.value
     self._draw('bars', go.Figure(traces, layout=dict(title=f"{at}: {stat or '—'}{'' if tt == TIME else f' of {tt}'} per module (click a bar){kind}",
-                                                     height=340, yaxis_type='log' if log else 'linear', yaxis_dtick=1 if log else None)))
+                                                     height=340, yaxis=log_axis([v for t in traces if t.y is not None for v in t.y]) if log else dict(type='linear'),
+                                                     xaxis=bars_axis(len(o)))))
     for t in self.plots['bars'].data:
         if t.type == 'bar': t.on_click(self._on_bar_click)
     return self

@@ -20,13 +20,14 @@ from .tree import subtrees, visible, auto_collapse, block_of
 import warnings
 
 # %% auto #0
-__all__ = ['APPLIED_ONLY', 'BLUE', 'ORANGE', 'RED', 'RANK_COLORS', 'MAP_STATS', 'with_stats', 'stat_columns', 'combine',
-           'recorded_steps', 'thin', 'peaks', 'history', 'view_steps', 'with_kinds', 'iteration_text', 'step_name',
-           'step_hover', 'step_title', 'heat', 'nan_steps', 'nan_trace', 'history_traces', 'modules_in_order',
-           'latest_by_module', 'module_label', 'overview_traces', 'latest_times', 'heatmap_traces', 'rank_traces',
-           'rank_spread', 'spread_traces', 'tensor_image', 'tensor_figure', 'forward_order', 'module_map', 'map_width',
-           'module_envelope', 'envelope_traces', 'finite_json', 'map_labels', 'map_figure', 'fold_map', 'log_axis',
-           'flat_range', 'scalar_series', 'scalars_figure']
+__all__ = ['APPLIED_ONLY', 'BLUE', 'ORANGE', 'RED', 'BAR_LABELS', 'RANK_COLORS', 'MAP_STATS', 'LOG_TICKS', 'with_stats',
+           'stat_columns', 'combine', 'recorded_steps', 'thin', 'peaks', 'history', 'view_steps', 'with_kinds',
+           'iteration_text', 'step_name', 'step_hover', 'step_title', 'heat', 'nan_steps', 'nan_trace',
+           'history_traces', 'modules_in_order', 'latest_by_module', 'module_label', 'overview_traces', 'bars_axis',
+           'latest_times', 'heatmap_traces', 'rank_traces', 'rank_spread', 'spread_traces', 'tensor_image',
+           'tensor_figure', 'forward_order', 'module_map', 'map_width', 'module_envelope', 'envelope_traces',
+           'finite_json', 'map_labels', 'map_figure', 'fold_map', 'log_axis', 'flat_range', 'scalar_series',
+           'scalars_figure']
 
 # %% ../nbs/05_figures.ipynb #f654825d
 _META = ('run', 'step', 'iteration', 'kind', 'rank', 'call', 'module', 'mtype', 'ttype', 'tname', 'shape', 'dtype')
@@ -264,6 +265,12 @@ def overview_traces(o:pd.DataFrame,     # one row per module, from `latest_by_mo
                  marker=dict(color=colors, line=dict(width=[2 if m == selected else 0 for m in o['module']], color='black')),
                  hovertemplate='%{x}<br>' + stat + ' %{y:.4g}<extra></extra>')
     return [bar] + ([nan_trace(o.assign(label=labels), x='label', name=f'{run}: NaN/Inf' if run else 'NaN/Inf')] if bad else [])
+
+BAR_LABELS = 24   # at most this many module names under the bars: a two-line name turned upright takes ~30 px
+
+def bars_axis(n:int)->dict:
+    "The x axis of `n` bars: every name while they fit, else every few (each bar still named on hover)."
+    return dict(nticks=BAR_LABELS) if n > BAR_LABELS else {}
 
 # %% ../nbs/05_figures.ipynb #6071aa57
 def latest_times(run:Run, step:int=None, rank:int=None)->pd.DataFrame:
@@ -693,12 +700,14 @@ from plotly.subplots import make_subplots
 
 def _series(values)->pd.Series: return values if isinstance(values, pd.Series) else pd.Series(list(values))
 
+LOG_TICKS = 8   # at most about this many ticks on a log axis: 45 decades of vanishing grads get one every 6
+
 def log_axis(values)->dict:
-    "A log y axis for `values`: ticks at powers of ten where they span a decade or more, plotly's own where less."
+    "A log y axis for `values`: ticks at powers of ten (every few over many decades), plotly's own within one decade."
     v = pd.to_numeric(_series(values), errors='coerce')
     v = v[np.isfinite(v) & (v > 0)]
-    wide = len(v) and np.log10(v.max() / v.min()) >= 1
-    return dict(type='log', dtick=1) if wide else dict(type='log')
+    decades = float(np.log10(v.max() / v.min())) if len(v) else 0.0
+    return dict(type='log', dtick=max(1, math.ceil(decades / LOG_TICKS))) if decades >= 1 else dict(type='log')
 
 def flat_range(values)->list|None:
     "A y range showing a constant series as a line at mid-height with its value on a tick; None if it varies."

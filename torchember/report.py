@@ -23,7 +23,7 @@ from .graphview import GraphView
 import warnings
 from .figures import (BLUE, ORANGE, recorded_steps, thin, with_stats, combine, history_traces, heatmap_traces,
                                 latest_by_module, overview_traces, module_label, module_map, map_figure, fold_map,
-                                scalars_figure, log_axis, view_steps, with_kinds, step_name, step_title, step_hover,
+                                scalars_figure, log_axis, bars_axis, view_steps, with_kinds, step_name, step_title, step_hover,
                                 iteration_text, forward_order)
 
 # %% auto #0
@@ -143,7 +143,7 @@ def _bars(run:Run, ttype:str, stat:str, rank:int, step:int=None, kinds:pd.DataFr
     o = latest_by_module(run, ttype, step, rank=rank)
     tr = overview_traces(o, stat)
     if not tr: return None
-    return go.Figure(tr, layout=dict(height=340, title=step_name(o['step'].iloc[0], kinds), yaxis=log_axis(o[stat]), **_LAYOUT))
+    return go.Figure(tr, layout=dict(height=340, title=step_name(o['step'].iloc[0], kinds), yaxis=log_axis(o[stat]), xaxis=bars_axis(len(o)), **_LAYOUT))
 
 def _finite_step(run:Run, steps:list, first:dict|None)->int|None:
     "The step the bars show: None (the latest) unless the run blew up, then the last step before its first NaN/Inf."
