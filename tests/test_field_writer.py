@@ -95,7 +95,8 @@ def test_dataloader_fork_workers_call_the_armed_model(db):
 # ---------------------------------------------------------------- 9. durability bounded by time
 
 TRAIN = textwrap.dedent('''
-    import os, signal, sys, time
+    import faulthandler, os, signal, sys, time
+    faulthandler.register(signal.SIGUSR1, all_threads=True)   # where every thread is, if a test finds it hung
     import torch
     from torch import nn
     from torchember import torchEmber
@@ -138,7 +139,13 @@ def _run_then(p, sig, after:float, settled:int=0):
         if now - t0 > after and sum(t < now - 1.2 for t in printed.values()) > settled: break
     sent = time.time()
     p.send_signal(sig)
-    out, err = p.communicate(timeout=120)
+    try: out, err = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:   # say where it is stuck: its threads' stacks, then end it
+        p.send_signal(signal.SIGUSR1)
+        time.sleep(2)
+        p.kill()
+        out, err = p.communicate()
+        raise AssertionError(f"still running 120 s after {signal.Signals(sig).name}; its threads then:\n{err[-8000:]}") from None
     return printed, sent, out, err
 
 def test_sigkill_keeps_every_step_finished_more_than_a_second_before(tmp_path):
