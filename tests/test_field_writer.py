@@ -97,6 +97,7 @@ def test_dataloader_fork_workers_call_the_armed_model(db):
 TRAIN = textwrap.dedent('''
     import faulthandler, os, signal, sys, time
     faulthandler.register(signal.SIGUSR1, all_threads=True)   # where every thread is, if a test finds it hung
+    signal.signal(signal.SIGINT, signal.default_int_handler)   # as from a terminal: a shell's background job inherits it ignored
     import torch
     from torch import nn
     from torchember import torchEmber
