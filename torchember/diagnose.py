@@ -155,7 +155,8 @@ def signals(run:Run, rank:int, hi:int, grads_from:int)->pd.DataFrame:
         rows = c.execute(select(s.step, s.name, s.value).where(s.run_id == run.id, s.rank == rank, s.step <= hi)).cursor.fetchall()
         sums = c.execute(kept).cursor.fetchall()   # the store keeps each step's sum: NULL where a norm was NaN, or none was
         grads = [(step, GRAD_NORM, sq ** .5) for step, sq, summed in sums if summed is not None and sq is not None]
-        if old := [step for step, _, summed in sums if summed is None]:   # steps written before the store kept sums
+        if any(summed is None for _, _, summed in sums):   # steps written before the store kept sums: summed here
+            old = kept.with_only_columns(k.step).where(k.summed.is_(None))   # a subquery: no bound parameter a step
             gn = (select(st.step, func.sum(st.norm * st.norm)).where(st.run_id == run.id, st.rank == rank, st.step.in_(old),
                                                                      st.ttype == 'weight_grad').group_by(st.step))
             grads += [(step, GRAD_NORM, None if sq is None else sq ** .5) for step, sq in c.execute(gn).cursor.fetchall()]
