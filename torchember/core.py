@@ -6,7 +6,7 @@ Docs: https://torchember.github.io/torchember/core.html.md"""
 
 # %% ../nbs/00_core.ipynb #fc509c35
 from __future__ import annotations
-import copyreg, dataclasses, inspect, json, sys, threading, time, warnings, weakref
+import copyreg, dataclasses, inspect, json, os, sys, threading, time, warnings, weakref
 from collections import OrderedDict
 from contextlib import contextmanager
 from fnmatch import fnmatchcase
@@ -17,9 +17,9 @@ from torch.utils.hooks import RemovableHandle
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 # %% auto #0
-__all__ = ['WRAPPERS', 'ENTER', 'EXIT', 'STEP_KINDS', 'user_class', 'is_wrapper', 'user_modules', 'module_tree', 'dtensor_piece',
-           'sharded', 'flat_params', 'module_info', 'named_tensors', 'arg_names', 'named_inputs', 'selector', 'Capture',
-           'elapsed_ms', 'sample_norms', 'attach']
+__all__ = ['WRAPPERS', 'ENTER', 'EXIT', 'STEP_KINDS', 'KEEP_MAX', 'KEEP_BYTES', 'user_class', 'is_wrapper', 'user_modules',
+           'module_tree', 'dtensor_piece', 'sharded', 'flat_params', 'module_info', 'named_tensors', 'arg_names',
+           'named_inputs', 'selector', 'Capture', 'elapsed_ms', 'sample_norms', 'attach']
 
 # %% ../nbs/00_core.ipynb #4a1aa61e
 def user_class(m:nn.Module)->type:
@@ -185,6 +185,8 @@ class Capture:
         self._root, self._made, self._hooked = [], None, None
         self._grads, self._times, self._tensor_hooks = None, {}, []
         self._backward_due = False   # the open step's outputs need grad and no backward has ended since: it is not finished
+        self._kept, self._watched, self._eager = [], [], {}   # activations kept to be measured together (see `_keep`)
+        self._keeping = True
         self.clock = time.perf_counter
         self.iteration, self.kind = 0, None   # optimizer steps completed; the open step's kind (`STEP_KINDS`)
         self._opts, self._opt_hook, self._stepped = weakref.WeakKeyDictionary(), None, False
@@ -450,6 +452,7 @@ def _root_pre(self:Capture, mod, args, kwargs, inference:bool=False):
         self.recording = rec
         if rec:
             self._open, self._events, self._calls, self._stack = True, [], [0]*len(self.mods), []
+            self._kept, self._watched, self._keeping = [], [], os.environ.get('TORCHEMBER_KEEP') != '0'
             self.kind = 'train' if training and torch.is_grad_enabled() else 'no_grad' if training else 'eval'
             self.recorder.open(self.step, training=training, iteration=self.iteration, kind=self.kind)
             self.recorder.params(self.step, 'weight', [(mi, pn, p) for mi, pn, p in self.params] + self.flat_weights())
@@ -481,6 +484,7 @@ def _root_post(self:Capture, mod, args, out):
     if _set_aside():
         with _normal_mode(): return self._root_post(mod, args, out)
     if self.recording and self.selected[0]: self._post(0, mod, args, out)
+    if self._kept or self._watched: self._measure_kept()   # the forward is over: what its hooks kept is measured now
     self._depth -= 1
     if self._depth == 0:
         if self._skip: self._skip = False
@@ -504,9 +508,8 @@ def _pre(self:Capture, mi, mod, args, kwargs, inference:bool=False):
     stack = self._stack
     stack.append((mi, c))
     self._events.append((ENTER, mi, c))
-    rec = self.recorder.tensor
     ins = named_inputs(args, kwargs, self.sigs[mi])
-    for name, t in ins: rec(mi, c, 'input', name, t)
+    self._keep(mi, c, 'input', ins)
     if self.timing or self.io_grad: self._watch_grads(mi, c, 'input_grad', ins)
     if self.timing:   # the last item: the timing of the call around this one (None for the outermost)
         self._times[mi, c] = [mod.training and not inference, self.clock(), None, None, None,
@@ -519,11 +522,50 @@ def _post(self:Capture, mi, mod, args, out):
         with _normal_mode(): return self._post(mi, mod, args, out)
     c = self._stack.pop()[1]
     if self.timing and (mi, c) in self._times: self._times[mi, c][2] = self.clock()
-    rec = self.recorder.tensor
     outs = [('output', out)] if isinstance(out, torch.Tensor) else named_tensors(out, 'output')
-    for name, t in outs: rec(mi, c, 'output', name, t)
+    self._keep(mi, c, 'output', outs)
     if self.timing or self.io_grad: self._watch_grads(mi, c, 'output_grad', outs)
     self._events.append((EXIT, mi, c))
+
+# %% ../nbs/00_core.ipynb #e2a2d710
+KEEP_MAX, KEEP_BYTES = 64, 2**20   # activations a forward's hooks keep before they are measured together; bytes of one at most
+
+@patch
+def _keep(self:Capture, mi, c, ttype, named):
+    "Hand tensors `named` of call `c` of module `mi` to the recorder, or keep them to be handed over together (see above)."
+    rec = self.recorder.tensor
+    eager = self._eager.get(mi)
+    if eager is not False or not self._keeping or _transforms_on():
+        for name, t in named:
+            rec(mi, c, ttype, name, t)
+            if eager is None:   # watched without keeping it alive (a forward's activations, in eval)
+                try: self._watched.append((mi, weakref.ref(t), t._version))
+                except (RuntimeError, TypeError): pass   # an inference tensor, or one that takes no weak reference
+        return
+    kept = self._kept
+    for name, t in named:
+        try:
+            if t.nbytes <= KEEP_BYTES:
+                kept.append((mi, c, ttype, name, t, t._version))
+                continue
+        except Exception: pass   # no version counter (an inference tensor), or no plain size
+        rec(mi, c, ttype, name, t)
+    if len(kept) >= KEEP_MAX: self._measure_kept(ended=False)
+
+@patch
+def _measure_kept(self:Capture, ended:bool=True):
+    "Hand the kept tensors to the recorder (an empty row for one changed since its hook); `ended`: learn from the watched too."
+    kept, self._kept = self._kept, []
+    watched, self._watched = (self._watched, []) if ended else ((), self._watched)
+    rec = self.recorder.tensor
+    for mi, c, ttype, name, t, v in kept:
+        if t._version == v: rec(mi, c, ttype, name, t)
+        else:
+            self._eager[mi] = True
+            (getattr(self.recorder, 'changed', None) or rec)(mi, c, ttype, name, t)   # a recorder that can't say so: measured as it is
+    for mi, ref, v in watched:
+        if (t := ref()) is not None and t._version != v: self._eager[mi] = True
+        else: self._eager.setdefault(mi, False)   # unchanged, or freed (nothing changed it after)
 
 # %% ../nbs/00_core.ipynb #3c9c9b06
 class _CudaClock:
@@ -604,6 +646,7 @@ def close(self:Capture):
     if not self._open: return
     if _set_aside():
         with _normal_mode(): return self.close()
+    if self._kept or self._watched: self._measure_kept()
     self._open = self._backward_due = False
     calls = [(mi, c, *t[:5]) for (mi, c), t in self._times.items()]
     self._times = {}
@@ -628,5 +671,5 @@ def _attach(self:Capture, module, name, t):
     self.recorder.tensor(mi, max(self._calls[mi] - 1, 0), 'attached', name, t)
 
 # %% ../nbs/00_core.ipynb #fa44ee2f
-_dynamo_skips(Capture._root_pre, Capture._root_post, Capture._pre, Capture._post, Capture._on_grad,
+_dynamo_skips(Capture._root_pre, Capture._root_post, Capture._pre, Capture._post, Capture._keep, Capture._measure_kept, Capture._on_grad,
               Capture._grad_hook, Capture._grads_done, Capture._attach, Capture.close)

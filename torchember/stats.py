@@ -439,6 +439,16 @@ def _default(self, t, copy:bool, where=None, row:int=None):
     return row
 
 @patch_to(Recorder)
+def changed(self, mi, call, ttype, tname, t):
+    "Record the key of `t`, changed in place between its hook and its measuring (see `core.Capture._keep`): no stats, said once."
+    row = self._nm
+    self._nm += 1
+    self._pieces.append(([row], _unmeasured(t.numel())))
+    self.rec.keys.append((mi, call, ttype, tname, shape_of(t), dtype_name(t), row, -1))
+    self._warn(('inplace', mi, ttype, tname), f"{self._where((mi, ttype, tname))} was changed in place after its hook, before "
+               f"it was read; its stats at step {self.rec.step} are left empty, and it is read at its hook from now on")
+
+@patch_to(Recorder)
 def _now(self, t, row:int)->bool:
     "Measure CPU tensor `t` into `row` at once with the native kernel, if it reads `t`; whether it did."
     d = self._direct
