@@ -10,6 +10,7 @@ import getpass, hashlib, itertools, json, math, os, pickle, queue, socket, sqlit
 from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
+import numpy as np
 import sqlalchemy as sa
 from sqlalchemy import (BigInteger, Column, Float, ForeignKey, Integer, LargeBinary, MetaData, PrimaryKeyConstraint, String,
                         Table, Text, bindparam, event, insert, select, update, func)
@@ -20,10 +21,11 @@ from .stats import merge_stats, NORM_EXTRAS, TTYPES
 __all__ = ['SCHEMA_VERSION', 'MEMORY', 'metadata', 'STAT_COLS', 'Str', 'Size', 'meta_t', 'runs_t', 'ranks_t', 'modules_t',
            'steps_t', 'digests_t', 'events_t', 'stats_t', 'calls_t', 'scalars_t', 'shards_t', 'rollups_t',
            'snapshots_t', 'flows_t', 'VIEWS', 'RETIRED_RUN_ID', 'ROWS_PER_INSERT', 'ROLLUP_WIDTHS', 'THINNED',
-           'LINGER_S', 'PENDING_STEPS', 'PENDING_BYTES', 'RETRY_S', 'EXIT_WAIT_S', 'default_db', 'db_url', 'check_name',
-           'escaped', 'StoreError', 'engine', 'keyed_by_rank', 'create_run', 'drop_run', 'last_iteration', 'claim',
-           'release', 'rows_digest', 'write_step', 'write_steps', 'merge_pieces', 'module_steps_sql', 'roll_up',
-           'roll_up_closed', 'rolled_steps', 'thin_steps', 'idle_priority', 'store_busy', 'Writer']
+           'KNOWN_MAX', 'LINGER_S', 'PENDING_STEPS', 'PENDING_BYTES', 'RETRY_S', 'EXIT_WAIT_S', 'default_db', 'db_url',
+           'check_name', 'escaped', 'StoreError', 'engine', 'keyed_by_rank', 'create_run', 'drop_run', 'last_iteration',
+           'claim', 'release', 'rows_digest', 'write_step', 'write_steps', 'merge_pieces', 'module_steps_sql',
+           'roll_up', 'roll_up_closed', 'rolled_steps', 'thin_steps', 'module_values', 'idle_priority', 'store_busy',
+           'Writer']
 
 # %% ../nbs/02_store.ipynb #2b4773a6
 SCHEMA_VERSION = 2
@@ -562,6 +564,7 @@ def write_steps(eng, run_id:int, steps:list, rank:int=0):
                 _insert_rows(c, shards_t, head, pieces, replace=True)
                 pieced.append(step)
             if rows or pieces or closed: digests.append((*head, rows_digest(rows + pieces) if closed else None))
+            if rows or pieces or closed: _remember(c, run_id, rank, step, rows if closed and not pieces else None)
             if calls := s.get('calls'): _insert_rows(c, calls_t, head, calls, replace=True)
             if scalars := s.get('scalars'): _insert_rows(c, scalars_t, head, list(scalars.items()), replace=True)
             if flows := s.get('flows'): _insert_rows(c, flows_t, head, flows, replace=True)
@@ -678,6 +681,11 @@ def roll_up(c, run_id:int,
     if not ranks or first > last: return
     rk = f"rank IN ({', '.join(str(int(r)) for r in ranks)})"
     c.exec_driver_sql(_roll_up_sql(d, ROLLUP_WIDTHS[0], f"run_id = {rid} AND {rk} AND {at}"))
+    _refold(c, rid, rk, first, last)
+
+def _refold(c, rid:int, rk:str, first:int, last:int):
+    "Fold again each width above the first from the bins below it, over the bins of steps `first`..`last` of ranks `rk` (SQL)."
+    d = c.dialect.name
     tts = ', '.join(f"'{t}'" for t in TTYPES)    # named, so that each rank's and ttype's bins are a range of the key
     for below, w in zip(ROLLUP_WIDTHS, ROLLUP_WIDTHS[1:]):
         f = w // below
@@ -689,7 +697,7 @@ def roll_up_closed(c, run_id:int, rank:int, closed:list, written:list=()):
     w, rid = ROLLUP_WIDTHS[0], int(run_id)
     prev = c.exec_driver_sql(f'SELECT MAX(step) FROM steps WHERE run_id = {rid} AND rank = {int(rank)} AND step < {min(closed)}').scalar()
     start, end = (min(closed) if prev is None else prev) // w * w, max(closed) // w * w - 1
-    if end >= start: roll_up(c, rid, first=start, last=end, ranks=[rank])
+    if end >= start and not _fold_known(c, rid, int(rank), start, end): roll_up(c, rid, first=start, last=end, ranks=[rank])
     if late := [s for s in written if s < start]: roll_up(c, rid, steps=late, ranks=[rank])
 
 def rolled_steps(c, run_id:int, rank:int)->tuple|None:
@@ -732,6 +740,77 @@ def _merged_extras(extras:list)->str|None:
 def _last_step_update(dialect):
     last = runs_t.c.last_step
     return update(runs_t).where(runs_t.c.id == bindparam('rid')).values(last_step=sa.case((last >= bindparam('st'), last), else_=bindparam('st')))
+
+# %% ../nbs/02_store.ipynb #dd9f9858
+_known = weakref.WeakKeyDictionary()   # engine -> {(run_id, rank): {step: (keys, values) or None (fold it in SQL)}}
+KNOWN_MAX = 4096                       # steps whose module values the writer keeps, at most (then it folds in SQL)
+_GROUPS = {}
+
+def module_values(rows:list)->tuple:
+    "`(keys, values)` of one step's `stats` rows: `(ttype, module_id)` keys, and per key the 7 values `module_steps_sql` gives (NaN: NULL)."
+    keys = tuple((r[2], r[0]) for r in rows)
+    g = _GROUPS.get(keys)
+    if g is None:
+        if len(_GROUPS) > 64: _GROUPS.clear()
+        pos = {}
+        idx = np.array([pos.setdefault(k, len(pos)) for k in keys], dtype=np.intp)
+        g = _GROUPS[keys] = (tuple(pos), idx)
+    uniq, idx = g
+    n = len(uniq)
+    x = np.array([r[6:15] for r in rows], dtype=float).reshape(len(rows), 9)   # None (NULL) becomes NaN
+    numel, mean, std, lo, hi, norm, zf, nan, inf = x.T
+    def total(v):                       # SQL's SUM: NULL terms left out, NULL where there are none
+        ok = ~np.isnan(v)
+        s = np.bincount(idx, np.where(ok, v, 0.), n)
+        s[np.bincount(idx, ok, n) == 0] = np.nan
+        return s
+    with np.errstate(divide='ignore', invalid='ignore'):
+        den = total(numel)
+        den[den == 0] = np.nan          # NULLIF(SUM(numel), 0)
+        out = np.empty((n, 7))
+        out[:, 0] = total(norm * norm)
+        out[:, 1], out[:, 2], out[:, 3] = total(std * std * numel) / den, total(mean * numel) / den, total(zf * numel) / den
+    for col, v, f, start in ((4, hi, np.fmax, -np.inf), (5, lo, np.fmin, np.inf)):   # MAX, MIN: NULL left out
+        e = np.full(n, start)
+        f.at(e, idx, v)
+        e[np.bincount(idx, ~np.isnan(v), n) == 0] = np.nan
+        out[:, col] = e
+    out[:, 6] = np.where(np.bincount(idx, (nan > 0) | (inf > 0), n) > 0, 0., np.nan)   # 0: the step itself, once known
+    return uniq, out
+
+def _remember(c, run_id:int, rank:int, step:int, rows):
+    "Keep the module values of `step` written whole now (`rows`), or forget them (None: late rows, pieces, a second write)."
+    steps = _known.setdefault(c.engine, {}).setdefault((run_id, rank), {})
+    if rows is None or step in steps or len(steps) >= KNOWN_MAX: steps[step] = None
+    else:
+        keys, v = module_values(rows)
+        v[:, 6] = np.where(np.isnan(v[:, 6]), np.nan, step)
+        steps[step] = (keys, v)
+
+def _fold_known(c, rid:int, rank:int, first:int, last:int)->bool:
+    "Fold the bins of 8 of steps `first`..`last` of `rank` from the module values the writer kept; False where it can't."
+    steps = _known.get(c.engine, {}).get((rid, rank))
+    if steps is None: return False
+    here = c.exec_driver_sql(f'SELECT step FROM steps WHERE run_id = {rid} AND rank = {rank} AND step BETWEEN {first} AND {last}').scalars().all()
+    got = [steps.get(s) for s in here]
+    for s in [s for s in steps if s <= last]: del steps[s]   # folded now, one way or the other
+    if any(g is None for g in got) or len({k for k, _ in got}) > 1: return False   # a step not known whole, or modules that changed
+    w, rows = ROLLUP_WIDTHS[0], []
+    for b in sorted({s // w for s in here}):
+        vs = np.stack([v for s, (_, v) in zip(here, got) if s // w == b])
+        bad = vs[:, :, 6]
+        agg = np.column_stack([np.fmax.reduce(vs[:, :, 0], 0), np.fmax.reduce(vs[:, :, 1], 0), np.fmax.reduce(vs[:, :, 2], 0),
+                               np.fmin.reduce(vs[:, :, 2], 0), np.fmax.reduce(vs[:, :, 3], 0), np.fmax.reduce(vs[:, :, 4], 0),
+                               np.fmin.reduce(vs[:, :, 5], 0), np.fmin.reduce(bad, 0), (~np.isnan(bad)).sum(0)])
+        for (ttype, mi), a in zip(got[0][0], agg.tolist()):
+            a = [None if v != v else v for v in a]
+            if a[7] is not None: a[7] = int(a[7])
+            rows.append((rid, rank, ttype, w, b, mi, *a[:8], int(a[8])))
+    if rows:
+        mark = '?' if c.dialect.paramstyle == 'qmark' else '%s'
+        c.exec_driver_sql(_upsert_rollups(c.dialect.name, f"VALUES ({', '.join([mark] * 15)})", merge=True), rows)
+    _refold(c, rid, f"rank IN ({rank})", first // w * w, last // w * w + w - 1)
+    return True
 
 # %% ../nbs/02_store.ipynb #8cb47b5c
 from collections import deque
