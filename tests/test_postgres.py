@@ -351,3 +351,9 @@ def test_long_runs_keep_their_extremes_in_postgresql(pg):
     assert module_envelope(run, '4', 'output')['bad_step'].dropna().tolist() == [nan]
     run.thin(every=100)
     np.testing.assert_array_equal(module_map(run, ttype='weight_grad', stat='norm')['z'], m['z'])
+
+
+def test_postgresql_folds_the_bins_itself(pg, monkeypatch):
+    "On PostgreSQL the server folds each bin (in its own process, with its NaN semantics), not the writer from memory."
+    from test_known_folds import check_folds
+    check_folds(pg, 1, monkeypatch, from_memory=False)

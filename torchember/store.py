@@ -780,6 +780,7 @@ def module_values(rows:list)->tuple:
 
 def _remember(c, run_id:int, rank:int, step:int, rows):
     "Keep the module values of `step` written whole now (`rows`), or forget them (None: late rows, pieces, a second write)."
+    if c.dialect.name != 'sqlite': return   # a server folds in its own process
     steps = _known.setdefault(c.engine, {}).setdefault((run_id, rank), {})
     if rows is None or step in steps or len(steps) >= KNOWN_MAX: steps[step] = None
     else:
