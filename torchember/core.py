@@ -554,7 +554,7 @@ def _keep(self:Capture, mi, c, ttype, named):
 
 @patch
 def _measure_kept(self:Capture, ended:bool=True):
-    "Hand the kept tensors to the recorder (an empty row for one changed since its hook); `ended`: learn from the watched too."
+    "Hand the kept tensors to the recorder (an empty row for one changed since its hook); `ended`: learn from the watched."
     kept, self._kept = self._kept, []
     watched, self._watched = (self._watched, []) if ended else ((), self._watched)
     rec = self.recorder.tensor

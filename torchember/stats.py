@@ -440,7 +440,7 @@ def _default(self, t, copy:bool, where=None, row:int=None):
 
 @patch_to(Recorder)
 def changed(self, mi, call, ttype, tname, t):
-    "Record the key of `t`, changed in place between its hook and its measuring (see `core.Capture._keep`): no stats, said once."
+    "Record the key of `t`, changed in place between its hook and its measuring (`core.Capture._keep`): no stats, said once."
     row = self._nm
     self._nm += 1
     self._pieces.append(([row], _unmeasured(t.numel())))

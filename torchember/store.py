@@ -684,7 +684,7 @@ def roll_up(c, run_id:int,
     _refold(c, rid, rk, first, last)
 
 def _refold(c, rid:int, rk:str, first:int, last:int):
-    "Fold again each width above the first from the bins below it, over the bins of steps `first`..`last` of ranks `rk` (SQL)."
+    "Fold again each width above the first from the bins below it, over the bins of steps `first`..`last` of ranks `rk`."
     d = c.dialect.name
     tts = ', '.join(f"'{t}'" for t in TTYPES)    # named, so that each rank's and ttype's bins are a range of the key
     for below, w in zip(ROLLUP_WIDTHS, ROLLUP_WIDTHS[1:]):
@@ -747,35 +747,32 @@ KNOWN_MAX = 4096                       # steps whose module values the writer ke
 _GROUPS = {}
 
 def module_values(rows:list)->tuple:
-    "`(keys, values)` of one step's `stats` rows: `(ttype, module_id)` keys, and per key the 7 values `module_steps_sql` gives (NaN: NULL)."
+    "`(keys, values)` of one step's `stats` rows: `(ttype, module_id)` keys, with `module_steps_sql`'s 7 values, NaN for NULL"
     keys = tuple((r[2], r[0]) for r in rows)
     g = _GROUPS.get(keys)
-    if g is None:
+    if g is None:                       # the rows sorted by key, and where each key's rows start: worked out once per layout
         if len(_GROUPS) > 64: _GROUPS.clear()
         pos = {}
         idx = np.array([pos.setdefault(k, len(pos)) for k in keys], dtype=np.intp)
-        g = _GROUPS[keys] = (tuple(pos), idx)
-    uniq, idx = g
-    n = len(uniq)
-    x = np.array([r[6:15] for r in rows], dtype=float).reshape(len(rows), 9)   # None (NULL) becomes NaN
+        order = np.argsort(idx, kind='stable')
+        g = _GROUPS[keys] = (tuple(pos), order, np.flatnonzero(np.r_[True, np.diff(idx[order]) != 0]) if len(idx) else idx)
+    uniq, order, starts = g
+    out = np.empty((len(uniq), 7))
+    if not len(uniq): return uniq, out
+    x = np.array([r[6:15] for r in rows], dtype=float)[order]   # None (NULL) becomes NaN
     numel, mean, std, lo, hi, norm, zf, nan, inf = x.T
-    def total(v):                       # SQL's SUM: NULL terms left out, NULL where there are none
-        ok = ~np.isnan(v)
-        s = np.bincount(idx, np.where(ok, v, 0.), n)
-        s[np.bincount(idx, ok, n) == 0] = np.nan
-        return s
-    with np.errstate(divide='ignore', invalid='ignore'):
-        den = total(numel)
+    with np.errstate(all='ignore'):
+        terms = np.stack([numel, norm * norm, std * std * numel, mean * numel, zf * numel], 1)
+        ok = ~np.isnan(terms)
+        sums = np.add.reduceat(np.where(ok, terms, 0.), starts, 0)
+        sums[np.add.reduceat(ok.view(np.int8), starts, 0) == 0] = np.nan   # SQL's SUM: NULL terms left out, NULL where there are none
+        den = sums[:, 0]
         den[den == 0] = np.nan          # NULLIF(SUM(numel), 0)
-        out = np.empty((n, 7))
-        out[:, 0] = total(norm * norm)
-        out[:, 1], out[:, 2], out[:, 3] = total(std * std * numel) / den, total(mean * numel) / den, total(zf * numel) / den
-    for col, v, f, start in ((4, hi, np.fmax, -np.inf), (5, lo, np.fmin, np.inf)):   # MAX, MIN: NULL left out
-        e = np.full(n, start)
-        f.at(e, idx, v)
-        e[np.bincount(idx, ~np.isnan(v), n) == 0] = np.nan
-        out[:, col] = e
-    out[:, 6] = np.where(np.bincount(idx, (nan > 0) | (inf > 0), n) > 0, 0., np.nan)   # 0: the step itself, once known
+        out[:, 0] = sums[:, 1]
+        out[:, 1:4] = sums[:, 2:5] / den[:, None]
+        out[:, 4], out[:, 5] = np.fmax.reduceat(hi, starts), np.fmin.reduceat(lo, starts)   # MAX, MIN: NULL left out
+        bad = ((nan > 0) | (inf > 0)).view(np.int8)
+    out[:, 6] = np.where(np.maximum.reduceat(bad, starts) > 0, 0., np.nan)   # 0: the step, once known
     return uniq, out
 
 def _remember(c, run_id:int, rank:int, step:int, rows):
