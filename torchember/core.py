@@ -17,9 +17,9 @@ from torch.utils.hooks import RemovableHandle
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 # %% auto #0
-__all__ = ['WRAPPERS', 'ENTER', 'EXIT', 'STEP_KINDS', 'KEEP_MAX', 'KEEP_BYTES', 'user_class', 'is_wrapper', 'user_modules',
-           'module_tree', 'dtensor_piece', 'sharded', 'flat_params', 'module_info', 'named_tensors', 'arg_names',
-           'named_inputs', 'selector', 'Capture', 'elapsed_ms', 'sample_norms', 'attach']
+__all__ = ['WRAPPERS', 'ENTER', 'EXIT', 'STEP_KINDS', 'KEEP_MAX', 'KEEP_BYTES', 'WATCH_BYTES', 'user_class', 'is_wrapper',
+           'user_modules', 'module_tree', 'dtensor_piece', 'sharded', 'flat_params', 'module_info', 'named_tensors',
+           'arg_names', 'named_inputs', 'selector', 'Capture', 'elapsed_ms', 'sample_norms', 'attach']
 
 # %% ../nbs/00_core.ipynb #4a1aa61e
 def user_class(m:nn.Module)->type:
@@ -186,7 +186,7 @@ class Capture:
         self._grads, self._times, self._tensor_hooks = None, {}, []
         self._backward_due = False   # the open step's outputs need grad and no backward has ended since: it is not finished
         self._kept, self._watched, self._eager = [], [], {}   # activations kept to be measured together (see `_keep`)
-        self._keeping = True
+        self._keeping, self._watch_room = True, 0
         self.clock = time.perf_counter
         self.iteration, self.kind = 0, None   # optimizer steps completed; the open step's kind (`STEP_KINDS`)
         self._opts, self._opt_hook, self._stepped = weakref.WeakKeyDictionary(), None, False
@@ -453,6 +453,7 @@ def _root_pre(self:Capture, mod, args, kwargs, inference:bool=False):
         if rec:
             self._open, self._events, self._calls, self._stack = True, [], [0]*len(self.mods), []
             self._kept, self._watched, self._keeping = [], [], os.environ.get('TORCHEMBER_KEEP') != '0'
+            self._watch_room = WATCH_BYTES
             self.kind = 'train' if training and torch.is_grad_enabled() else 'no_grad' if training else 'eval'
             self.recorder.open(self.step, training=training, iteration=self.iteration, kind=self.kind)
             self.recorder.params(self.step, 'weight', [(mi, pn, p) for mi, pn, p in self.params] + self.flat_weights())
@@ -529,6 +530,7 @@ def _post(self:Capture, mi, mod, args, out):
 
 # %% ../nbs/00_core.ipynb #e2a2d710
 KEEP_MAX, KEEP_BYTES = 64, 2**20   # activations a forward's hooks keep before they are measured together; bytes of one at most
+WATCH_BYTES = 2**26                # bytes of activations a forward's hooks watch at most (the rest are watched in later steps)
 
 @patch
 def _keep(self:Capture, mi, c, ttype, named):
@@ -538,9 +540,10 @@ def _keep(self:Capture, mi, c, ttype, named):
     if eager is not False or not self._keeping or _transforms_on():
         for name, t in named:
             rec(mi, c, ttype, name, t)
-            if eager is None:   # watched without keeping it alive (a forward's activations, in eval)
-                try: self._watched.append((mi, weakref.ref(t), t._version))
-                except (RuntimeError, TypeError): pass   # an inference tensor, or one that takes no weak reference
+            if eager is None and self._watch_room > 0:   # watched till the forward's end (freed before, it could have changed)
+                try:
+                    if (n := t.nbytes) <= KEEP_BYTES: self._watched.append((mi, t, t._version)); self._watch_room -= n
+                except Exception: pass   # an inference tensor: no version counter
         return
     kept = self._kept
     for name, t in named:
@@ -563,9 +566,9 @@ def _measure_kept(self:Capture, ended:bool=True):
         else:
             self._eager[mi] = True
             (getattr(self.recorder, 'changed', None) or rec)(mi, c, ttype, name, t)   # a recorder that can't say so: measured as it is
-    for mi, ref, v in watched:
-        if (t := ref()) is not None and t._version != v: self._eager[mi] = True
-        else: self._eager.setdefault(mi, False)   # unchanged, or freed (nothing changed it after)
+    for mi, t, v in watched:
+        if t._version != v: self._eager[mi] = True
+        else: self._eager.setdefault(mi, False)
 
 # %% ../nbs/00_core.ipynb #3c9c9b06
 class _CudaClock:
