@@ -747,7 +747,7 @@ KNOWN_MAX = 4096                       # steps whose module values the writer ke
 _GROUPS = {}
 
 def module_values(rows:list)->tuple:
-    "`(keys, values)` of one step's `stats` rows: `(ttype, module_id)` keys, with `module_steps_sql`'s 7 values, NaN for NULL"
+    "`(keys, values)` of one step's `stats` rows: `(ttype, module_id)` keys, with `module_steps_sql`'s 7 values (NaN: NULL)."
     keys = tuple((r[2], r[0]) for r in rows)
     g = _GROUPS.get(keys)
     if g is None:                       # the rows sorted by key, and where each key's rows start: worked out once per layout
@@ -781,7 +781,8 @@ def _remember(c, run_id:int, rank:int, step:int, rows):
     steps = _known.setdefault(c.engine, {}).setdefault((run_id, rank), {})
     if rows is None or step in steps or len(steps) >= KNOWN_MAX: steps[step] = None
     else:
-        keys, v = module_values(rows)
+        try: keys, v = module_values(rows)
+        except Exception: steps[step] = None; return   # rows of a shape it can't read: that bin is folded in SQL
         v[:, 6] = np.where(np.isnan(v[:, 6]), np.nan, step)
         steps[step] = (keys, v)
 
@@ -793,6 +794,17 @@ def _fold_known(c, rid:int, rank:int, first:int, last:int)->bool:
     got = [steps.get(s) for s in here]
     for s in [s for s in steps if s <= last]: del steps[s]   # folded now, one way or the other
     if any(g is None for g in got) or len({k for k, _ in got}) > 1: return False   # a step not known whole, or modules that changed
+    w = ROLLUP_WIDTHS[0]
+    try: rows = _known_bins(rid, rank, here, got)
+    except Exception: return False   # never a write lost to this shortcut: the SQL fold does it
+    if rows:
+        mark = '?' if c.dialect.paramstyle == 'qmark' else '%s'
+        c.exec_driver_sql(_upsert_rollups(c.dialect.name, f"VALUES ({', '.join([mark] * 15)})", merge=True), rows)
+    _refold(c, rid, f"rank IN ({rank})", first // w * w, last // w * w + w - 1)
+    return True
+
+def _known_bins(rid:int, rank:int, here:list, got:list)->list:
+    "`rollups` rows of width 8 of the bins of steps `here`, from their module values `got` (as `_fold_known` has them)."
     w, rows = ROLLUP_WIDTHS[0], []
     for b in sorted({s // w for s in here}):
         vs = np.stack([v for s, (_, v) in zip(here, got) if s // w == b])
@@ -804,11 +816,7 @@ def _fold_known(c, rid:int, rank:int, first:int, last:int)->bool:
             a = [None if v != v else v for v in a]
             if a[7] is not None: a[7] = int(a[7])
             rows.append((rid, rank, ttype, w, b, mi, *a[:8], int(a[8])))
-    if rows:
-        mark = '?' if c.dialect.paramstyle == 'qmark' else '%s'
-        c.exec_driver_sql(_upsert_rollups(c.dialect.name, f"VALUES ({', '.join([mark] * 15)})", merge=True), rows)
-    _refold(c, rid, f"rank IN ({rank})", first // w * w, last // w * w + w - 1)
-    return True
+    return rows
 
 # %% ../nbs/02_store.ipynb #8cb47b5c
 from collections import deque
