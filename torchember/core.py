@@ -452,8 +452,7 @@ def _root_pre(self:Capture, mod, args, kwargs, inference:bool=False):
         self.recording = rec
         if rec:
             self._open, self._events, self._calls, self._stack = True, [], [0]*len(self.mods), []
-            self._kept, self._watched, self._keeping = [], [], os.environ.get('TORCHEMBER_KEEP') != '0'
-            self._watch_room = WATCH_BYTES
+            self._keeping, self._watch_room = os.environ.get('TORCHEMBER_KEEP') != '0', WATCH_BYTES   # `close` emptied the kept
             self.kind = 'train' if training and torch.is_grad_enabled() else 'no_grad' if training else 'eval'
             self.recorder.open(self.step, training=training, iteration=self.iteration, kind=self.kind)
             self.recorder.params(self.step, 'weight', [(mi, pn, p) for mi, pn, p in self.params] + self.flat_weights())

@@ -445,8 +445,13 @@ def changed(self, mi, call, ttype, tname, t):
     self._nm += 1
     self._pieces.append(([row], _unmeasured(t.numel())))
     self.rec.keys.append((mi, call, ttype, tname, shape_of(t), dtype_name(t), row, -1))
-    self._warn(('inplace', mi, ttype, tname), f"{self._where((mi, ttype, tname))} was changed in place after its hook, before "
-               f"it was read; its stats at step {self.rec.step} are left empty, and it is read at its hook from now on")
+    self._say_changed((mi, ttype, tname))
+
+@patch_to(Recorder)
+def _say_changed(self, key:tuple):
+    "Warn once that the tensor of `key` `(mi, ttype, tname)` was changed in place before it was read (its row left empty)."
+    self._warn(('inplace',) + key, f"{self._where(key)} was changed in place after its hook, before it was read; its "
+               f"stats at step {self.rec.step} are left empty, and it is read at its hook from now on")
 
 @patch_to(Recorder)
 def _now(self, t, row:int)->bool:
@@ -687,8 +692,7 @@ def _read_later(self):
         else:
             lost.append(row)
             self._batchable[key] = False
-            self._warn(('inplace',) + key, f"{self._where(key)} was changed in place after its hook, before it was read; its "
-                       f"stats at step {self.rec.step} are left empty, and it is read at its hook from now on")
+            self._say_changed(key)
     if lost: self._pieces.append((lost, _unmeasured(None).expand(len(lost), 8)))
     for pairs in now.values():
         ts, rows = [t for t, _ in pairs], [r for _, r in pairs]

@@ -563,8 +563,9 @@ def write_steps(eng, run_id:int, steps:list, rank:int=0):
             if pieces:
                 _insert_rows(c, shards_t, head, pieces, replace=True)
                 pieced.append(step)
-            if rows or pieces or closed: digests.append((*head, rows_digest(rows + pieces) if closed else None))
-            if rows or pieces or closed: _remember(c, run_id, rank, step, rows if closed and not pieces else None)
+            if rows or pieces or closed:
+                digests.append((*head, rows_digest(rows + pieces) if closed else None))
+                _remember(c, run_id, rank, step, rows if closed and not pieces else None)
             if calls := s.get('calls'): _insert_rows(c, calls_t, head, calls, replace=True)
             if scalars := s.get('scalars'): _insert_rows(c, scalars_t, head, list(scalars.items()), replace=True)
             if flows := s.get('flows'): _insert_rows(c, flows_t, head, flows, replace=True)
