@@ -358,6 +358,29 @@ def store_bench(rows_per_step=258, small=100, large=10_000, reps=5):
     print(f"\nlong/short run: latest() {a2/a1:.2f}x, module history over the last 100 steps {b2/b1:.2f}x")
 
 
+def sqlite_floor(rows_per_step=258, steps=400, group=16) -> float:
+    "CPU µs a stats row costs SQLite itself here: raw sqlite3 into the store's `stats` table, as the writer batches, nothing else."
+    import sqlite3
+    from torchember.store import engine, stats_t
+    db = _db('floor')
+    engine(db).dispose()                      # the store's own schema, then plain sqlite3 on the file
+    con = sqlite3.connect(db, isolation_level=None)
+    con.execute('PRAGMA synchronous=NORMAL')  # as the store sets it (WAL mode is kept in the file)
+    n = 256                                   # the writer's largest multi-row statement (store.ROWS_PER_INSERT)
+    cols = len(stats_t.columns)
+    sql = f"INSERT OR REPLACE INTO stats VALUES {', '.join(['(' + ','.join('?' * cols) + ')'] * n)}"
+    row = (2048.0, 0.1, 0.9, -1.0, 1.0, 10.0, 0.0, 0.0, 0.0, None, 8192)
+    flats = [[x for i in range(n) for x in (1, s, 0, i % 65, i // 65, ('input', 'output', 'weight', 'weight_grad')[i % 4], 'output',
+                                             '[32, 64]', 'float32', *row)] for s in range(steps)]
+    c0 = time.thread_time()
+    for s, flat in enumerate(flats):
+        if s % group == 0: con.execute('BEGIN')
+        con.execute(sql, flat)
+        if s % group == group - 1 or s == steps - 1: con.execute('COMMIT')
+    con.close()
+    return (time.thread_time() - c0) / (steps * n) * 1e6
+
+
 # ---------------------------------------------------------------- CLI
 
 def main(argv=None):
@@ -419,6 +442,9 @@ def main(argv=None):
             print(f"{mn:<10} {label:<22} {steps:5d} {bare*1e3:9.2f} {armed*1e3:9.2f} {floor:6.2f}x {ratio:7.2f}x {paired:6.2f}x "
                   f"{sb*100:5.0f}%/{sa*100:3.0f}% {us:9.2f} {wus:9.2f} {rows:6.0f}", flush=True)
     print(f"\ntotal {time.perf_counter() - t_all:.0f} s")
+    if torchEmber is not None:
+        print(f"SQLite's own floor here: {sqlite_floor():.2f} µs of CPU a stats row (raw sqlite3 into the store's `stats` table, "
+              "256-row statements, 16 steps a transaction, nothing else: no rollups, digests or SQLAlchemy)")
     _check_load()
     if not a.no_store and torchEmber is not None:
         print()

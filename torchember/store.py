@@ -681,14 +681,16 @@ def roll_up(c, run_id:int,
         at = f"step BETWEEN {first} AND {last}"
     if not ranks or first > last: return
     rk = f"rank IN ({', '.join(str(int(r)) for r in ranks)})"
+    _forget_wider(c, rid, [int(r) for r in ranks])   # the writer's wider bins being filled are folded here now
     c.exec_driver_sql(_roll_up_sql(d, ROLLUP_WIDTHS[0], f"run_id = {rid} AND {rk} AND {at}"))
     _refold(c, rid, rk, first, last)
 
-def _refold(c, rid:int, rk:str, first:int, last:int):
-    "Fold again each width above the first from the bins below it, over the bins of steps `first`..`last` of ranks `rk`."
+def _refold(c, rid:int, rk:str, first:int, last:int, widths=ROLLUP_WIDTHS[1:]):
+    "Fold again each of `widths` (above the first) from the bins below it, over the bins of steps `first`..`last` of ranks `rk`."
     d = c.dialect.name
     tts = ', '.join(f"'{t}'" for t in TTYPES)    # named, so that each rank's and ttype's bins are a range of the key
     for below, w in zip(ROLLUP_WIDTHS, ROLLUP_WIDTHS[1:]):
+        if w not in widths: continue
         f = w // below
         c.exec_driver_sql(_refold_sql(d, w, f"run_id = {rid} AND {rk} AND ttype IN ({tts}) "
                                            f"AND bin BETWEEN {first // w * f} AND {(last // w + 1) * f - 1}"))
@@ -788,36 +790,88 @@ def _remember(c, run_id:int, rank:int, step:int, rows):
         steps[step] = (keys, v)
 
 def _fold_known(c, rid:int, rank:int, first:int, last:int)->bool:
-    "Fold the bins of 8 of steps `first`..`last` of `rank` from the module values the writer kept; False where it can't."
+    "Fold the bins of 8 of steps `first`..`last` of `rank`, and the wider bins around them, from the values the writer kept."
     steps = _known.get(c.engine, {}).get((rid, rank))
     if steps is None: return False
     here = c.exec_driver_sql(f'SELECT step FROM steps WHERE run_id = {rid} AND rank = {rank} AND step BETWEEN {first} AND {last}').scalars().all()
     got = [steps.get(s) for s in here]
     for s in [s for s in steps if s <= last]: del steps[s]   # folded now, one way or the other
     if any(g is None for g in got) or len({k for k, _ in got}) > 1: return False   # a step not known whole, or modules that changed
-    w = ROLLUP_WIDTHS[0]
-    try: rows = _known_bins(rid, rank, here, got)
+    try: bins = _known_bins(here, got)
     except Exception: return False   # never a write lost to this shortcut: the SQL fold does it
-    if rows:
-        mark = '?' if c.dialect.paramstyle == 'qmark' else '%s'
-        c.exec_driver_sql(_upsert_rollups(c.dialect.name, f"VALUES ({', '.join([mark] * 15)})", merge=True), rows)
-    _refold(c, rid, f"rank IN ({rank})", first // w * w, last // w * w + w - 1)
+    if bins:
+        _upsert_bins(c, _bin_rows(rid, rank, ROLLUP_WIDTHS[0], got[0][0], bins), merge=True)
+        _fold_wider(c, rid, rank, got[0][0], bins)
     return True
 
-def _known_bins(rid:int, rank:int, here:list, got:list)->list:
-    "`rollups` rows of width 8 of the bins of steps `here`, from their module values `got` (as `_fold_known` has them)."
-    w, rows = ROLLUP_WIDTHS[0], []
+def _known_bins(here:list, got:list)->list:
+    "`[(bin, values)]`: each bin of 8 of steps `here` with its modules' `_ROLLED` values, from their module values `got`."
+    w, out = ROLLUP_WIDTHS[0], []
     for b in sorted({s // w for s in here}):
         vs = np.stack([v for s, (_, v) in zip(here, got) if s // w == b])
         bad = vs[:, :, 6]
-        agg = np.column_stack([np.fmax.reduce(vs[:, :, 0], 0), np.fmax.reduce(vs[:, :, 1], 0), np.fmax.reduce(vs[:, :, 2], 0),
-                               np.fmin.reduce(vs[:, :, 2], 0), np.fmax.reduce(vs[:, :, 3], 0), np.fmax.reduce(vs[:, :, 4], 0),
-                               np.fmin.reduce(vs[:, :, 5], 0), np.fmin.reduce(bad, 0), (~np.isnan(bad)).sum(0)])
-        for (ttype, mi), a in zip(got[0][0], agg.tolist()):
+        out.append((b, np.column_stack([np.fmax.reduce(vs[:, :, 0], 0), np.fmax.reduce(vs[:, :, 1], 0), np.fmax.reduce(vs[:, :, 2], 0),
+                                        np.fmin.reduce(vs[:, :, 2], 0), np.fmax.reduce(vs[:, :, 3], 0), np.fmax.reduce(vs[:, :, 4], 0),
+                                        np.fmin.reduce(vs[:, :, 5], 0), np.fmin.reduce(bad, 0), (~np.isnan(bad)).sum(0)])))
+    return out
+
+def _merged(a:np.ndarray, b:np.ndarray)->np.ndarray:
+    "The `_ROLLED` values of two spans of steps together: the extremes of both (NULL left out), their NaN steps added."
+    return np.column_stack([np.fmax(a[:, :3], b[:, :3]), np.fmin(a[:, 3], b[:, 3]), np.fmax(a[:, 4:6], b[:, 4:6]),
+                            np.fmin(a[:, 6:8], b[:, 6:8]), a[:, 8] + b[:, 8]])
+
+def _bin_rows(rid:int, rank:int, width:int, keys:tuple, bins)->list:
+    "`rollups` rows of bins `[(bin, values)]` of `width` steps, one a `(ttype, module_id)` of `keys` (NaN: NULL)."
+    rows = []
+    for b, agg in bins:
+        for (ttype, mi), a in zip(keys, agg.tolist()):
             a = [None if v != v else v for v in a]
             if a[7] is not None: a[7] = int(a[7])
-            rows.append((rid, rank, ttype, w, b, mi, *a[:8], int(a[8])))
+            rows.append((rid, rank, ttype, width, b, mi, *a[:8], int(a[8])))
     return rows
+
+def _upsert_bins(c, rows:list, merge:bool):
+    "Write `rollups` rows: a stored bin keeps the extremes of both (`merge`), or takes the new row's values."
+    if not rows: return
+    mark = '?' if c.dialect.paramstyle == 'qmark' else '%s'
+    c.exec_driver_sql(_upsert_rollups(c.dialect.name, f"VALUES ({', '.join([mark] * 15)})", merge=merge), rows)
+
+_wide = weakref.WeakKeyDictionary()   # engine -> {(run_id, rank): {width: (bin, keys, values)}}: the wider bins being filled
+
+def _fold_wider(c, rid:int, rank:int, keys:tuple, bins:list):
+    "Fold the wider bins that new bins of 8 `bins` fall in: from the bins of 8 this writer folded, else again in SQL."
+    state = _wide.setdefault(c.engine, {}).setdefault((rid, rank), {})
+    w8, rows = ROLLUP_WIDTHS[0], []
+    for w in ROLLUP_WIDTHS[1:]:
+        st, done, sql = _wider(c, rid, rank, w, state.pop(w, None), keys, bins)
+        if st is not None: state[w] = st
+        rows += _bin_rows(rid, rank, w, keys, done.items())
+        if sql:   # bins this writer did not see whole: folded again in SQL, from the width below as stored
+            _upsert_bins(c, rows, merge=False); rows = []
+            _refold(c, rid, f"rank IN ({rank})", sql[0] * w, sql[-1] * w + w - 1, widths=(w,))
+    _upsert_bins(c, rows, merge=False)
+
+def _wider(c, rid:int, rank:int, w:int, st, keys:tuple, bins:list)->tuple:
+    "`(state, {bin: values}, [bins for SQL])` of width `w`, once `bins` of 8 are folded into `st`, the bin being filled."
+    w8, done, sql = ROLLUP_WIDTHS[0], {}, []
+    for b, agg in bins:
+        at = b * w8 // w
+        if at in sql: continue
+        if st is not None and st[0] == at and st[1] == keys: st = (at, keys, _merged(st[2], agg))
+        elif (st is None or st[0] != at) and (b * w8 == at * w or c.exec_driver_sql(
+                f'SELECT 1 FROM steps WHERE run_id = {rid} AND rank = {rank} AND step BETWEEN {at * w} AND {b * w8 - 1} LIMIT 1').first() is None):
+            st = (at, keys, agg)   # a bin begun here: no step of it came before
+        else:                      # steps of it came before this writer folded from memory (a resumed run, a bin in SQL)
+            st = None
+            sql.append(at)
+            continue
+        done[at] = st[2]
+    return st, done, sql
+
+def _forget_wider(c, rid:int, ranks=None):
+    "Forget the wider bins being filled of `ranks` (all: None) of run `rid`: SQL folded them, or rows came late."
+    for key in [k for k in _wide.get(c.engine, {}) if k[0] == rid and (ranks is None or k[1] in ranks)]: del _wide[c.engine][key]
+
 
 # %% ../nbs/02_store.ipynb #8cb47b5c
 from collections import deque
