@@ -552,39 +552,43 @@ def write_step(eng, run_id:int, step:int, rows:list, events:list=(), closed:bool
 
 def write_steps(eng, run_id:int, steps:list, rank:int=0):
     "Write several steps of `rank` (dicts of `write_step`'s arguments) in one transaction of `eng`."
-    digests, closes, pieced = [], [], []
-    with (nullcontext(eng) if isinstance(eng, sa.Connection) else eng.begin()) as c:
-        if any(s.get('pieces') for s in steps) and c.dialect.name == 'postgresql':
-            c.exec_driver_sql('SELECT pg_advisory_xact_lock(%(k)s)', dict(k=_pg_key(run_id, -1)))   # merging ranks take turns
-        for s in steps:
-            step, rows, closed, pieces = s['step'], s.get('rows') or [], s.get('closed', True), s.get('pieces') or []
-            head = (run_id, step, rank)
-            if rows: _insert_rows(c, stats_t, head, rows, replace=True)
-            if pieces:
-                _insert_rows(c, shards_t, head, pieces, replace=True)
-                pieced.append(step)
-            if rows or pieces or closed:
-                digests.append((*head, rows_digest(rows + pieces) if closed else None))
-                _remember(c, run_id, rank, step, rows if closed and not pieces else None)
-            if calls := s.get('calls'): _insert_rows(c, calls_t, head, calls, replace=True)
-            if scalars := s.get('scalars'): _insert_rows(c, scalars_t, head, list(scalars.items()), replace=True)
-            if flows := s.get('flows'): _insert_rows(c, flows_t, head, flows, replace=True)
-            if snapshots := s.get('snapshots'):
-                _executemany(c, snapshots_t, [(run_id, m, tt, tn, call, step, rank, *rest) for m, tt, tn, call, *rest in snapshots], replace=True)
-            events, events_step, training = s.get('events') or (), s.get('events_step'), s.get('training')
-            if events and events_step is None: _insert_rows(c, events_t, head, [(i, *e) for i, e in enumerate(events)])
-            if closed: closes.append((*head, time.time(), len(rows), step if events_step is None else events_step,
-                                      None if training is None else int(training), s.get('iteration'), s.get('kind'),
-                                      s.get('iteration_after'), None, None, None))   # the sums: set below, once the rows are in
-        if digests: _executemany(c, digests_t, digests, replace=True)
-        if closes:
-            _executemany(c, steps_t, closes)
-            sql, order = _compiled(c, 'last_step', _last_step_update)
-            params = dict(rid=run_id, st=max(r[1] for r in closes))
-            c.exec_driver_sql(sql, tuple(params[n] for n in order) if order else params)
-        if pieced: merge_pieces(c, run_id, pieced)
-        if summed := sorted({s['step'] for s in steps if s.get('rows') or s.get('pieces')}): c.exec_driver_sql(_sums_sql(run_id, summed))
-        if closes: roll_up_closed(c, run_id, rank, [r[1] for r in closes], summed)
+    try:
+        digests, closes, pieced = [], [], []
+        with (nullcontext(eng) if isinstance(eng, sa.Connection) else eng.begin()) as c:
+            if any(s.get('pieces') for s in steps) and c.dialect.name == 'postgresql':
+                c.exec_driver_sql('SELECT pg_advisory_xact_lock(%(k)s)', dict(k=_pg_key(run_id, -1)))   # merging ranks take turns
+            for s in steps:
+                step, rows, closed, pieces = s['step'], s.get('rows') or [], s.get('closed', True), s.get('pieces') or []
+                head = (run_id, step, rank)
+                if rows: _insert_rows(c, stats_t, head, rows, replace=True)
+                if pieces:
+                    _insert_rows(c, shards_t, head, pieces, replace=True)
+                    pieced.append(step)
+                if rows or pieces or closed:
+                    digests.append((*head, rows_digest(rows + pieces) if closed else None))
+                    _remember(c, run_id, rank, step, rows if closed and not pieces else None)
+                if calls := s.get('calls'): _insert_rows(c, calls_t, head, calls, replace=True)
+                if scalars := s.get('scalars'): _insert_rows(c, scalars_t, head, list(scalars.items()), replace=True)
+                if flows := s.get('flows'): _insert_rows(c, flows_t, head, flows, replace=True)
+                if snapshots := s.get('snapshots'):
+                    _executemany(c, snapshots_t, [(run_id, m, tt, tn, call, step, rank, *rest) for m, tt, tn, call, *rest in snapshots], replace=True)
+                events, events_step, training = s.get('events') or (), s.get('events_step'), s.get('training')
+                if events and events_step is None: _insert_rows(c, events_t, head, [(i, *e) for i, e in enumerate(events)])
+                if closed: closes.append((*head, time.time(), len(rows), step if events_step is None else events_step,
+                                          None if training is None else int(training), s.get('iteration'), s.get('kind'),
+                                          s.get('iteration_after'), None, None, None))   # the sums: set below, once the rows are in
+            if digests: _executemany(c, digests_t, digests, replace=True)
+            if closes:
+                _executemany(c, steps_t, closes)
+                sql, order = _compiled(c, 'last_step', _last_step_update)
+                params = dict(rid=run_id, st=max(r[1] for r in closes))
+                c.exec_driver_sql(sql, tuple(params[n] for n in order) if order else params)
+            if pieced: merge_pieces(c, run_id, pieced)
+            if summed := sorted({s['step'] for s in steps if s.get('rows') or s.get('pieces')}): c.exec_driver_sql(_sums_sql(run_id, summed))
+            if closes: roll_up_closed(c, run_id, rank, [r[1] for r in closes], summed)
+    except BaseException:   # nothing of it stored: the wider bins it folded in memory are not either
+        _forget_wider(eng.engine if isinstance(eng, sa.Connection) else eng, run_id, [rank])
+        raise
 
 def merge_pieces(c, run_id:int, steps:list):
     "In transaction `c`, write to `stats` each sharded weight and grad of `steps` that every rank has written, whole."
@@ -681,7 +685,7 @@ def roll_up(c, run_id:int,
         at = f"step BETWEEN {first} AND {last}"
     if not ranks or first > last: return
     rk = f"rank IN ({', '.join(str(int(r)) for r in ranks)})"
-    _forget_wider(c, rid, [int(r) for r in ranks])   # the writer's wider bins being filled are folded here now
+    _forget_wider(c.engine, rid, [int(r) for r in ranks])   # the writer's wider bins being filled are folded here now
     c.exec_driver_sql(_roll_up_sql(d, ROLLUP_WIDTHS[0], f"run_id = {rid} AND {rk} AND {at}"))
     _refold(c, rid, rk, first, last)
 
@@ -868,9 +872,10 @@ def _wider(c, rid:int, rank:int, w:int, st, keys:tuple, bins:list)->tuple:
         done[at] = st[2]
     return st, done, sql
 
-def _forget_wider(c, rid:int, ranks=None):
-    "Forget the wider bins being filled of `ranks` (all: None) of run `rid`: SQL folded them, or rows came late."
-    for key in [k for k in _wide.get(c.engine, {}) if k[0] == rid and (ranks is None or k[1] in ranks)]: del _wide[c.engine][key]
+def _forget_wider(eng, rid:int, ranks=None):
+    "Forget the wider bins of engine `eng` being filled for `ranks` (None: all) of run `rid`: folded in SQL, or not stored."
+    held = _wide.get(eng, {})
+    for key in [k for k in held if k[0] == rid and (ranks is None or k[1] in ranks)]: del held[key]
 
 
 # %% ../nbs/02_store.ipynb #8cb47b5c
