@@ -844,8 +844,7 @@ _wide = weakref.WeakKeyDictionary()   # engine -> {(run_id, rank): {width: (bin,
 
 def _fold_wider(c, rid:int, rank:int, keys:tuple, bins:list):
     "Fold the wider bins that new bins of 8 `bins` fall in: from the bins of 8 this writer folded, else again in SQL."
-    state = _wide.setdefault(c.engine, {}).setdefault((rid, rank), {})
-    w8, rows = ROLLUP_WIDTHS[0], []
+    state, rows = _wide.setdefault(c.engine, {}).setdefault((rid, rank), {}), []
     for w in ROLLUP_WIDTHS[1:]:
         st, done, sql = _wider(c, rid, rank, w, state.pop(w, None), keys, bins)
         if st is not None: state[w] = st
@@ -875,7 +874,7 @@ def _wider(c, rid:int, rank:int, w:int, st, keys:tuple, bins:list)->tuple:
 def _forget_wider(eng, rid:int, ranks=None):
     "Forget the wider bins of engine `eng` being filled for `ranks` (None: all) of run `rid`: folded in SQL, or not stored."
     held = _wide.get(eng, {})
-    for key in [k for k in held if k[0] == rid and (ranks is None or k[1] in ranks)]: del held[key]
+    for key in [k for k in list(held) if k[0] == rid and (ranks is None or k[1] in ranks)]: held.pop(key, None)   # a reader's thread, maybe
 
 
 # %% ../nbs/02_store.ipynb #8cb47b5c
