@@ -690,7 +690,7 @@ def roll_up(c, run_id:int,
     _refold(c, rid, rk, first, last)
 
 def _refold(c, rid:int, rk:str, first:int, last:int, widths=ROLLUP_WIDTHS[1:]):
-    "Fold again each of `widths` (above the first) from the bins below it, over the bins of steps `first`..`last` of ranks `rk`."
+    "Fold again each of `widths` from the bins below it, over the bins of steps `first`..`last` of ranks `rk`."
     d = c.dialect.name
     tts = ', '.join(f"'{t}'" for t in TTYPES)    # named, so that each rank's and ttype's bins are a range of the key
     for below, w in zip(ROLLUP_WIDTHS, ROLLUP_WIDTHS[1:]):
