@@ -109,3 +109,18 @@ def test_a_write_that_fails_after_folding_is_folded_again_right(tmp_path, monkey
         c.exec_driver_sql(f'DELETE FROM rollups WHERE run_id = {rid}')
         roll_up(c, rid, last=23)
     _same(got, _rollups(eng, rid))
+
+def test_late_rows_written_alone_are_folded(tmp_path):
+    "Rows that come late to a folded bin, in a write that closes no step (a backward after `flush()`), are folded too."
+    from torchember.store import create_run, write_step, write_steps
+    eng = store.engine(str(tmp_path/'f.db'))
+    rid, _ = create_run(eng, 'late', 'Net', [('', 'Net', None), ('a', 'Linear', None)], {'name': ''})
+    def row(tname, mean): return (1, 0, 'output', tname, '[2]', 'float32', 2, mean, 0.5, 0., 1., 2., 0., 0, 0, None, 8)
+    for s in range(20): write_step(eng, rid, s, [row('output', float(s))])
+    write_steps(eng, rid, [dict(step=3, rows=[row('extra', 1000.)], closed=False)])
+    got = _rollups(eng, rid)
+    assert got[(rid, 0, 'output', 8, 0, 1)][2] == 501.5   # the bin's largest mean: step 3's, its late row (1000) counted
+    with eng.begin() as c:
+        c.exec_driver_sql(f'DELETE FROM rollups WHERE run_id = {rid}')
+        roll_up(c, rid, last=15)
+    _same(got, _rollups(eng, rid))
