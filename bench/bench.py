@@ -358,7 +358,7 @@ def store_bench(rows_per_step=258, small=100, large=10_000, reps=5):
     print(f"\nlong/short run: latest() {a2/a1:.2f}x, module history over the last 100 steps {b2/b1:.2f}x")
 
 
-def sqlite_floor(rows_per_step=258, steps=400, group=16) -> float:
+def sqlite_floor(steps=400, group=16) -> float:
     "CPU µs a stats row costs SQLite itself here: raw sqlite3 into the store's `stats` table, as the writer batches, nothing else."
     import sqlite3
     from torchember.store import engine, stats_t
@@ -366,7 +366,7 @@ def sqlite_floor(rows_per_step=258, steps=400, group=16) -> float:
     engine(db).dispose()                      # the store's own schema, then plain sqlite3 on the file
     con = sqlite3.connect(db, isolation_level=None)
     con.execute('PRAGMA synchronous=NORMAL')  # as the store sets it (WAL mode is kept in the file)
-    n = 256                                   # the writer's largest multi-row statement (store.ROWS_PER_INSERT)
+    n = 256                                   # rows a step: the writer's largest multi-row statement (store.ROWS_PER_INSERT)
     cols = len(stats_t.columns)
     sql = f"INSERT OR REPLACE INTO stats VALUES {', '.join(['(' + ','.join('?' * cols) + ')'] * n)}"
     row = (2048.0, 0.1, 0.9, -1.0, 1.0, 10.0, 0.0, 0.0, 0.0, None, 8192)
