@@ -88,8 +88,7 @@ def test_late_rows_hand_the_wider_bins_to_sql(tmp_path):
     _same(got, _rollups(eng, rid))
 
 def test_a_write_that_fails_after_folding_is_folded_again_right(tmp_path, monkeypatch):
-    "A transaction that folded bins from memory and then failed (the store locked at its end) is written again: the wider"
-    " bins count its NaN steps once, as a fresh SQL fold does (what it folded in memory was forgotten with it)."
+    "A write that folded bins in memory, then failed (store locked), is written again: its NaN steps are counted once."
     import sqlite3
     from torchember.store import create_run, write_steps
     eng = store.engine(str(tmp_path/'f.db'))
