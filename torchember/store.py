@@ -24,8 +24,8 @@ __all__ = ['SCHEMA_VERSION', 'MEMORY', 'metadata', 'STAT_COLS', 'Str', 'Size', '
            'KNOWN_MAX', 'LINGER_S', 'PENDING_STEPS', 'PENDING_BYTES', 'RETRY_S', 'EXIT_WAIT_S', 'default_db', 'db_url',
            'check_name', 'escaped', 'StoreError', 'engine', 'keyed_by_rank', 'create_run', 'drop_run', 'last_iteration',
            'claim', 'release', 'rows_digest', 'write_step', 'write_steps', 'merge_pieces', 'module_steps_sql',
-           'roll_up', 'roll_up_closed', 'roll_up_late', 'rolled_steps', 'thin_steps', 'module_values', 'idle_priority',
-           'store_busy', 'Writer']
+           'roll_up', 'roll_up_closed', 'rolled_steps', 'thin_steps', 'module_values', 'idle_priority', 'store_busy',
+           'Writer']
 
 # %% ../nbs/02_store.ipynb #2b4773a6
 SCHEMA_VERSION = 2
@@ -585,8 +585,7 @@ def write_steps(eng, run_id:int, steps:list, rank:int=0):
                 c.exec_driver_sql(sql, tuple(params[n] for n in order) if order else params)
             if pieced: merge_pieces(c, run_id, pieced)
             if summed := sorted({s['step'] for s in steps if s.get('rows') or s.get('pieces')}): c.exec_driver_sql(_sums_sql(run_id, summed))
-            if closes: roll_up_closed(c, run_id, rank, [r[1] for r in closes], summed)
-            elif summed: roll_up_late(c, run_id, rank, summed)
+            if closes or summed: roll_up_closed(c, run_id, rank, [r[1] for r in closes], summed)
     except BaseException:   # nothing of it stored: the wider bins it folded in memory are not either
         _forget_wider(eng.engine if isinstance(eng, sa.Connection) else eng, run_id, [rank])
         raise
@@ -701,18 +700,15 @@ def _refold(c, rid:int, rk:str, first:int, last:int, widths=ROLLUP_WIDTHS[1:]):
                                            f"AND bin BETWEEN {first // w * f} AND {(last // w + 1) * f - 1}"))
 
 def roll_up_closed(c, run_id:int, rank:int, closed:list, written:list=()):
-    "Fold the bins of `rank` that steps `closed` completed, and completed bins that `written` steps' rows came late to."
+    "Fold the bins of `rank` that steps `closed` (if any) completed, and the completed bins that late rows of `written` reach."
     w, rid = ROLLUP_WIDTHS[0], int(run_id)
-    prev = c.exec_driver_sql(f'SELECT MAX(step) FROM steps WHERE run_id = {rid} AND rank = {int(rank)} AND step < {min(closed)}').scalar()
-    start, end = (min(closed) if prev is None else prev) // w * w, max(closed) // w * w - 1
+    before = f' AND step < {min(closed)}' if closed else ''   # no step closed: the bins before the last step's are complete
+    prev = c.exec_driver_sql(f'SELECT MAX(step) FROM steps WHERE run_id = {rid} AND rank = {int(rank)}{before}').scalar()
+    if not closed and prev is None: return
+    start = (min(closed) if prev is None else prev) // w * w
+    end = max(closed) // w * w - 1 if closed else start - 1
     if end >= start and not _fold_known(c, rid, int(rank), start, end): roll_up(c, rid, first=start, last=end, ranks=[rank])
     if late := [s for s in written if s < start]: roll_up(c, rid, steps=late, ranks=[rank])
-
-def roll_up_late(c, run_id:int, rank:int, written:list):
-    "Fold again the completed bins of `rank` that rows of `written` steps came late to, in a write that closed no step."
-    w, rid = ROLLUP_WIDTHS[0], int(run_id)
-    last = c.exec_driver_sql(f'SELECT MAX(step) FROM steps WHERE run_id = {rid} AND rank = {int(rank)}').scalar()
-    if last is not None and (late := [s for s in written if s < last // w * w]): roll_up(c, rid, steps=late, ranks=[rank])
 
 def rolled_steps(c, run_id:int, rank:int)->tuple|None:
     "`(first, last)`: the steps of `rank` of run `run_id` that its `rollups` cover, bins whole; None if none."
