@@ -700,7 +700,7 @@ def _refold(c, rid:int, rk:str, first:int, last:int, widths=ROLLUP_WIDTHS[1:]):
                                            f"AND bin BETWEEN {first // w * f} AND {(last // w + 1) * f - 1}"))
 
 def roll_up_closed(c, run_id:int, rank:int, closed:list, written:list=()):
-    "Fold the bins of `rank` that steps `closed` (if any) completed, and the completed bins that late rows of `written` reach."
+    "Fold the bins of `rank` that steps `closed` (if any) completed, and completed bins that late rows of `written` reach."
     w, rid = ROLLUP_WIDTHS[0], int(run_id)
     before = f' AND step < {min(closed)}' if closed else ''   # no step closed: the bins before the last step's are complete
     prev = c.exec_driver_sql(f'SELECT MAX(step) FROM steps WHERE run_id = {rid} AND rank = {int(rank)}{before}').scalar()
