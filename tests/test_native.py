@@ -73,6 +73,38 @@ def test_nan_and_inf_are_counted_whichever_kernel_reads_them(width, db, monkeypa
     assert (out.nan_count, out.inf_count) == (1, 1)
     assert np.isnan(out['min']) and np.isnan(out['max'])
 
+def specials_cases(dtype, n):
+    "Tensors of `n` elements whose sums are not finite: a causal mask, NaN with Inf, both infinities, all NaN, an overflow."
+    nan, inf = float('nan'), float('inf')
+    side = int(n ** .5)
+    mask = torch.triu(torch.full((side, side), -inf), 1)
+    x = torch.randn(n)
+    mixed = x.clone(); mixed[::97], mixed[5::89] = nan, inf
+    both = x.clone(); both[3], both[-2] = inf, -inf
+    cases = [mask, mixed, both, torch.full((n,), nan)]
+    cases = [c.to(dtype) for c in cases]
+    if dtype == torch.float64:
+        big = torch.full((n,), 1e308, dtype=dtype)
+        cases += [big, torch.cat([big, torch.tensor([-inf], dtype=dtype)])]
+    return cases
+
+@needs_compiler
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize('n', [1024, 4 * native.PER_THREAD])
+def test_nan_and_inf_are_counted_as_torch_counts_them(dtype, n):
+    from torchember.stats import _counted, native_moments
+    torch.set_num_threads(2)
+    cases = specials_cases(dtype, n)
+    expected = torch.stack([_counted(c) for c in cases]).numpy()
+    rows = native.MomentRows()
+    for c in cases: rows.take(c)
+    for got in (native_moments(cases).numpy(), np.concatenate([native_moments([c]).numpy() for c in cases])):   # a batch; one by one
+        np.testing.assert_array_equal(got[:, [0, 3, 4, 5, 6, 7]], expected[:, [0, 3, 4, 5, 6, 7]])   # counts, min and max exactly
+        np.testing.assert_array_equal(np.isnan(got[:, 1:3]), np.isnan(expected[:, 1:3]))            # sums: NaN or the same infinity
+        np.testing.assert_array_equal(got[:, 1:3][~np.isnan(got[:, 1:3])], expected[:, 1:3][~np.isnan(expected[:, 1:3])])
+    m = rows.matrix().numpy()
+    np.testing.assert_array_equal(m[:, [0, 3, 4, 5, 6, 7]][:4], expected[:4][:, [0, 3, 4, 5, 6, 7]])   # counted by the kernel itself
+
 @needs_compiler
 def test_processes_starting_together_share_one_build(tmp_path):
     cache = tmp_path/'cache'

@@ -159,6 +159,27 @@ static void span(void* const* ptrs, const int8_t* kinds, int64_t j, int64_t star
   else moments_half((const uint16_t*)ptrs[j] + start, len, kinds[j], out);
 }
 
+/* NaN and Inf of a tensor whose sum is not finite, counted into its row `out` as torch counts them, and its min and
+   max made NaN where there is NaN (the pass above skipped it; the sums are NaN or an infinity already, whatever their
+   order). Not where a float64 tensor's finite values could overflow a sum, with no NaN: there the order decides. */
+static void specials(const void* p, int64_t n, int8_t kind, double* out) {
+  int64_t nan = 0, inf = 0;
+  double big = 0;               /* float64: the sum of the finite values' magnitudes, which bounds every partial sum */
+  if (kind == 0) { const float* x = (const float*)p; for (int64_t i = 0; i < n; i++) { nan += x[i] != x[i]; inf += fabsf(x[i]) == INFINITY; } }
+  else if (kind == 1) {
+    const double* x = (const double*)p;
+    for (int64_t i = 0; i < n; i++) { double a = fabs(x[i]); nan += x[i] != x[i]; inf += a == INFINITY; big += a < INFINITY ? a : 0; }
+  }
+  else {                        /* the bits of bfloat16 and float16: an all-ones exponent is Inf, with a mantissa NaN */
+    const uint16_t* x = (const uint16_t*)p;
+    const uint16_t e = kind == 2 ? 0x7f80 : 0x7c00;
+    for (int64_t i = 0; i < n; i++) { uint16_t a = x[i] & 0x7fff; nan += a > e; inf += a == e; }
+  }
+  if (kind == 1 && nan == 0 && (inf == 0 || !isfinite(big))) return;
+  if (nan) out[3] = out[4] = NAN;
+  out[6] = (double)nan; out[7] = (double)inf;
+}
+
 /* The moments of k tensors (data pointers, element counts, dtypes: 0 float32, 1 float64, 2 bfloat16, 3 float16) into out (k x 8),
    their elements shared out in contiguous ranges among up to `threads` threads: torch's OpenMP team where the loader
    handed its runtime over, else threads started for the call, the caller's one of them. */
@@ -202,12 +223,15 @@ extern "C" void torchember_moments(void* const* ptrs, const int64_t* ns, const i
   }
   for (int64_t w = 0; w < threads; w++)
     for (int64_t j = 0; j < k; j++) combine(out + 8 * j, part.data() + (w * k + j) * 8);
+  for (int64_t j = 0; j < k; j++)
+    if (!isfinite(out[8 * j + 1])) specials(ptrs[j], ns[j], kinds[j], out + 8 * j);
 }
 
-/* One tensor: the same, without arrays to build on the caller's side; whether its sum is finite. */
+/* One tensor: the same, without arrays to build on the caller's side; whether its row is complete (its sum finite, or
+   its NaN and Inf counted). */
 extern "C" int torchember_moments1(void* ptr, int64_t n, int8_t kind, double* out, int64_t threads) {
   torchember_moments(&ptr, &n, &kind, 1, out, threads);
-  return isfinite(out[1]);
+  return isfinite(out[1]) || out[6] + out[7] > 0;
 }
 '''
 
@@ -445,7 +469,7 @@ class MomentRows:
         self._buf, self._cap, self._ptr = buf, len(buf), buf.data_ptr()
 
     def take(self, t:torch.Tensor, most:int|None=None)->bool|None:
-        "Moments of `t` into the next row if `supports(t)` (at most `most` elements): whether its sum is finite; None: not taken."
+        "Moments of `t` into the next row if `supports(t)` (at most `most` elements): whether it is complete; None: not taken."
         kind = _kind(t)
         if kind < 0 or (n := t.numel()) == 0 or most is not None and n > most or n >= LARGE and not large_native(): return None
         i = self.n

@@ -170,7 +170,8 @@ def _counted(t:torch.Tensor)->torch.Tensor:
 def native_moments(ts:list, batch=None, checked:bool=False)->torch.Tensor:
     "The `MOMENTS` of CPU tensors `ts` as float64 `(len(ts), 8)`, NaN and Inf counted where a sum isn't finite."
     m = native.moments(ts) if batch is None else batch(ts, checked=checked)
-    for i in np.flatnonzero(~np.isfinite(m.numpy()[:, 1])): m[i] = _counted(ts[i])
+    x = m.numpy()
+    for i in np.flatnonzero(~np.isfinite(x[:, 1]) & (x[:, 6] + x[:, 7] == 0)): m[i] = _counted(ts[i])   # an overflowed float64 sum
     return m
 
 def fused_moments(t:torch.Tensor)->torch.Tensor:
@@ -458,9 +459,9 @@ def _now(self, t, row:int)->bool:
     "Measure CPU tensor `t` into `row` at once with the native kernel, if it reads `t`; whether it did."
     d = self._direct
     if d is None: d = self._direct = native.MomentRows()
-    finite = d.take(t)
-    if finite is None: return False
-    if not finite: d[len(d) - 1] = _counted(t)
+    whole = d.take(t)
+    if whole is None: return False
+    if not whole: d[len(d) - 1] = _counted(t)   # an overflowed float64 sum
     self._direct_rows.append(row)
     return True
 
