@@ -27,13 +27,24 @@ class Net(nn.Module):
         self.a, self.b, self.act = nn.Linear(6, 8), nn.Linear(8, 3), nn.ReLU()
     def forward(self, x): return self.b(self.act(self.a(x)))
 
-def check_folds(db, every, monkeypatch, from_memory=True, steps=70, forget_at=None):
+class Spread(nn.Module):
+    "Each input column repeated: an output over 1 MiB, which is measured at its hook while the small ones wait."
+    def forward(self, x): return x.repeat(1, 11_000)
+
+class WideNet(Net):
+    "`Net` with an activation of over 1 MiB in the middle: its first step's rows come in another order than the later ones'."
+    def __init__(self):
+        super().__init__()
+        self.spread = Spread()
+    def forward(self, x): return self.b(self.act(self.a(self.spread(x).reshape(4, 11_000, 6).mean(1))))
+
+def check_folds(db, every, monkeypatch, from_memory=True, steps=70, forget_at=None, net=Net):
     "Train a small net into store `db`, then fold its bins again in SQL: the same bins, each folded from memory (or each in SQL)."
     took, fold, refolds, refold = [], store._fold_known, [], store._refold
     monkeypatch.setattr(store, '_fold_known', lambda *a: took.append(fold(*a)) or took[-1])
     monkeypatch.setattr(store, '_refold', lambda *a, **k: refolds.append(k.get('widths')) or refold(*a, **k))
     torch.manual_seed(0)
-    net = Net()
+    net = net()
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
     t = torchEmber(net, run='fold', db=db, every=every)
     for step in range(steps):
@@ -56,6 +67,9 @@ def check_folds(db, every, monkeypatch, from_memory=True, steps=70, forget_at=No
 
 @pytest.mark.parametrize('every', [1, 3])
 def test_folds_from_memory_equal_the_sql_fold(tmp_path, every, monkeypatch): check_folds(str(tmp_path/'f.db'), every, monkeypatch)
+
+def test_steps_whose_rows_come_in_another_order_are_folded_from_memory(tmp_path, monkeypatch):
+    check_folds(str(tmp_path/'f.db'), 1, monkeypatch, net=WideNet)
 
 @pytest.mark.parametrize('every', [1, 5])
 def test_wider_bins_from_memory_over_a_longer_run(tmp_path, every, monkeypatch):

@@ -762,10 +762,11 @@ def module_values(rows:list)->tuple:
     g = _GROUPS.get(keys)
     if g is None:                       # the rows sorted by key, and where each key's rows start: worked out once per layout
         if len(_GROUPS) > 64: _GROUPS.clear()
-        pos = {}
-        idx = np.array([pos.setdefault(k, len(pos)) for k in keys], dtype=np.intp)
+        uniq = tuple(sorted(set(keys)))   # in key order, not the rows': steps whose rows came in another order fold together
+        pos = {k: i for i, k in enumerate(uniq)}
+        idx = np.array([pos[k] for k in keys], dtype=np.intp)
         order = np.argsort(idx, kind='stable')
-        g = _GROUPS[keys] = (tuple(pos), order, np.flatnonzero(np.r_[True, np.diff(idx[order]) != 0]) if len(idx) else idx)
+        g = _GROUPS[keys] = (uniq, order, np.flatnonzero(np.r_[True, np.diff(idx[order]) != 0]) if len(idx) else idx)
     uniq, order, starts = g
     out = np.empty((len(uniq), 7))
     if not len(uniq): return uniq, out
