@@ -39,7 +39,7 @@ class WideNet(Net):
     def forward(self, x): return self.b(self.act(self.a(self.spread(x).reshape(4, 11_000, 6).mean(1))))
 
 def check_folds(db, every, monkeypatch, from_memory=True, steps=70, forget_at=None, net=Net):
-    "Train a small net into store `db`, then fold its bins again in SQL: the same bins, each folded from memory (or each in SQL)."
+    "Train a small net into store `db`, then fold its bins again in SQL: the same bins, each from memory (or each in SQL)."
     took, fold, refolds, refold = [], store._fold_known, [], store._refold
     monkeypatch.setattr(store, '_fold_known', lambda *a: took.append(fold(*a)) or took[-1])
     monkeypatch.setattr(store, '_refold', lambda *a, **k: refolds.append(k.get('widths')) or refold(*a, **k))
