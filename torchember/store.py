@@ -852,15 +852,18 @@ def _fold_wider(c, rid:int, rank:int, keys:tuple, bins:list):
     for w in ROLLUP_WIDTHS[1:]:
         st, done, sql = _wider(c, rid, rank, w, state.pop(w, None), keys, bins)
         if st is not None: state[w] = st
-        rows += _bin_rows(rid, rank, w, keys, done.items())
+        for at, (v, stored) in done.items():   # of a bin the store holds, only the modules whose values changed
+            new = np.ones(len(keys), bool) if stored is None else _changed(v, stored)
+            rows += _bin_rows(rid, rank, w, [k for k, n in zip(keys, new) if n], [(at, v[new])])
         if sql:   # bins this writer did not see whole: folded again in SQL, from the width below as stored
             _upsert_bins(c, rows, merge=False); rows = []
             _refold(c, rid, f"rank IN ({rank})", sql[0] * w, sql[-1] * w + w - 1, widths=(w,))
     _upsert_bins(c, rows, merge=False)
 
 def _wider(c, rid:int, rank:int, w:int, st, keys:tuple, bins:list)->tuple:
-    "`(state, {bin: values}, [bins for SQL])` of width `w`, once `bins` of 8 are folded into `st`, the bin being filled."
+    "`(state, {bin: (values, stored values or None)}, [bins for SQL])` of width `w`, `bins` of 8 folded into `st`."
     w8, done, sql = ROLLUP_WIDTHS[0], {}, []
+    first, stored = (st[0], st[2]) if st is not None and st[1] == keys else (None, None)   # the bin being filled, as stored
     for b, agg in bins:
         at = b * w8 // w
         if at in sql: continue
@@ -872,8 +875,12 @@ def _wider(c, rid:int, rank:int, w:int, st, keys:tuple, bins:list)->tuple:
             st = None
             sql.append(at)
             continue
-        done[at] = st[2]
+        done[at] = (st[2], stored if at == first else None)
     return st, done, sql
+
+def _changed(a:np.ndarray, b:np.ndarray)->np.ndarray:
+    "Which rows of `a` differ from those of `b` (NaN equal to NaN)."
+    return ~((a == b) | (np.isnan(a) & np.isnan(b))).all(1)
 
 def _forget_wider(eng, rid:int, ranks=None):
     "Forget the wider bins of engine `eng` being filled for `ranks` (None: all) of run `rid`: folded in SQL, or not stored."
