@@ -114,6 +114,12 @@ TRAIN = textwrap.dedent('''
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     te = torchEmber(model, run='r', db=db)
     if mode == 'user-after': signal.signal(signal.SIGTERM, lambda s, f: (print('user handler', flush=True), sys.exit(4)))
+    if mode == 'opening':                        # SIGTERM the moment step 5 is opened, before its forward runs
+        opened = te.recorder.open
+        def open_(step, **kw):
+            opened(step, **kw)
+            if step == 5: signal.raise_signal(signal.SIGTERM)
+        te.recorder.open = open_
     step = 0
     while True:
         model(torch.randn(32, 64)).pow(2).mean().backward(); opt.step(); opt.zero_grad()
@@ -164,6 +170,14 @@ def test_sigterm_writes_every_finished_step_and_exits_as_without_torchember(tmp_
     assert p.returncode == -signal.SIGTERM, err[-3000:]
     stored = _stored(str(db), 'r')
     assert stored[:max(printed) + 1] == list(range(max(printed) + 1)), "a printed step is not in the store"
+    check_whole(str(db), 'r', len(load('r', str(db)).df().query('step == 0')))
+
+def test_a_signal_as_a_step_opens_writes_no_empty_step(tmp_path):
+    "A SIGTERM between opening a step and entering its forward is taken again once the step is under way: no empty step."
+    db, p = _train(tmp_path, 'opening')
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == -signal.SIGTERM, err[-3000:]
+    assert _stored(str(db), 'r')[:5] == [0, 1, 2, 3, 4]
     check_whole(str(db), 'r', len(load('r', str(db)).df().query('step == 0')))
 
 def test_a_signal_between_forward_and_backward_writes_no_half_step(db):

@@ -271,7 +271,7 @@ _deferred = {}       # signal -> times it was put off while a step was being han
 
 def _on_signal(signum, frame):
     "Write every finished step, then do what the handler torchember stands in front of would have done."
-    if _closing(frame) and _deferred.get(signum, 0) < 100:   # a step is being handed over: let it finish, take the signal again
+    if _changing_step(frame) and _deferred.get(signum, 0) < 100:   # a step is changing hands: let it finish, take the signal again
         _deferred[signum] = _deferred.get(signum, 0) + 1
         return threading.Timer(0.01, os.kill, (os.getpid(), signum)).start()
     _deferred.pop(signum, None)
@@ -293,10 +293,12 @@ def _write_finished(ends:bool):
     for te in list(_embers):
         if te.writer is not None: te.writer.wait(max(end - time.monotonic(), 0))
 
-def _closing(frame)->bool:
-    "Whether the main thread stopped inside torchember closing or handing over a step (closing it again would lose it)."
+_STEP_CHANGES = ('_root_pre', '_root_post', 'close', '_emit')   # where a step opens, its forward ends, it closes, it is handed over
+
+def _changing_step(frame)->bool:
+    "Whether the main thread stopped inside torchember opening, ending, closing or handing over a step (not a finished one)."
     while frame is not None:
-        if frame.f_code.co_name in ('close', '_emit') and frame.f_globals.get('__name__', '').startswith('torchember.'): return True
+        if frame.f_code.co_name in _STEP_CHANGES and frame.f_globals.get('__name__', '').startswith('torchember.'): return True
         frame = frame.f_back
     return False
 
