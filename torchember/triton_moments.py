@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 # %% auto #0
-__all__ = ['INTERPRETED', 'BLOCK', 'MAXG', 'WIDTH', 'DTYPES', 'CAP', 'programs', 'Partials']
+__all__ = ['INTERPRETED', 'BLOCK', 'MAXG', 'SPAN', 'WARPS', 'WIDTH', 'DTYPES', 'CAP', 'programs', 'Partials']
 
 # %% ../nbs/00b_triton_moments.ipynb #f23d6ebb
 def _interpreter_fix():
@@ -30,8 +30,10 @@ INTERPRETED = os.environ.get('TRITON_INTERPRET', '0') == '1'
 if INTERPRETED: _interpreter_fix()
 
 # %% ../nbs/00b_triton_moments.ipynb #e7d1939f
-BLOCK = 1024     # elements a program reads at a time
-MAXG = 1024      # programs one tensor is shared out over, at most
+BLOCK = 512             # elements a program reads at a time
+MAXG = 1024             # programs one tensor is shared out over, at most
+SPAN = {2: 64, 4: 16, 8: 16}   # by element size: blocks a program reads before the tensor gets another program
+WARPS = {2: 8, 4: 4, 8: 4}     # by element size: warps a program runs on
 WIDTH = 8        # values in a partial row: sum, sum of squares, min, max, non-zeros, NaNs, Infs, one unused
 
 @triton.jit
@@ -118,9 +120,9 @@ def _finish(part, segs, out, R: tl.constexpr):
 DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32, torch.float64: tl.float64}
 CAP = 2**15      # partial rows a buffer holds (2 MiB); a step needing more starts another
 
-def programs(n:int)->int:
-    "Programs a tensor of `n` elements is shared out over."
-    return min(triton.cdiv(n, BLOCK), MAXG)
+def programs(n:int, size:int=4)->int:
+    "Programs a tensor of `n` elements of `size` bytes is shared out over."
+    return min(-(-n // (BLOCK * SPAN[size])), MAXG)   # plain ints: `triton.cdiv` from Python costs ~2 µs a call
 
 def _up(x:torch.Tensor, device:torch.device)->torch.Tensor:
     "Host tensor `x` on `device`, copied from pinned memory without waiting."
@@ -139,10 +141,10 @@ class Partials:
 
     def add(self, t:torch.Tensor):
         "Start the moments of contiguous float tensor `t`: one launch."
-        n = t.numel()
-        g = programs(n)
+        n, size = t.numel(), t.element_size()
+        g = programs(n, size)
         self._room(g)
-        if g: _one[(g,)](t, n, self.buf, self.used, g, BLOCK=BLOCK)
+        if g: _one[(g,)](t, n, self.buf, self.used, g, BLOCK=BLOCK, num_warps=WARPS[size])
         self.segs.append((self.used, g, n))
         self.used += g
 
@@ -156,17 +158,21 @@ class Partials:
 
     def _add_many(self, ts:list)->list:
         classes = {}
-        for i, t in enumerate(ts): classes.setdefault((t.dtype, programs(t.numel()).bit_length()), []).append(i)
-        order = []
-        for (dtype, _), idx in classes.items():
-            g = max(programs(ts[i].numel()) for i in idx)
-            self._room(g * len(idx))
-            if g:
-                table = _up(torch.tensor([(ts[i].data_ptr(), ts[i].numel()) for i in idx], dtype=torch.int64), self.device)
-                _many[(len(idx), g)](table, self.buf, self.used, g, DT=DTYPES[dtype], BLOCK=BLOCK)
-            self.segs += [(self.used + k * g, g, ts[i].numel()) for k, i in enumerate(idx)]
-            self.used += g * len(idx)
-            order += idx
+        for i, t in enumerate(ts):
+            n = t.numel()
+            g = programs(n, t.element_size())
+            classes.setdefault((t.dtype, g.bit_length()), []).append((i, n, g))
+        members = [m for ms in classes.values() for m in ms]   # one table for every class: one copy up
+        table = _up(torch.tensor([(ts[i].data_ptr(), n) for i, n, _ in members], dtype=torch.int64), self.device)
+        order, at = [], 0
+        for (dtype, _), ms in classes.items():
+            g = max(g for _, _, g in ms)
+            self._room(g * len(ms))
+            if g: _many[(len(ms), g)](table[at:], self.buf, self.used, g, DT=DTYPES[dtype], BLOCK=BLOCK, num_warps=WARPS[dtype.itemsize])
+            self.segs += [(self.used + k * g, g, n) for k, (_, n, _) in enumerate(ms)]
+            self.used += g * len(ms)
+            order += [i for i, _, _ in ms]
+            at += len(ms)
         return order
 
     def finish(self)->torch.Tensor:
