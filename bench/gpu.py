@@ -119,6 +119,7 @@ def breakdown(m, model, step, device, db, blocks, k):
         te = torchEmber(model, db=db, every=1) if i else None
         for _, f, _ in parts[:i]:
             if f: f(te)
+        if te is not None: step()      # a run's first recorded step (its data-flow graph) before the clock, as in `block`
         sync(device)
         t0, c0 = time.perf_counter(), time.thread_time()
         for _ in range(k): step()

@@ -9,9 +9,9 @@ add is what the step loses. CPU times are read from /proc (the kernel's ticks, 1
 blocks), so this runs on Linux.
 
     python bench/gpu_threads.py                         # both models of bench/gpu.py
-    python bench/gpu_threads.py --models gpt2-small --rounds 5 --profile
+    python bench/gpu_threads.py --models gpt2-small --rounds 5 --profile --parts
 """
-import argparse, cProfile, io, os, pstats, statistics, sys, tempfile, time
+import argparse, cProfile, io, os, pstats, statistics, sys, tempfile, threading, time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -19,7 +19,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent / 'tests'), str(HERE.parent)]
 
 import torch
 import gpu, bench
-from torchember import torchEmber, store
+from torchember import torchEmber, store, core, stats
 
 HZ = os.sysconf('SC_CLK_TCK')
 
@@ -66,6 +66,34 @@ def block(model, step, k, device, db, fs):
     if te is not None: te.disarm()
     return dt, cpu
 
+PARTS = [(core.Capture, ('_pre', '_post', '_root_pre', '_grad_hook', '_grads_done', 'close')),
+         (stats.Recorder, ('tensor', '_planned', '_read_later', '_gather')), (torchEmber, ('_write_steps',))]
+
+def parts_cpu(model, step, device, db, k:int)->dict:
+    "`{(thread, method): CPU seconds a step}` of torchember's main methods over `k` recorded steps (nested calls overlap)."
+    acc, orig, training = {}, [], os.getpid()
+    def timed(cls, name, f):
+        def w(*a, **kw):
+            c0 = time.thread_time()
+            try: return f(*a, **kw)
+            finally:
+                tid = threading.get_native_id()
+                key = ('training' if tid == training else 'writer' if threading.current_thread().name == 'torchember-writer'
+                       else 'autograd', f"{cls.__name__}.{name}")
+                acc[key] = acc.get(key, 0.) + time.thread_time() - c0
+        return w
+    for cls, names in PARTS:
+        for n in names: orig.append((cls, n, getattr(cls, n))); setattr(cls, n, timed(cls, n, getattr(cls, n)))
+    try:
+        te = torchEmber(model, db=db, every=1)
+        step()
+        acc.clear()
+        for _ in range(k): step()
+        te.flush(); gpu.sync(device); te.disarm()
+    finally:
+        for cls, n, f in orig: setattr(cls, n, f)
+    return {key: v / k for key, v in acc.items()}
+
 def kernel_ms(step, device, steps=3)->tuple:
     "GPU ms a step of all kernels and of torchember's stats kernels (Triton's `_many`, `_one`, `_finish`), by torch's profiler."
     from torch.profiler import profile, ProfilerActivity
@@ -84,6 +112,7 @@ def main(argv=None):
     p.add_argument('--steps', type=int, default=20)
     p.add_argument('--tiny', action='store_true', help="small models: a smoke test of the script")
     p.add_argument('--profile', action='store_true', help="also cProfile the training thread over 10 recorded steps")
+    p.add_argument('--parts', action='store_true', help="also CPU ms a step of torchember's main methods, by the thread they ran on")
     a = p.parse_args(argv)
     device = torch.device(a.device)
     name = torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'
@@ -102,6 +131,10 @@ def main(argv=None):
         for v, xs in res.items():
             cpu = {k: statistics.median(c[k] for _, c in xs) * 1e3 for k in xs[0][1]}
             print(f"  {v:<27} {statistics.median(t for t, _ in xs) * 1e3:8.2f}   " + '  '.join(f"{k} {x:6.2f}" for k, x in cpu.items()), flush=True)
+        if a.parts:
+            print("  CPU ms a step of torchember's methods, by thread (a method's time includes the methods it calls):")
+            for (thread, meth), v in sorted(parts_cpu(model, step, device, db, a.steps).items(), key=lambda x: -x[1]):
+                print(f"    {thread:<9} {meth:<26} {v * 1e3:7.2f}")
         te = torchEmber(model, db=db, every=1)
         step(); gpu.sync(device)
         if a.profile:
