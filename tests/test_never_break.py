@@ -747,6 +747,41 @@ def test_recorded_weights_are_the_current_parameters(db):
     assert len(df.query("ttype == 'weight_grad'")) == 4
     te.disarm()
 
+def test_parameters_added_replaced_or_retyped_between_steps_are_seen(db):
+    "Each recorded step reads the module's parameters as they are now, though it only checks that they are the same ones."
+    model = _mlp()
+    te = torchEmber(model, run='moved', db=db)
+    names = lambda: set(te.latest().query("ttype == 'weight'").apply(lambda r: f"{r.module}.{r.tname}", axis=1))
+    model(torch.randn(2, 4)).sum().backward()
+    before = names()
+    model[0].register_parameter('scale', nn.Parameter(torch.ones(1)))        # added
+    model(torch.randn(2, 4)).sum().backward()
+    assert names() == before | {'0.scale'}
+    model[0].weight = nn.Parameter(torch.full_like(model[0].weight, 0.5))   # replaced
+    model(torch.randn(2, 4)).sum().backward()
+    assert te.latest().query("module == '0' and ttype == 'weight' and tname == 'weight'")['mean'].item() == pytest.approx(0.5)
+    del model[0].scale                                                        # removed
+    model(torch.randn(2, 4)).sum().backward()
+    assert names() == before
+    te.disarm()
+
+def test_lazy_modules_arm_and_are_recorded_once_they_have_shapes(db):
+    "A `LazyLinear` has no shape until its first forward: arming it works, and its weights are recorded from the next step."
+    torch.manual_seed(0)
+    bare = nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.Linear(4, 1))
+    armed = copy.deepcopy(bare)
+    te = torchEmber(armed, run='lazy', db=db)
+    for i in range(3):
+        x = torch.randn(2, 3, generator=torch.Generator().manual_seed(i))
+        torch.manual_seed(10 + i); a = armed(x)     # the first call draws the lazy layer's initial weights
+        torch.manual_seed(10 + i); b = bare(x)
+        a.sum().backward(); b.sum().backward()
+        assert torch.equal(a, b)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(armed.parameters(), bare.parameters()))
+    te.disarm()
+    w = load('lazy', db).df(ttype='weight_grad')
+    assert set(w.query("module == '0'")['step']) == {1, 2} and set(w.query("module == '2'")['step']) == {0, 1, 2}
+
 @pytest.mark.parametrize('mode', ['trained', 'no-grad-forward', 'custom-grad-stats'])
 def test_recorded_weights_are_those_the_forward_used(db, mode):
     "Weights are read with the grads (or when the step closes), yet must be the values before the optimizer changed them."

@@ -14,6 +14,7 @@ from functools import partial
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+from torch.nn.parameter import is_lazy
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 # %% auto #0
@@ -85,8 +86,8 @@ def flat_params(model:nn.Module)->list:
 
 # %% ../nbs/00_core.ipynb #76d528bd
 def module_info(m:nn.Module)->tuple:
-    "`(n_params, n_learnable, param_bytes)` of module `m`, its submodules included."
-    ps = list(m.parameters())
+    "`(n_params, n_learnable, param_bytes)` of module `m`, its submodules included (a lazy parameter counts once it has a shape)."
+    ps = [p for p in m.parameters() if not is_lazy(p)]
     return (sum(p.numel() for p in ps), sum(p.numel() for p in ps if p.requires_grad),
             sum(p.numel() * p.element_size() for p in ps))
 
@@ -193,11 +194,12 @@ class Capture:
 
     def current_params(self)->list:
         "`(mi, name, parameter)` for every parameter, each under the first module that owns it."
-        seen, out, away = set(), [], []
+        seen, out, away, slots = set(), [], [], []
         for mi, m in enumerate(self.mods):
             if not self.selected[mi]: continue
+            slots.append((m._parameters, [(pn, p, type(p)) for pn, p in m._parameters.items()]))
             for pn, p in m._parameters.items():
-                if p is None or id(p) in seen or id(p) in self._flat_ids or (id(m), pn) in self._in_flats: continue
+                if p is None or is_lazy(p) or id(p) in seen or id(p) in self._flat_ids or (id(m), pn) in self._in_flats: continue   # a lazy one: once it has a shape
                 seen.add(id(p))
                 if p.numel() == 0 or hasattr(p, 'ds_numel'): away.append(f"{self.names[mi]}.{pn}".lstrip('.'))
                 else: out.append((mi, pn, p))
@@ -206,7 +208,16 @@ class Capture:
             warnings.warn(f"torchember: {len(away)} parameters hold no elements on this rank between steps ({', '.join(away[:3])}"
                           f"{', ...' if len(away) > 3 else ''}): partitioned away, as DeepSpeed ZeRO-3 does; their weights and "
                           "grads are not recorded", stacklevel=3)
+        self._slots = slots
         return out
+
+    def params_moved(self)->bool:
+        "Whether a selected module's parameters changed since `current_params` read them (replaced, added, removed, retyped)."
+        for d, entries in self._slots:
+            if len(d) != len(entries): return True
+            for pn, p, cls in entries:
+                if d.get(pn) is not p or type(p) is not cls: return True   # a lazy parameter materializes by changing its class
+        return False
 
     def _flats(self, flats:list):
         "Keep FSDP1's flat parameters as `(flat_param, [(mi, name, piece, full_shape, offset, numel)])` of the selected modules."
@@ -440,7 +451,7 @@ def _root_pre(self:Capture, mod, args, kwargs, inference:bool=False):
         self.close()
         self.step += 1
         rec = self.enabled and self.step % self.every == 0
-        if rec:
+        if rec and self.params_moved():
             params = self.current_params()
             if len(params) != len(self.params) or any(a[2] is not b[2] for a, b in zip(params, self.params)):
                 # a parameter was replaced, e.g. by load_state_dict(assign=True)
