@@ -86,7 +86,7 @@ def flat_params(model:nn.Module)->list:
 
 # %% ../nbs/00_core.ipynb #76d528bd
 def module_info(m:nn.Module)->tuple:
-    "`(n_params, n_learnable, param_bytes)` of module `m`, its submodules included (a lazy parameter counts once it has a shape)."
+    "`(n_params, n_learnable, param_bytes)` of module `m`, its submodules included (lazy parameters: once shaped)."
     ps = [p for p in m.parameters() if not is_lazy(p)]
     return (sum(p.numel() for p in ps), sum(p.numel() for p in ps if p.requires_grad),
             sum(p.numel() * p.element_size() for p in ps))
