@@ -57,7 +57,7 @@ SCRIPT = textwrap.dedent('''
         else:
             add, many = triton_moments.Partials.add, triton_moments.Partials.add_many
             triton_moments.Partials.add = lambda self, t: launches.append(1) or add(self, t)
-            triton_moments.Partials.add_many = lambda self, ts: launches.append(len(ts)) or many(self, ts)
+            triton_moments.Partials.add_many = lambda self, ts, memo=None: launches.append(len(ts)) or many(self, ts, memo)
         stats._TRITON[:] = []
         kernels, warned = record(dtype, db, f'triton-{dtype}')
         at_hooks = launches.count(1)

@@ -623,7 +623,7 @@ def _reduce_groups(self):
     self._parts = {}
 
 @patch_to(Recorder)
-def _on_device(self, ts:list, rows:list)->bool:
+def _on_device(self, ts:list, rows:list, memo:dict=None)->bool:
     "Start the moments of plain float tensors `ts` (one device) into `rows` with the Triton kernels; whether they run here."
     tm = triton_moments()
     if tm is None or any(type(t) not in _PLAIN for t in ts): return False
@@ -632,7 +632,7 @@ def _on_device(self, ts:list, rows:list)->bool:
     ts = [t if t.is_contiguous() else t.contiguous() for t in ts]
     try:
         if len(ts) == 1: p.add(ts[0]); order = [0]
-        else: order = p.add_many(ts)
+        else: order = p.add_many(ts, memo)
     except Exception as e:       # these go to the eager kernels; tensors started before are finished as usual
         _no_triton(e)
         return False
@@ -640,15 +640,19 @@ def _on_device(self, ts:list, rows:list)->bool:
     return True
 
 @patch_to(Recorder)
-def _triton_planned(self, ts:list, groups:list, large:list, base:int)->tuple:
+def _triton_planned(self, ts:list, groups:list, large:list, base:int, memo:dict=None)->tuple:
     "Start the planned `groups` and `large` on Triton's devices, a launch per device and dtype; `(groups, large)` left."
-    on = {}
-    for j in [j for idx in groups for j in idx] + large:
-        if ts[j].device.type in TRITON_DEVICES: on.setdefault(ts[j].device, []).append(j)
+    memo = {} if memo is None else memo    # the plan's: what is the same for every step of it
+    on = memo.get('on')
+    if on is None:
+        on = memo['on'] = {}
+        for j in [j for idx in groups for j in idx] + large:
+            if ts[j].device.type in TRITON_DEVICES: on.setdefault(ts[j].device, []).append(j)
     took = set()
-    for js in on.values():
-        if self._on_device([ts[j] for j in js], [base + j for j in js]): took.update(js)
+    for dev, js in on.items():
+        if self._on_device([ts[j] for j in js], [base + j for j in js], memo.setdefault(dev, {})): took.update(js)
     if not took: return groups, large
+    if len(took) == sum(map(len, groups)) + len(large): return [], []
     return [idx for idx in groups if idx[0] not in took], [j for j in large if j not in took]
 
 # %% ../nbs/01_stats.ipynb #bf559534
@@ -702,7 +706,7 @@ def _read_later(self):
 
 # %% ../nbs/01_stats.ipynb #671a09fb
 def _plan(batches, nat:bool=False)->tuple:
-    "`(metas, natives, batch, groups, large, other)`: how `(ttype, [(mi, tname, tensor)])` batches are measured."
+    "`(metas, natives, batch, groups, large, other, memo)`: how `(ttype, [(mi, tname, tensor)])` batches are measured."
     metas, natives, nts, groups, large, other = [], [], [], {}, [], []
     for ttype, items in batches:
         for mi, tname, t in items:
@@ -712,7 +716,7 @@ def _plan(batches, nat:bool=False)->tuple:
             elif type(t) not in native._PLAIN or t.dtype not in FLOATS or t.layout != torch.strided or t.is_nested or t.device.type == 'meta': other.append(j)
             elif t.numel() > SMALL: large.append(j)
             else: groups.setdefault((t.device, t.dtype, t.shape), []).append(j)
-    return metas, natives, native.Batch(nts) if nts else None, list(groups.values()), large, other
+    return metas, natives, native.Batch(nts) if nts else None, list(groups.values()), large, other, {}   # memo: Triton's layout
 
 _PLANS = {}
 _PLAIN = native._PLAIN
@@ -733,7 +737,7 @@ def _planned(self, batches):
     except Exception as e:
         self._failed("planning the weights and grads", e)
         return self._one_by_one(batches)
-    metas, natives, batch, groups, large, other = plan
+    metas, natives, batch, groups, large, other, memo = plan
     base = self._nm
     self._nm += len(metas)
     self.rec.keys += [(mi, 0, ttype, tname, shape, dtype, base + j, -1) for j, (mi, ttype, tname, shape, dtype) in enumerate(metas)]
@@ -744,7 +748,7 @@ def _planned(self, batches):
             except Exception as e:
                 self._failed("the native kernel", e)
                 large = large + natives
-        if groups or large: groups, large = self._triton_planned(ts, groups, large, base)
+        if groups or large: groups, large = self._triton_planned(ts, groups, large, base, memo)
         for idx in groups:
             try: self._pieces.append(([base + j for j in idx], moments(torch.stack([ts[j] for j in idx]).reshape(len(idx), -1))))
             except Exception:            # measure them one by one, each with its own error handling

@@ -148,20 +148,23 @@ class Partials:
         self.segs.append((self.used, g, n))
         self.used += g
 
-    def add_many(self, ts:list)->list:
+    def add_many(self, ts:list, memo:dict=None)->list:
         "Start the moments of contiguous float tensors `ts`, a launch per dtype and size class; their indices in row order."
         before = (list(self.full), self.buf, self.used, list(self.segs))   # all of them started, or none (it raised)
-        try: return self._add_many(ts)
+        try: return self._add_many(ts, memo)
         except Exception:
             self.full, self.buf, self.used, self.segs = before
             raise
 
-    def _add_many(self, ts:list)->list:
-        classes = {}
-        for i, t in enumerate(ts):
-            n = t.numel()
-            g = programs(n, t.element_size())
-            classes.setdefault((t.dtype, g.bit_length()), []).append((i, n, g))
+    def _add_many(self, ts:list, memo:dict=None)->list:
+        classes = memo.get(len(ts)) if memo is not None else None   # a caller's memo: lists of these dtypes and sizes
+        if classes is None:
+            classes = {}
+            for i, t in enumerate(ts):
+                n = t.numel()
+                g = programs(n, t.element_size())
+                classes.setdefault((t.dtype, g.bit_length()), []).append((i, n, g))
+            if memo is not None: memo[len(ts)] = classes
         members = [m for ms in classes.values() for m in ms]   # one table for every class: one copy up
         table = _up(torch.tensor([(ts[i].data_ptr(), n) for i, n, _ in members], dtype=torch.int64), self.device)
         order, at = [], 0
