@@ -604,14 +604,7 @@ def scalar(self, step:int, name:str, value):
 def _reduce_groups(self):
     "Read what is pending (batched activations, small tensors stacked by size, Triton's partial rows) into the step's pieces."
     if self._later or self._watch: self._read_later()
-    for rows_snaps in self._groups.values():
-        rows = [r for r, _ in rows_snaps]
-        try: m = moments(torch.stack([s for _, s in rows_snaps]).reshape(len(rows), -1))
-        except Exception as e:
-            self._failed("measuring small tensors", e)
-            m = _unmeasured(None).expand(len(rows), 8)
-        self._pieces.append((rows, m))
-    self._groups = {}
+    self._reduce_small()
     if self._direct_rows: self._pieces.append((self._direct_rows, self._direct.matrix()))
     self._direct, self._direct_rows = None, []   # an accelerator's tensors leave it empty: no host rows beside its own
     for dev, (p, rows) in self._parts.items():
@@ -621,6 +614,18 @@ def _reduce_groups(self):
             m = _unmeasured(None).expand(len(rows), 8)
         self._pieces.append((rows, m))
     self._parts = {}
+
+@patch_to(Recorder)
+def _reduce_small(self):
+    "Measure the small tensors stacked by size (copies, or weights and grads that must be read before the optimizer's step)."
+    for rows_snaps in self._groups.values():
+        rows = [r for r, _ in rows_snaps]
+        try: m = moments(torch.stack([s for _, s in rows_snaps]).reshape(len(rows), -1))
+        except Exception as e:
+            self._failed("measuring small tensors", e)
+            m = _unmeasured(None).expand(len(rows), 8)
+        self._pieces.append((rows, m))
+    self._groups = {}
 
 @patch_to(Recorder)
 def _on_device(self, ts:list, rows:list, memo:dict=None)->bool:
@@ -754,7 +759,7 @@ def _planned(self, batches):
             except Exception:            # measure them one by one, each with its own error handling
                 for j in idx: self._default(ts[j], copy=False, where=metas[j][:3], row=base + j)
         for j in large + other: self._default(ts[j], copy=False, where=metas[j][:3], row=base + j)
-    if self._groups: self._reduce_groups()
+    if self._groups: self._reduce_small()   # the rest waits for the step's end: the Triton rows are finished once
 
 @patch_to(Recorder)
 def _one_by_one(self, batches):
