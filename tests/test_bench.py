@@ -71,6 +71,13 @@ def test_gpu_benchmark_runs_as_is():
                                                                   ['resnet18-b256', 'every=1'], ['resnet18-b256', 'every=10']]
     assert [r[0] for r in rows if "first recorded step" in ' '.join(r)] == ['gpt2-small', 'resnet18-b256'], r.stdout
 
+def test_gpu_proxy_benchmark_runs_as_is():
+    "The script that times the GPU path's host side on a CPU runs end to end; its figures are not checked."
+    r = subprocess.run([sys.executable, str(GPU.parent/'gpu_proxy.py'), '--layers', '2', '--rounds', '1', '--steps', '3'],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "training thread's CPU a step: bare" in r.stdout and 'training  Recorder._planned' in r.stdout, r.stdout
+
 def test_gpu_threads_benchmark_runs_as_is():
     "The script that splits an armed GPU step's time by thread runs end to end on the CPU (tiny model); figures not checked."
     r = subprocess.run([sys.executable, str(GPU.parent/'gpu_threads.py'), '--device', 'cpu', '--tiny', '--rounds', '1',
