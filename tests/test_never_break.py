@@ -763,6 +763,11 @@ def test_parameters_added_replaced_or_retyped_between_steps_are_seen(db):
     del model[0].scale                                                        # removed
     model(torch.randn(2, 4)).sum().backward()
     assert names() == before
+    with pytest.warns(UserWarning, match='partitioned away'):                # emptied in place, as DeepSpeed's ZeRO-3 does
+        for p in model[2].parameters(): p.data, p.ds_numel = torch.empty(0), p.numel()
+        model[2].forward = lambda x: x[:, :1]                                  # `model[2]` sits this step out, as a partitioned layer would
+        model(torch.randn(2, 4)).sum().backward()
+    assert names() == {n for n in before if not n.startswith('2.')}
     te.disarm()
 
 def test_lazy_modules_arm_and_are_recorded_once_they_have_shapes(db):

@@ -197,7 +197,7 @@ class Capture:
         seen, out, away, slots = set(), [], [], []
         for mi, m in enumerate(self.mods):
             if not self.selected[mi]: continue
-            slots.append((m._parameters, [(pn, p, type(p)) for pn, p in m._parameters.items()]))
+            slots.append((m._parameters, [(pn, p, type(p), hasattr(p, 'ds_numel')) for pn, p in m._parameters.items()]))
             for pn, p in m._parameters.items():
                 if p is None or is_lazy(p) or id(p) in seen or id(p) in self._flat_ids or (id(m), pn) in self._in_flats: continue   # a lazy one: once it has a shape
                 seen.add(id(p))
@@ -215,8 +215,8 @@ class Capture:
         "Whether a selected module's parameters changed since `current_params` read them (replaced, added, removed, retyped)."
         for d, entries in self._slots:
             if len(d) != len(entries): return True
-            for pn, p, cls in entries:
-                if d.get(pn) is not p or type(p) is not cls: return True   # a lazy parameter materializes by changing its class
+            for pn, p, cls, zero3 in entries:   # a lazy parameter materializes by changing its class; ZeRO-3 partitions in place
+                if d.get(pn) is not p or type(p) is not cls or hasattr(p, 'ds_numel') is not zero3: return True
         return False
 
     def _flats(self, flats:list):
