@@ -379,6 +379,7 @@ class Wrapped(torch.Tensor):
         un = lambda x: x.elem if isinstance(x, Wrapped) else x
         return tree_map(lambda x: Wrapped(x) if isinstance(x, torch.Tensor) else x, func(*tree_map(un, args), **tree_map(un, kwargs or {})))
 
+torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(300, 300), nn.Linear(300, 1))
 te = torchEmber(model, run='wrapped', db=sys.argv[1])
 with torch.no_grad():
@@ -388,7 +389,7 @@ with torch.no_grad():
 te.disarm()
 df = te.run.df(ttype='weight', module='0')
 w = df.set_index(['step', 'tname'])[['numel', 'mean', 'std', 'min', 'max', 'norm']]
-print(sorted(df.step.unique().tolist()), len(df), bool(((w.loc[1] - w.loc[0]).abs() <= 1e-6 * w.loc[0].abs().clip(lower=1)).all().all()))   # torch's kernels sum large float32 tensors in float32
+print(sorted(df.step.unique().tolist()), len(df), bool(((w.loc[1] - w.loc[0]).abs() <= 1e-5 * w.loc[0].abs().clip(lower=1)).all().all()))   # torch's kernels sum large float32 tensors in float32: ~log2(n) roundings of 6e-8
 '''
 
 def test_weights_that_become_a_tensor_subclass_are_not_read_as_plain_memory(tmp_path):
