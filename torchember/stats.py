@@ -647,15 +647,15 @@ def _on_device(self, ts:list, rows:list, memo:dict=None)->bool:
 @patch_to(Recorder)
 def _triton_planned(self, ts:list, groups:list, large:list, base:int, memo:dict=None)->tuple:
     "Start the planned `groups` and `large` on Triton's devices, a launch per device and dtype; `(groups, large)` left."
-    memo = {} if memo is None else memo    # the plan's: what is the same for every step of it
-    on = memo.get('on')
+    on = None if memo is None else memo.get('on')   # the plan's memo: device -> (its tensors, their launch memo)
     if on is None:
-        on = memo['on'] = {}
+        on = {}
         for j in [j for idx in groups for j in idx] + large:
-            if ts[j].device.type in TRITON_DEVICES: on.setdefault(ts[j].device, []).append(j)
+            if ts[j].device.type in TRITON_DEVICES: on.setdefault(ts[j].device, ([], {}))[0].append(j)
+        if memo is not None: memo['on'] = on
     took = set()
-    for dev, js in on.items():
-        if self._on_device([ts[j] for j in js], [base + j for j in js], memo.setdefault(dev, {})): took.update(js)
+    for js, launches in on.values():
+        if self._on_device([ts[j] for j in js], [base + j for j in js], launches): took.update(js)
     if not took: return groups, large
     if len(took) == sum(map(len, groups)) + len(large): return [], []
     return [idx for idx in groups if idx[0] not in took], [j for j in large if j not in took]

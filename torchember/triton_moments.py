@@ -120,7 +120,7 @@ def _finish(part, segs, out, R: tl.constexpr):
 DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32, torch.float64: tl.float64}
 CAP = 2**15      # partial rows a buffer holds (2 MiB); a step needing more starts another
 
-def programs(n:int, size:int=4)->int:
+def programs(n:int, size:int)->int:
     "Programs a tensor of `n` elements of `size` bytes is shared out over."
     return min(-(-n // (BLOCK * SPAN[size])), MAXG)   # plain ints: `triton.cdiv` from Python costs ~2 µs a call
 
@@ -157,15 +157,16 @@ class Partials:
             raise
 
     def _add_many(self, ts:list, memo:dict=None)->list:
-        classes = memo.get(len(ts)) if memo is not None else None   # a caller's memo: lists of these dtypes and sizes
-        if classes is None:
+        layout = memo.get('layout') if memo is not None else None   # a caller's memo: lists of these dtypes and sizes
+        if layout is None or layout[0] != len(ts):
             classes = {}
             for i, t in enumerate(ts):
                 n = t.numel()
                 g = programs(n, t.element_size())
                 classes.setdefault((t.dtype, g.bit_length()), []).append((i, n, g))
-            if memo is not None: memo[len(ts)] = classes
-        members = [m for ms in classes.values() for m in ms]   # one table for every class: one copy up
+            layout = (len(ts), classes, [m for ms in classes.values() for m in ms])   # members: one table for every class
+            if memo is not None: memo['layout'] = layout
+        _, classes, members = layout
         table = _up(torch.tensor([(ts[i].data_ptr(), n) for i, n, _ in members], dtype=torch.int64), self.device)
         order, at = [], 0
         for (dtype, _), ms in classes.items():
