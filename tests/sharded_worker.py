@@ -5,7 +5,7 @@ Per setup it writes, for rank `r`, `OUT.r.json`: the losses bare and armed, the 
 default stats of every whole parameter and its grad, computed here from the gathered tensors (`full_tensor()`, or
 FSDP1's flat shards gathered by hand): what the store must hold, merged from the ranks' pieces.
 """
-import json, sys
+import json, os, sys
 import torch, torch.distributed as dist
 from torch import nn
 from torchember import torchEmber
@@ -182,3 +182,5 @@ if __name__ == '__main__':
     with open(f'{out}.{dist.get_rank()}.json', 'w') as f: json.dump(res, f)
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush(); sys.stderr.flush()
+    os._exit(0)      # gloo's threads can abort a finishing interpreter now and then (SIGABRT, torch's, not ours)

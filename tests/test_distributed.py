@@ -54,6 +54,8 @@ WORKER = textwrap.dedent('''
     with open(f'{out}.{rank}.json', 'w') as f: json.dump(res, f)
     dist.barrier()                                      # neither rank tears gloo down while the other still talks
     dist.destroy_process_group()
+    sys.stdout.flush(); sys.stderr.flush()
+    os._exit(0)      # gloo's threads can abort a finishing interpreter now and then (SIGABRT, torch's, not ours)
 ''')
 
 def free_port()->int:
