@@ -8,8 +8,9 @@ Method: warm up, then time whole blocks of K steps, cycling bare and each armed 
 order reversed on every other round), N blocks each; report the median per-step time and the armed/bare ratio of
 the medians, and beside it the median of each round's own armed/bare ratio (`paired`: blocks timed next to each other,
 so a machine that slows down or speeds up between rounds moves both).
-An armed block arms a fresh handle before the clock starts, calls `handle.flush()` (if it has one) before the
-clock stops, so deferred background work is counted, and disarms after. K is a multiple of 10 by default, so
+An armed block arms a fresh handle and takes the run's first step (it also captures the model's data-flow graph,
+once a run; timed apart) before the clock starts, calls `handle.flush()` (if it has one) before the clock stops,
+so deferred background work is counted, and disarms after. K is a multiple of 10 by default, so
 `every=10` captures the same share of steps in every block. Then, unless `--no-store`, the store: stat rows/s
 written through the store's write path, and `latest()` / one module's history on a 100-step vs a 10,000-step run.
 
@@ -147,7 +148,9 @@ class Block:
     wall: float
     cpu: float
     writer_cpu: float = 0.0
-    rows: int = 0
+    rows: int = 0            # stats rows the run holds: those the writer wrote in the clock
+    timed_rows: int = 0      # ... of the steps taken in the clock
+    first: float = 0.0       # seconds of the run's first step, taken before the clock
 
 def _writer_cpu(threads) -> float:
     "CPU seconds the torchember writer threads among `threads` have used so far (0 where the OS cannot say)."
@@ -157,26 +160,37 @@ def _writer_cpu(threads) -> float:
         except (AttributeError, OSError, ProcessLookupError): pass
     return total
 
-def _rows(handle) -> int:
-    "Stats rows the handle's run holds (0 for handles without a store)."
+def _rows(handle, after:int=-1) -> int:
+    "Stats rows the handle's run holds of steps after `after` (0 for handles without a store)."
     eng, rid = getattr(handle, 'engine', None), getattr(handle, 'run_id', None)
     if eng is None or rid is None: return 0
     from sqlalchemy import text
-    with eng.connect() as c: return c.execute(text('SELECT count(*) FROM stats WHERE run_id = :r'), dict(r=rid)).scalar()
+    with eng.connect() as c:
+        return c.execute(text('SELECT count(*) FROM stats WHERE run_id = :r AND step > :s'), dict(r=rid, s=after)).scalar()
+
+def _step_of(handle) -> int:
+    "The step a torchEmber handle is at (-1 for other handles)."
+    cap = getattr(handle, 'capture', None)
+    return cap.step if cap is not None else -1
 
 def time_block(model, step, k, cfg: Optional[Config]) -> Block:
-    "Per-step times of one block of `k` steps; armed if `cfg` (arm before / flush inside / disarm after the clock)."
+    """Per-step times of one block of `k` steps; armed if `cfg` (arm before / flush inside / disarm after the clock).
+    A run's first step, which also captures the model's data-flow graph (once a run), is taken before the clock and timed apart."""
     gc.collect()
     before = set(threading.enumerate())
     handle = cfg.arm(model) if cfg else None
+    first = 0.0
+    if handle is not None and hasattr(handle, 'capture'):
+        t0 = time.perf_counter(); step(); first = time.perf_counter() - t0
+    first_step = _step_of(handle)
     t0, c0 = time.perf_counter(), time.thread_time()
     for _ in range(k): step()
     if handle is not None and hasattr(handle, 'flush'): handle.flush()
     dt, dc = time.perf_counter() - t0, time.thread_time() - c0
-    out = Block(dt / k, dc / k)
+    out = Block(dt / k, dc / k, first=first)
     if handle is not None:
         writers = [t for t in threading.enumerate() if t not in before and t.name == 'torchember-writer']
-        out.writer_cpu, out.rows = _writer_cpu(writers), _rows(handle)
+        out.writer_cpu, out.rows, out.timed_rows = _writer_cpu(writers), _rows(handle), _rows(handle, first_step)
         cfg.disarm(handle)
     return out
 
@@ -199,12 +213,13 @@ def bench_model(name, cfgs, blocks, steps, warmup, warmup_s):
     bare = statistics.median(times[None])
     floor = 1 + read_floor(model) / bare
     def per_tensor(label):   # of each block beside its round's bare one: (training-thread µs, writer µs) a recorded tensor
-        pairs = [((a.cpu - b.cpu) * steps / a.rows, a.writer_cpu / a.rows) for a, b in zip(runs[label], runs[None]) if a.rows]
+        pairs = [((a.cpu - b.cpu) * steps / a.timed_rows, a.writer_cpu / a.rows) for a, b in zip(runs[label], runs[None]) if a.timed_rows]
         return tuple(statistics.median(x) * 1e6 for x in zip(*pairs)) if pairs else (float('nan'), float('nan'))
     return [(name, c.label, bare, statistics.median(times[c.label]), floor, statistics.median(times[c.label]) / bare,
              statistics.median(a / b for a, b in zip(times[c.label], times[None])),
              _spread(times[None]), _spread(times[c.label]), *per_tensor(c.label),
-             statistics.median(b.rows for b in runs[c.label]) / steps) for c in cfgs]
+             statistics.median(b.timed_rows for b in runs[c.label]) / steps,
+             statistics.median(b.first for b in runs[c.label])) for c in cfgs]
 
 def _spread(xs): return (max(xs) - min(xs)) / statistics.median(xs) if len(xs) > 1 else 0.0
 
@@ -431,16 +446,18 @@ def main(argv=None):
           f"(spread = (max-min)/median over blocks);\n"
           f"floor = 1 + one read of the params and a grad-sized copy (torch.sum of each) over the bare step: no stats of them can cost less\n")
     print("per tensor: CPU µs of the training thread beyond bare (median over blocks, each against its round's bare block) "
-          "and of the writer thread, per recorded tensor (stats row); rows: recorded tensors a step, on average\n")
+          "and of the writer thread, per recorded tensor (stats row); rows: recorded tensors a step, on average;\n"
+          "first ms: a run's first step, taken before each armed block's clock (it also captures the model's data-flow graph, "
+          "once a run)\n")
     hdr = (f"{'model':<10} {'config':<22} {'steps':>5} {'bare ms':>9} {'armed ms':>9} {'floor':>7} {'ratio':>7} {'paired':>7} "
-           f"{'spread b/a':>12} {'µs/tensor':>9} {'writer µs':>9} {'rows':>6}")
+           f"{'spread b/a':>12} {'µs/tensor':>9} {'writer µs':>9} {'rows':>6} {'first ms':>9}")
     print(hdr); print('-' * len(hdr))
     t_all = time.perf_counter()
     for n in names:
         steps = a.steps or MODELS[n][2 if a.quick else 1]
-        for (mn, label, bare, armed, floor, ratio, paired, sb, sa, us, wus, rows) in bench_model(n, cfgs, blocks, steps, warmup, warmup_s):
+        for (mn, label, bare, armed, floor, ratio, paired, sb, sa, us, wus, rows, first) in bench_model(n, cfgs, blocks, steps, warmup, warmup_s):
             print(f"{mn:<10} {label:<22} {steps:5d} {bare*1e3:9.2f} {armed*1e3:9.2f} {floor:6.2f}x {ratio:7.2f}x {paired:6.2f}x "
-                  f"{sb*100:5.0f}%/{sa*100:3.0f}% {us:9.2f} {wus:9.2f} {rows:6.0f}", flush=True)
+                  f"{sb*100:5.0f}%/{sa*100:3.0f}% {us:9.2f} {wus:9.2f} {rows:6.0f} {first*1e3:9.1f}", flush=True)
     print(f"\ntotal {time.perf_counter() - t_all:.0f} s")
     if torchEmber is not None:
         print(f"SQLite's own floor here: {sqlite_floor():.2f} µs of CPU a stats row (raw sqlite3 into the store's `stats` table, "
