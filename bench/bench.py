@@ -144,7 +144,7 @@ def setup(name):
 
 @dataclass
 class Block:
-    "One timed block: seconds a step, CPU seconds of the training thread a step, and (armed) the writer's CPU and rows."
+    "One timed block: seconds a step, CPU seconds of the training thread a step, and (armed) the writer's CPU (its thread's and process's) and rows."
     wall: float
     cpu: float
     writer_cpu: float = 0.0
@@ -159,6 +159,15 @@ def _writer_cpu(threads) -> float:
         try: total += time.clock_gettime(time.pthread_getcpuclockid(t.ident))
         except (AttributeError, OSError, ProcessLookupError): pass
     return total
+
+def _process_cpu(handle) -> float:
+    "CPU seconds the handle's writer process has used so far (0 where a thread writes, or where the OS cannot say)."
+    write = getattr(getattr(handle, 'writer', None), 'write', None)
+    proc = getattr(getattr(write, 'keywords', {}).get('sink'), 'proc', None)
+    if proc is None: return 0.0
+    try: fields = Path(f'/proc/{proc.pid}/stat').read_text().rsplit(')', 1)[1].split()
+    except OSError: return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK')   # utime + stime
 
 def _rows(handle, after:int=-1) -> int:
     "Stats rows the handle's run holds of steps after `after` (0 for handles without a store)."
@@ -182,7 +191,7 @@ def time_block(model, step, k, cfg: Optional[Config]) -> Block:
     first = 0.0
     if handle is not None and hasattr(handle, 'capture'):
         t0 = time.perf_counter(); step(); first = time.perf_counter() - t0
-    first_step = _step_of(handle)
+    first_step, p0 = _step_of(handle), _process_cpu(handle)
     t0, c0 = time.perf_counter(), time.thread_time()
     for _ in range(k): step()
     if handle is not None and hasattr(handle, 'flush'): handle.flush()
@@ -190,7 +199,8 @@ def time_block(model, step, k, cfg: Optional[Config]) -> Block:
     out = Block(dt / k, dc / k, first=first)
     if handle is not None:
         writers = [t for t in threading.enumerate() if t not in before and t.name == 'torchember-writer']
-        out.writer_cpu, out.rows, out.timed_rows = _writer_cpu(writers), _rows(handle), _rows(handle, first_step)
+        out.writer_cpu = _writer_cpu(writers) + _process_cpu(handle) - p0   # the thread's, and its process's in the clock
+        out.rows, out.timed_rows = _rows(handle), _rows(handle, first_step)
         cfg.disarm(handle)
     return out
 
@@ -429,6 +439,7 @@ def main(argv=None):
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, scratch dbs in {scratch()}"
           + (" (kept)" if KEEP_DB else " (removed at exit)"))
     _print_kernel()
+    _print_writer()
     _check_load()
 
     if a.memory: return memory(names, cfgs, a.memory_steps)
@@ -446,7 +457,7 @@ def main(argv=None):
           f"(spread = (max-min)/median over blocks);\n"
           f"floor = 1 + one read of the params and a grad-sized copy (torch.sum of each) over the bare step: no stats of them can cost less\n")
     print("per tensor: CPU µs of the training thread beyond bare (median over blocks, each against its round's bare block) "
-          "and of the writer thread, per recorded tensor (stats row); rows: recorded tensors a step, on average;\n"
+          "and of the writer (its thread, and its process where one writes), per recorded tensor (stats row); rows: recorded tensors a step, on average;\n"
           "first ms: a run's first step, taken before each armed block's clock (it also captures the model's data-flow graph, "
           "once a run)\n")
     hdr = (f"{'model':<10} {'config':<22} {'steps':>5} {'bare ms':>9} {'armed ms':>9} {'floor':>7} {'ratio':>7} {'paired':>7} "
@@ -467,6 +478,14 @@ def main(argv=None):
         print()
         store_bench()
         _check_load()
+
+def _print_writer():
+    "Say whether a process or a thread of the training process writes the store (`torchember.writer_process.use_process`)."
+    if torchEmber is None: return
+    from torchember.writer_process import use_process, cores
+    by = use_process(str(scratch()/'choice.db'), torch.get_num_threads())
+    print(f"writer: {'a process' if by else 'a thread'} ({cores()} cores for this process, torch {torch.get_num_threads()} threads"
+          f"{'; TORCHEMBER_WRITER=' + os.environ['TORCHEMBER_WRITER'] if os.environ.get('TORCHEMBER_WRITER') else ''})")
 
 def machine() -> dict:
     "What the figures depend on: CPU model, vendor, vector extensions, cores, cache sizes (from /proc and /sys on Linux)."

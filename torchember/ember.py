@@ -16,6 +16,7 @@ from fastcore.basics import patch
 from .core import Capture, module_tree, module_info, user_class, is_wrapper, flat_params, WRAPPERS, _Inert, _Hook
 from .stats import Recorder, TTYPES, VECTOR_MAX, default_stats
 from .instruments import hist_stats, Snapshots, Changes, UpdateTracker
+from .writer_process import WriterProcess, use_process
 from .store import (engine, create_run, claim, release, write_steps, Writer, db_url, keyed_by_rank, StoreError, store_busy, RETRY_S,
                     last_iteration, ranks_t)
 from .query import Run
@@ -23,8 +24,8 @@ from .graph import GraphCapture, is_compiled
 from sqlalchemy import select, func
 
 # %% auto #0
-__all__ = ['GROUP', 'LONE_WRITES', 'SIGNAL_WAIT_S', 'FLUSH_WAIT_S', 'torchEmber', 'unwrap', 'process_rank', 'agree_run_name',
-           'rank_selector']
+__all__ = ['GROUP', 'PROCESS_LINGER_S', 'LONE_WRITES', 'SIGNAL_WAIT_S', 'FLUSH_WAIT_S', 'torchEmber', 'unwrap', 'process_rank',
+           'agree_run_name', 'rank_selector']
 
 # %% ../nbs/04_ember.ipynb #654a6fa8
 class torchEmber:
@@ -81,6 +82,7 @@ class torchEmber:
         self._changes = Changes()
         self._flows = GraphCapture(self.capture, off=compiled)   # the model's graph, on its first recorded step
         self.writer, self._disarm_hook, self._last_events = None, _Hook(self.disarm), (None, None)
+        self._by_process = self.recording and use_process(db, torch.get_num_threads())   # who writes: `writer_process`
         self._forked, self._dropped, self._released = False, 0, False
         self._piece_writes = 0   # writes with pieces of sharded parameters, until every rank is known to record
         self.engine = self.run_id = None
@@ -162,6 +164,7 @@ def rank_selector(ranks=None)->callable:
 
 # %% ../nbs/04_ember.ipynb #83fa450b
 GROUP = 16   # the most steps the writer puts in one transaction
+PROCESS_LINGER_S = 0.02   # ... and the longest a step waits, where a process writes (its transactions cost training no GIL)
 
 @patch
 def _emit(self:torchEmber, rec):
@@ -174,20 +177,34 @@ def _emit(self:torchEmber, rec):
 @patch
 def _start_writer(self:torchEmber)->Writer:
     "The writer of this torchEmber, started if it has none."
-    if self.writer is None: self.writer = Writer(self._write_steps, strict=self.strict, size=_rec_bytes, group=GROUP)
+    if self.writer is None:
+        sink = self._start_sink()
+        self.writer = Writer(partial(self._write_steps, sink=sink), strict=self.strict, size=_rec_bytes, group=GROUP,
+                             stopped=sink.close if sink is not None else None, linger=None if sink is None else PROCESS_LINGER_S)
     return self.writer
+
+@patch
+def _start_sink(self:torchEmber)->WriterProcess|None:
+    "A started `WriterProcess` where a process writes (`writer_process.use_process`), else None: the writer thread writes."
+    if not self._by_process: return None
+    sink = WriterProcess(self.db)
+    try: return sink.start()
+    except Exception as e:
+        sink._lost(e)   # said once; this process writes
+        return None
 
 def _rec_bytes(rec)->int:
     "About the memory a waiting `StepRecord` holds: its keys and stats, and its snapshots."
     return 320 * len(rec.keys) + sum(s[-1].nbytes for s in rec.snapshots)
 
 @patch
-def _write_steps(self:torchEmber, recs:list):
-    "Write `recs` in one transaction; if it fails, put back what writing moved forward, and raise."
+def _write_steps(self:torchEmber, recs:list, sink=None):
+    "Write `recs` in one transaction (through `sink` if given); if it fails, put back what writing moved forward, and raise."
     kept = self._written()
     try:
         args = [self._step_args(rec) for rec in recs]
-        write_steps(self.engine, self.run_id, args, rank=self.rank)
+        if sink is not None: sink(self.run_id, self.rank, args)
+        else: write_steps(self.engine, self.run_id, args, rank=self.rank)
     except BaseException:
         self._put_back(kept)
         raise
