@@ -8,8 +8,8 @@ Method: warm up, then time whole blocks of K steps, cycling bare and each armed 
 order reversed on every other round), N blocks each; report the median per-step time and the armed/bare ratio of
 the medians, and beside it the median of each round's own armed/bare ratio (`paired`: blocks timed next to each other,
 so a machine that slows down or speeds up between rounds moves both).
-An armed block arms a fresh handle and takes the run's first step (it also captures the model's data-flow graph,
-once a run; timed apart) before the clock starts, calls `handle.flush()` (if it has one) before the clock stops,
+An armed block arms a fresh handle and takes the run's first step and writes it (it also captures the model's data-flow
+graph, and a writer process starts: once a run; timed apart) before the clock starts, calls `handle.flush()` (if it has one) before the clock stops,
 so deferred background work is counted, and disarms after. K is a multiple of 10 by default, so
 `every=10` captures the same share of steps in every block. Then, unless `--no-store`, the store: stat rows/s
 written through the store's write path, and `latest()` / one module's history on a 100-step vs a 10,000-step run.
@@ -144,12 +144,12 @@ def setup(name):
 
 @dataclass
 class Block:
-    "One timed block: seconds a step, CPU seconds of the training thread a step, and (armed) the writer's CPU (its thread's and process's) and rows."
+    "One timed block: seconds a step, CPU seconds of the training thread a step, and (armed) the writer's CPU (thread and process) and rows."
     wall: float
     cpu: float
     writer_cpu: float = 0.0
-    rows: int = 0            # stats rows the run holds: those the writer wrote in the clock
-    timed_rows: int = 0      # ... of the steps taken in the clock
+    rows: int = 0            # stats rows the run holds
+    timed_rows: int = 0      # ... of the steps taken, and written, in the clock
     first: float = 0.0       # seconds of the run's first step, taken before the clock
 
 def _writer_cpu(threads) -> float:
@@ -189,9 +189,10 @@ def time_block(model, step, k, cfg: Optional[Config]) -> Block:
     before = set(threading.enumerate())
     handle = cfg.arm(model) if cfg else None
     first = 0.0
-    if handle is not None and hasattr(handle, 'capture'):
-        t0 = time.perf_counter(); step(); first = time.perf_counter() - t0
+    if handle is not None and hasattr(handle, 'capture'):   # ... and written: a writer process has started by then
+        t0 = time.perf_counter(); step(); handle.flush(); first = time.perf_counter() - t0
     first_step, p0 = _step_of(handle), _process_cpu(handle)
+    w0 = _writer_cpu([t for t in threading.enumerate() if t not in before and t.name == 'torchember-writer'])
     t0, c0 = time.perf_counter(), time.thread_time()
     for _ in range(k): step()
     if handle is not None and hasattr(handle, 'flush'): handle.flush()
@@ -199,7 +200,7 @@ def time_block(model, step, k, cfg: Optional[Config]) -> Block:
     out = Block(dt / k, dc / k, first=first)
     if handle is not None:
         writers = [t for t in threading.enumerate() if t not in before and t.name == 'torchember-writer']
-        out.writer_cpu = _writer_cpu(writers) + _process_cpu(handle) - p0   # the thread's, and its process's in the clock
+        out.writer_cpu = _writer_cpu(writers) - w0 + _process_cpu(handle) - p0   # the thread's and its process's, in the clock
         out.rows, out.timed_rows = _rows(handle), _rows(handle, first_step)
         cfg.disarm(handle)
     return out
@@ -223,7 +224,7 @@ def bench_model(name, cfgs, blocks, steps, warmup, warmup_s):
     bare = statistics.median(times[None])
     floor = 1 + read_floor(model) / bare
     def per_tensor(label):   # of each block beside its round's bare one: (training-thread µs, writer µs) a recorded tensor
-        pairs = [((a.cpu - b.cpu) * steps / a.timed_rows, a.writer_cpu / a.rows) for a, b in zip(runs[label], runs[None]) if a.timed_rows]
+        pairs = [((a.cpu - b.cpu) * steps / a.timed_rows, a.writer_cpu / a.timed_rows) for a, b in zip(runs[label], runs[None]) if a.timed_rows]
         return tuple(statistics.median(x) * 1e6 for x in zip(*pairs)) if pairs else (float('nan'), float('nan'))
     return [(name, c.label, bare, statistics.median(times[c.label]), floor, statistics.median(times[c.label]) / bare,
              statistics.median(a / b for a, b in zip(times[c.label], times[None])),
@@ -458,8 +459,8 @@ def main(argv=None):
           f"floor = 1 + one read of the params and a grad-sized copy (torch.sum of each) over the bare step: no stats of them can cost less\n")
     print("per tensor: CPU µs of the training thread beyond bare (median over blocks, each against its round's bare block) "
           "and of the writer (its thread, and its process where one writes), per recorded tensor (stats row); rows: recorded tensors a step, on average;\n"
-          "first ms: a run's first step, taken before each armed block's clock (it also captures the model's data-flow graph, "
-          "once a run)\n")
+          "first ms: a run's first step and its write, before each armed block's clock (it also captures the model's data-flow "
+          "graph, and a writer process starts: once a run)\n")
     hdr = (f"{'model':<10} {'config':<22} {'steps':>5} {'bare ms':>9} {'armed ms':>9} {'floor':>7} {'ratio':>7} {'paired':>7} "
            f"{'spread b/a':>12} {'µs/tensor':>9} {'writer µs':>9} {'rows':>6} {'first ms':>9}")
     print(hdr); print('-' * len(hdr))
