@@ -13,6 +13,7 @@ __all__ = ['WRITER_ENV', 'cores', 'use_process', 'send', 'receive', 'serve', 'Wr
 # %% ../nbs/02a_writer_process.ipynb #f7d8d59f
 import importlib.util, os, pickle, signal, struct, subprocess, sys, warnings, weakref
 from pathlib import Path
+from fastcore.basics import patch
 from .store import db_url, engine, write_steps, StoreError, MEMORY
 
 # %% ../nbs/02a_writer_process.ipynb #aed3ebd8
@@ -91,9 +92,11 @@ class WriterProcess:
             try: msg = pickle.dumps((run_id, rank, steps), protocol=pickle.HIGHEST_PROTOCOL)
             except Exception: msg = None   # something in a step that only this process can hold: this one written here
             if msg is not None:
-                try: err, said = pickle.loads(self._ask(msg))
-                except (OSError, EOFError, pickle.UnpicklingError) as e: self._lost(e)
+                try: answer = self._ask(msg)
+                except (OSError, EOFError) as e: self._lost(e)
                 else:
+                    try: err, said = pickle.loads(answer)
+                    except Exception as e: raise StoreError(f"the writer process's answer could not be read ({type(e).__name__}: {e})")
                     for text, category in said: warnings.warn(text, category)
                     if err is not None: raise err
                     return
@@ -104,8 +107,6 @@ class WriterProcess:
         return f"WriterProcess({self.url.split('://')[0]}, {state})"
 
 # %% ../nbs/02a_writer_process.ipynb #86becd63
-from fastcore.basics import patch
-
 # torchember as a bare package, without its `__init__` (which imports torch and the widgets): the child needs the store only
 _BOOT = ("import sys, types; p = types.ModuleType('torchember'); p.__path__ = [{pkg!r}]; sys.modules['torchember'] = p; "
          "from torchember.writer_process import serve; serve({down}, {up})")
