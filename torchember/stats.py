@@ -14,13 +14,14 @@ import numpy as np
 import torch
 from fastcore.basics import patch_to
 from .core import elapsed_ms, _transforms_on
+from .kinds import TTYPES, NORM_EXTRAS, merge_stats
 from . import native
 
 # %% auto #0
-__all__ = ['MOMENTS', 'STATS', 'TRITON_DEVICES', 'F64', 'SMALL', 'FLOATS', 'SLOW_COMPILE_S', 'NORM_EXTRAS', 'VECTOR_MAX',
-           'ROW_FIELDS', 'TTYPES', 'SLOW_FRACTION', 'SLOW_S', 'SLOW_STEPS', 'LATER_MAX', 'LATER_BYTES', 'as_real',
-           'moments', 'stats_of_moments', 'triton_moments', 'native_moments', 'fused_moments', 'default_stats',
-           'merge_stats', 'check_stats', 'StepRecord', 'Recorder', 'dtype_name', 'local_shard', 'shape_of', 'unwrapped']
+__all__ = ['MOMENTS', 'STATS', 'TRITON_DEVICES', 'F64', 'SMALL', 'FLOATS', 'SLOW_COMPILE_S', 'VECTOR_MAX', 'ROW_FIELDS',
+           'SLOW_FRACTION', 'SLOW_S', 'SLOW_STEPS', 'LATER_MAX', 'LATER_BYTES', 'as_real', 'moments',
+           'stats_of_moments', 'triton_moments', 'native_moments', 'fused_moments', 'default_stats', 'check_stats',
+           'StepRecord', 'Recorder', 'dtype_name', 'local_shard', 'shape_of', 'unwrapped']
 
 # %% ../nbs/01_stats.ipynb #676c44cd
 MOMENTS = ('n', 'sum', 'sumsq', 'min', 'max', 'nonzero', 'nan', 'inf')
@@ -192,31 +193,6 @@ def default_stats(t:torch.Tensor)->dict:
         m = fused_moments(t) if t.numel() > SMALL or _native(t) else moments(as_real(t)[None])[0]
         return dict(zip(STATS, stats_of_moments(m[None])[0].unbind()))
 
-# %% ../nbs/01_stats.ipynb #9f46d610
-NORM_EXTRAS = ('update_norm', 'init_dist')   # extra stats that are L2 norms: a whole tensor's is the root of its pieces' summed squares
-
-def _f(v)->float: return math.nan if v is None else v   # SQL's NULL: a NaN stat
-
-def merge_stats(parts:list)->tuple:
-    "The default `STATS` of a tensor from those of its disjoint pieces (each in `STATS` order); empty pieces add nothing."
-    n = mean = m2 = sq = nonzero = nans = infs = 0.
-    lo, hi = math.inf, -math.inf
-    for k, mk, sk, mn, mx, norm, zf, na, inf in parts:
-        if not k: continue
-        mk, mn, mx = _f(mk), _f(mn), _f(mx)
-        m2k = (k - 1) * _f(sk) ** 2 if k > 1 else 0.
-        if n:      # Chan et al.: merge (n, mean, M2) of the pieces so far with this one's
-            total, delta = n + k, mk - mean
-            mean, m2 = mean + delta * k / total, m2 + m2k + delta * delta * n * k / total
-            n = total
-        else: n, mean, m2 = k, mk, m2k
-        if lo == lo: lo = mn if mn != mn else min(lo, mn)   # a NaN anywhere makes the extreme NaN, as torch's amin does
-        if hi == hi: hi = mx if mx != mx else max(hi, mx)
-        sq, nonzero = sq + _f(norm) ** 2, nonzero + k * (1 - _f(zf))
-        nans, infs = nans + (na or 0.), infs + (inf or 0.)
-    if not n: return (0., math.nan, math.nan, math.nan, math.nan, 0., math.nan, 0., 0.)
-    return (n, mean, math.sqrt(m2 / (n - 1)) if n > 1 else math.nan, lo, hi, math.sqrt(sq), 1 - nonzero / n, nans, infs)
-
 # %% ../nbs/01_stats.ipynb #61084eac
 VECTOR_MAX = 4096    # values one stat may hold (a histogram, quantiles); a longer one is refused
 
@@ -334,8 +310,6 @@ def _meta(shape:tuple|None, dtype:str)->tuple:
     return m
 
 # %% ../nbs/01_stats.ipynb #2fad112f
-TTYPES = ('input', 'output', 'weight', 'weight_grad', 'input_grad', 'output_grad', 'attached')
-
 class Recorder:
     "Collects a step's tensors into a `StepRecord`, computing stats on their devices, and hands it to `emit`."
     def __init__(self,

@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from sqlalchemy import (BigInteger, Column, Float, ForeignKey, Integer, LargeBinary, MetaData, PrimaryKeyConstraint, String,
                         Table, Text, bindparam, event, insert, select, update, func)
 from sqlalchemy.dialects.postgresql import insert as pg_insert
-# nothing of torch at the top (`torchember.stats` is imported where it is used): a writer process starts without it
+from .kinds import merge_stats, NORM_EXTRAS, TTYPES   # not `stats`: the store, and its writer process, need no torch
 
 # %% auto #0
 __all__ = ['SCHEMA_VERSION', 'MEMORY', 'metadata', 'STAT_COLS', 'Str', 'Size', 'meta_t', 'runs_t', 'ranks_t', 'modules_t',
@@ -592,7 +592,6 @@ def write_steps(eng, run_id:int, steps:list, rank:int=0):
 
 def merge_pieces(c, run_id:int, steps:list):
     "In transaction `c`, write to `stats` each sharded weight and grad of `steps` that every rank has written, whole."
-    from torchember import stats
     sh, st = shards_t.c, steps_t.c
     world = c.execute(select(runs_t.c.world_size).where(runs_t.c.id == run_id)).scalar() or 1
     closed = select(st.step).where(st.run_id == run_id, st.step.in_(sorted(set(steps)))).group_by(st.step)
@@ -607,7 +606,7 @@ def merge_pieces(c, run_id:int, steps:list):
         parts = list({r[6]: r for r in reversed(rs)}.values())   # a piece that replicas hold: the lowest rank's
         full = rs[0][7]
         if sum(_numel(p[8]) for p in parts) != _numel(full): continue   # pieces still to come
-        st = stats.merge_stats([p[10:10 + k] for p in parts])
+        st = merge_stats([p[10:10 + k] for p in parts])
         nbytes = None if any(p[-1] is None for p in parts) else sum(p[-1] for p in parts)
         extra = _merged_extras([p[-2] for p in parts]) if any(p[-2] for p in parts) else None
         row = (mi, call, ttype, tname, full, rs[0][9], *st, extra, nbytes)
@@ -693,7 +692,6 @@ def roll_up(c, run_id:int,
 def _refold(c, rid:int, rk:str, first:int, last:int, widths=ROLLUP_WIDTHS[1:]):
     "Fold again each of `widths` from the bins below it, over the bins of steps `first`..`last` of ranks `rk`."
     d = c.dialect.name
-    from torchember.stats import TTYPES
     tts = ', '.join(f"'{t}'" for t in TTYPES)    # named, so that each rank's and ttype's bins are a range of the key
     for below, w in zip(ROLLUP_WIDTHS, ROLLUP_WIDTHS[1:]):
         if w not in widths: continue
@@ -714,13 +712,12 @@ def roll_up_closed(c, run_id:int, rank:int, closed:list, written:list=()):
 
 def rolled_steps(c, run_id:int, rank:int)->tuple|None:
     "`(first, last)`: the steps of `rank` of run `run_id` that its `rollups` cover, bins whole; None if none."
-    from torchember import stats
     w, r = ROLLUP_WIDTHS[0], rollups_t.c
     ends = [c.execute(select(f(r.bin)).where(r.run_id == run_id, r.rank == rank, r.ttype == t, r.width == w)).scalar()   # a seek each
-            for t in stats.TTYPES for f in (func.min, func.max)]
+            for t in TTYPES for f in (func.min, func.max)]
     firsts, lasts = [e for e in ends[::2] if e is not None], [e for e in ends[1::2] if e is not None]
     if not firsts: return None
-    t = next(t for t, e in zip(stats.TTYPES, ends[::2]) if e is not None)
+    t = next(t for t, e in zip(TTYPES, ends[::2]) if e is not None)
     if c.execute(select(r.bin).where(r.run_id == run_id, r.rank == rank, r.ttype == t, r.width == ROLLUP_WIDTHS[-1]).limit(1)).first() is None:
         return None   # folded by an older torchember, without today's widths: `Run.roll_up()` folds it again
     return min(firsts) * w, (max(lasts) + 1) * w - 1
@@ -747,7 +744,6 @@ def _numel(shape:str)->int:
 def _merged_extras(extras:list)->str|None:
     "The extra stats of a whole tensor that its pieces' (JSON texts) give exactly (`NORM_EXTRAS`), as JSON; None if none."
     xs = [json.loads(e) if e else {} for e in extras]
-    from torchember.stats import NORM_EXTRAS
     d = {k: math.sqrt(sum(x[k] ** 2 for x in xs)) for k in NORM_EXTRAS if all(isinstance(x.get(k), (int, float)) for x in xs)}
     return json.dumps(d) if d else None
 
