@@ -69,6 +69,18 @@ def test_process_writes_what_the_thread_writes(tmp_path, monkeypatch):
         else: assert_frame_equal(*[x.drop(columns=[c for c in ('run', 'run_id') if c in x]) for x in (a, b)])
     assert len(got['process'][0]) > 0
 
+@pytest.mark.skipif(not os.path.exists('/proc/self/maps'), reason="reads the child's mapped libraries from /proc")
+def test_the_child_imports_no_torch(tmp_path, process):
+    "The child imports the store and not the package: no torch, no widgets (it starts in tenths of a second, in tens of MB)."
+    model = _mlp()
+    te = torchEmber(model, run='light', db=str(tmp_path/'light.db'), every=3)
+    _steps(model, 40)
+    te.flush()
+    maps = open(f'/proc/{sink(te).proc.pid}/maps').read()
+    assert 'libsqlite3' in maps or '_sqlite3' in maps          # it did write
+    assert 'libtorch' not in maps and 'libc10' not in maps
+    te.disarm()
+
 def test_locked_store_waits_and_succeeds(tmp_path, process):
     db = str(tmp_path/'locked.db')
     model = _mlp()
