@@ -214,7 +214,9 @@ def _steps(model, n, seed=0):
     g = torch.Generator().manual_seed(seed)
     for _ in range(n): model(torch.randn(4, 8, generator=g)).sum().backward()
 
-def test_store_locked_by_another_connection_waits_and_succeeds(db):
+@pytest.mark.parametrize('writer', ['thread', 'process'])   # the writer thread writes, or hands each transaction to a process
+def test_store_locked_by_another_connection_waits_and_succeeds(db, writer, monkeypatch):
+    monkeypatch.setenv('TORCHEMBER_WRITER', writer)
     model = _mlp()
     te = torchEmber(model, run='locked', db=db)
     _steps(model, 1)

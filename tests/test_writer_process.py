@@ -1,26 +1,34 @@
 """The writer process (`torchember.writer_process`, issue 29): a child process writes the store where a core is spare.
 
-Everything the thread promised holds with the process: the same rows; a locked store waited for; a failed write
+Everything the thread promised holds with the process: the same rows; a locked store waited for (in
+`test_never_lose.py`, for both writers); a failed write
 warned or raised with `strict`; every flushed step whole when the trainer is killed, and every step when it ends
 without a flush or is sent SIGTERM; no child left behind (the trainer killed, its DataLoader forked, the run disarmed);
 and a child that dies loses nothing. `TORCHEMBER_WRITER=process` chooses the process on any machine.
 """
-import os, signal, sqlite3, subprocess, sys, textwrap, time, warnings
+import os, signal, sqlite3, subprocess, sys, time, warnings
 
 import pytest, torch
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from pandas.testing import assert_frame_equal
 
 from torchember import torchEmber
 from torchember.writer_process import WriterProcess, WRITER_ENV, use_process, cores
-from test_never_lose import TRAIN, check_whole, rows_per_step, script, env, sql, tw, _mlp, _steps
+from test_never_lose import TRAIN, check_whole, rows_per_step, script, env, tw, _mlp, _steps
 
 pytestmark = pytest.mark.skipif(os.name != 'posix', reason="the writer process needs POSIX pipes")
 
 @pytest.fixture
 def process(monkeypatch):
     monkeypatch.setenv(WRITER_ENV, 'process')
+
+def armed(tmp_path, run, **kw):
+    "A fresh MLP armed for `run` in a store of its own, its first step written: the store's path, the model, the torchEmber."
+    db, model = str(tmp_path/f'{run}.db'), _mlp()
+    te = torchEmber(model, run=run, db=db, **kw)
+    _steps(model, 1)
+    te.flush()
+    return db, model, te
 
 def sink(te) -> WriterProcess:
     "The `WriterProcess` that writes `te`'s steps."
@@ -81,36 +89,10 @@ def test_the_child_imports_no_torch(tmp_path, process):
     assert 'libtorch' not in maps and 'libc10' not in maps
     te.disarm()
 
-def test_locked_store_waits_and_succeeds(tmp_path, process):
-    db = str(tmp_path/'locked.db')
-    model = _mlp()
-    te = torchEmber(model, run='locked', db=db)
-    _steps(model, 1)
-    te.flush()
-    with warnings.catch_warnings(record=True) as rec:
-        warnings.simplefilter('always')
-        holder = sqlite3.connect(db, isolation_level=None)
-        holder.execute('BEGIN EXCLUSIVE')
-        try:
-            _steps(model, 4, seed=1)
-            time.sleep(1.5)
-            assert sql(db, 'SELECT count(*) FROM steps') == [(1,)], "the lock did not hold the writer back"
-        finally:
-            holder.execute('COMMIT')
-            holder.close()
-        te.flush()
-    assert not tw(rec)
-    assert check_whole(db, 'locked', len(te.latest())) == [0, 1, 2, 3, 4]
-    te.disarm()
-
 def test_a_failed_write_warns_and_with_strict_raises(tmp_path, process):
     "An error in the child (a table dropped under it) comes back: warned once, and with `strict` raised by `flush`."
     for strict in (False, True):
-        db = str(tmp_path/f'failing{strict}.db')
-        model = _mlp()
-        te = torchEmber(model, run='failing', db=db, strict=strict)
-        _steps(model, 1)
-        te.flush()
+        db, model, te = armed(tmp_path, f'failing{int(strict)}', strict=strict)
         with sqlite3.connect(db) as c: c.execute('DROP TABLE scalars')
         with warnings.catch_warnings(record=True) as rec:
             warnings.simplefilter('always')
@@ -124,11 +106,8 @@ def test_a_failed_write_warns_and_with_strict_raises(tmp_path, process):
         te.disarm()
 
 def test_a_dead_child_loses_nothing(tmp_path, process):
-    db = str(tmp_path/'dead.db')
-    model = _mlp()
-    te = torchEmber(model, run='dead', db=db)
-    _steps(model, 3)
-    te.flush()
+    db, model, te = armed(tmp_path, 'dead')
+    _steps(model, 2)
     wp = sink(te)
     wp.proc.kill(); wp.proc.wait()
     with warnings.catch_warnings(record=True) as rec:
