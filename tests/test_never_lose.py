@@ -99,17 +99,22 @@ def check_whole(db, run, per_step):
 
 # ---------------------------------------------------------------- kill -9
 
-def test_sigkill_mid_run_keeps_every_flushed_step_whole(tmp_path):
-    db = tmp_path/'killed.db'
-    p = start(tmp_path, db, 'killed', steps=10**6, every=3)
+def kill_after(p, step:int, sig=signal.SIGKILL)->int:
+    "Send `sig` to training process `p` once it has flushed `step` (or ended); the last step it said it flushed."
     last = -1
     try:
         for line in p.stdout:
             last = int(line)
-            if last >= 40: break
+            if last >= step: break
     finally:
-        p.send_signal(signal.SIGKILL)
+        p.send_signal(sig)
         p.wait(timeout=60)
+    return last
+
+def test_sigkill_mid_run_keeps_every_flushed_step_whole(tmp_path):
+    db = tmp_path/'killed.db'
+    p = start(tmp_path, db, 'killed', steps=10**6, every=3)
+    last = kill_after(p, 40)
     assert p.returncode == -signal.SIGKILL and last >= 40, p.stderr.read()[-3000:]
     steps = check_whole(str(db), 'killed', rows_per_step())
     assert steps == list(range(len(steps))), "a gap in the stored steps"

@@ -14,7 +14,7 @@ from pandas.testing import assert_frame_equal
 
 from torchember import torchEmber
 from torchember.writer_process import WriterProcess, WRITER_ENV, use_process, cores
-from test_never_lose import TRAIN, check_whole, rows_per_step, script, env, tw, _mlp, _steps
+from test_never_lose import TRAIN, check_whole, kill_after, rows_per_step, script, env, tw, _mlp, _steps
 
 pytestmark = pytest.mark.skipif(os.name != 'posix', reason="the writer process needs POSIX pipes")
 
@@ -157,14 +157,8 @@ def child_of(p) -> int:
 def test_sigkill_keeps_every_flushed_step_and_ends_the_child(tmp_path):
     db = tmp_path/'killed.db'
     p = start(tmp_path, db, 'killed', steps=10**6, every=3)
-    child, last = child_of(p), -1
-    try:
-        for line in p.stdout:
-            last = int(line)
-            if last >= 40: break
-    finally:
-        p.send_signal(signal.SIGKILL)
-        p.wait(timeout=60)
+    child = child_of(p)
+    last = kill_after(p, 40)
     assert last >= 40
     assert gone(child), "the writer process outlived a killed trainer"
     steps = check_whole(str(db), 'killed', rows_per_step())
