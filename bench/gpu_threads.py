@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Where an armed GPU step's time goes, thread by thread: wall ms a step and CPU ms a step of the training thread,
-autograd's device thread (a CUDA backward runs there, and so do grad hooks) and torchember's writer, with parts of
+autograd's device thread (a CUDA backward runs there, and so do grad hooks) and torchember's writer (its thread, and
+its process where one writes: `torchember.writer_process`), with parts of
 torchember switched off in turn; then the GPU time of the stats kernels beside the step's, from torch's profiler.
 
 On a GPU the stats run on the device, but every part of torchember that runs on the host runs on one of these threads,
@@ -19,7 +20,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent / 'tests'), str(HERE.parent)]
 
 import torch
 import gpu, bench
-from torchember import torchEmber, store, core, stats
+from torchember import torchEmber, core, stats
 
 HZ = os.sysconf('SC_CLK_TCK')
 
@@ -34,7 +35,7 @@ def thread_cpu()->dict:
     return out
 
 def _no_param_hooks(te): te.capture.current_params = lambda: []; te.capture.params = []
-def _writer_at_flush(te): store.LINGER_S = 1e9; te._start_writer().group = 10**9
+def _writer_at_flush(te): w = te._start_writer(); w.linger, w.group = 1e9, 10**9
 
 VARIANTS = {  # name -> switches applied to a fresh torchEmber (None: bare)
     'bare': None,
@@ -49,16 +50,15 @@ def block(model, step, k, device, db, fs):
     "`(seconds a step, {thread: CPU seconds a step})` of `k` steps, armed with switches `fs` (None: bare), flush inside."
     te = torchEmber(model, db=db, every=1) if fs is not None else None
     for f in fs or []: f(te)
-    if te is not None: step()          # a run's first recorded step (its data-flow graph) before the clock
+    if te is not None: step(); te.flush()   # a run's first recorded step (its data-flow graph; a writer process starts) before the clock
     gpu.sync(device)
-    a, t0 = thread_cpu(), time.perf_counter()
+    a, p0, t0 = thread_cpu(), bench._process_cpu(te), time.perf_counter()
     for _ in range(k): step()
     if te is not None: te.flush()
     gpu.sync(device)
     dt, b = (time.perf_counter() - t0) / k, thread_cpu()
-    store.LINGER_S = 0.25
     writer = te.writer._t.native_id if te is not None and te.writer is not None else None
-    cpu = dict(training=0., autograd=0., writer=0., other=0.)
+    cpu = dict(training=0., autograd=0., writer=0., other=0., process=(bench._process_cpu(te) - p0) / k)   # process: the writer's
     for tid, (name, c) in b.items():
         part = ('training' if tid == os.getpid() else 'writer' if tid == writer else
                 'autograd' if name.startswith('pt_autograd') else 'other')
