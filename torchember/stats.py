@@ -309,6 +309,19 @@ def _meta(shape:tuple|None, dtype:str)->tuple:
     m = _META[shape, dtype] = ('null' if shape is None else str(list(shape)), _nbytes(shape, dtype))
     return m
 
+@patch_to(StepRecord)
+def packed(self)->tuple|None:
+    "`rows` as `(keys, stats)`: each row's first six fields and `nbytes`, and its stats as a float64 matrix; None with custom stats."
+    if self.extras or any(k[6] < 0 for k in self.keys): return None
+    self.ready()
+    S = _stats_np(self.moments.numpy()) if self.moments is not None and len(self.moments) else np.empty((0, len(STATS)))
+    keys, meta = [], _META
+    for mi, call, ttype, tname, shape, dtype, _, _ in self.keys:
+        text, nbytes = meta.get((shape, dtype)) or _meta(shape, dtype)
+        keys.append((mi, call, ttype, tname, text, dtype, nbytes))
+    perm = self.perm
+    return keys, S[[perm[k[6]] for k in self.keys]]
+
 # %% ../nbs/01_stats.ipynb #2fad112f
 class Recorder:
     "Collects a step's tensors into a `StepRecord`, computing stats on their devices, and hands it to `emit`."

@@ -8,7 +8,7 @@ Docs: https://torchember.github.io/torchember/writer_process.html.md"""
 from __future__ import annotations
 
 # %% auto #0
-__all__ = ['WRITER_ENV', 'cores', 'use_process', 'send', 'receive', 'serve', 'WriterProcess']
+__all__ = ['WRITER_ENV', 'cores', 'use_process', 'send', 'unpacked', 'receive', 'serve', 'WriterProcess']
 
 # %% ../nbs/02a_writer_process.ipynb #f7d8d59f
 import importlib.util, os, pickle, signal, struct, subprocess, sys, warnings, weakref
@@ -39,6 +39,14 @@ def send(f, b:bytes):
     view = memoryview(_LEN.pack(len(b)) + b)
     while view: view = view[f.write(view):]
 
+def unpacked(step:dict, keys:list=None)->dict:
+    "`step` (a dict of `write_step`'s arguments) with its `packed` rows as `rows`; packed keys of None: `keys`."
+    if 'packed' not in step: return step
+    s = dict(step)
+    k, stats = s.pop('packed')
+    s['rows'] = [(*key[:6], *st, None, key[6]) for key, st in zip(keys if k is None else k, stats.tolist())]
+    return s
+
 def receive(f)->bytes:
     "The next frame from pipe `f`; `EOFError` if it closed."
     def exactly(n):
@@ -62,7 +70,7 @@ def serve(down:int, up:int):
     "The writer process: write each `(run_id, rank, steps)` read from fd `down` with `write_steps`, answer on fd `up`."
     for s in (signal.SIGINT, signal.SIGTERM): signal.signal(s, signal.SIG_IGN)
     with open(down, 'rb', buffering=0) as inp, open(up, 'wb', buffering=0) as out:
-        eng = engine(receive(inp).decode())
+        eng, last = engine(receive(inp).decode()), {}   # last: (run_id, rank) -> the packed keys last sent
         while True:
             try: msg = receive(inp)
             except EOFError: break
@@ -70,6 +78,10 @@ def serve(down:int, up:int):
                 warnings.simplefilter('always')
                 try:
                     run_id, rank, steps = pickle.loads(msg)
+                    for i, s in enumerate(steps):
+                        if 'packed' not in s: continue
+                        if s['packed'][0] is not None: last[run_id, rank] = s['packed'][0]
+                        steps[i] = unpacked(s, last[run_id, rank])   # a KeyError if the parent's memory is wrong: it sends them again
                     write_steps(eng, run_id, steps, rank=rank)
                     err = None
                 except Exception as e: err = e
@@ -84,23 +96,38 @@ class WriterProcess:
     def __init__(self, db):
         self.url, self.proc, self._down, self._up = db_url(db), None, None, None
         self.inline = False   # written in this process from now on
+        self._keys = {}       # (run_id, rank) -> the packed keys the child holds
         _processes.add(self)
 
     def __call__(self, run_id:int, rank:int, steps:list):
         "Write `steps` (dicts of `write_step`'s arguments) of `rank` of run `run_id` in one transaction; raise what failed."
         if not self.inline:
-            try: msg = pickle.dumps((run_id, rank, steps), protocol=pickle.HIGHEST_PROTOCOL)
+            sent, held = self._sent(run_id, rank, steps)
+            try: msg = pickle.dumps((run_id, rank, sent), protocol=pickle.HIGHEST_PROTOCOL)
             except Exception: msg = None   # something in a step that only this process can hold: this one written here
             if msg is not None:
                 try: answer = self._ask(msg)
                 except (OSError, EOFError) as e: self._lost(e)
                 else:
                     try: err, said = pickle.loads(answer)
-                    except Exception as e: raise StoreError(f"the writer process's answer could not be read ({type(e).__name__}: {e})")
+                    except Exception as e: err, said = StoreError(f"the writer process's answer could not be read ({type(e).__name__}: {e})"), []
+                    self._keys[run_id, rank] = held if err is None else None   # after an error, the keys go again
                     for text, category in said: warnings.warn(text, category)
                     if err is not None: raise err
                     return
-        write_steps(engine(self.url), run_id, steps, rank=rank)
+        write_steps(engine(self.url), run_id, [unpacked(s) for s in steps], rank=rank)
+
+    def _sent(self, run_id:int, rank:int, steps:list)->tuple:
+        "`(steps to send, the packed keys the child then holds)`: packed keys the child holds already sent as None."
+        held, out = self._keys.get((run_id, rank)), []
+        for s in steps:
+            if s.get('events_step') is not None and s.get('events'): s = {**s, 'events': ()}   # written with an earlier step: not read
+            if 'packed' in s:
+                keys, stats = s['packed']
+                if keys == held: s = {**s, 'packed': (None, stats)}
+                held = keys
+            out.append(s)
+        return out, held
 
     def __repr__(self):
         state = 'in this process' if self.inline else f'pid {self.proc.pid}' if self.proc else 'not started'
