@@ -9,6 +9,11 @@ def db(tmp_path):
     "A fresh store file for one test."
     return str(tmp_path/'store.db')
 
+@pytest.fixture
+def thread_writer(monkeypatch):
+    "The writer thread writes (where a test makes the store fail through this process's engine, which a writer process lacks)."
+    monkeypatch.setenv('TORCHEMBER_WRITER', 'thread')
+
 @pytest.fixture(autouse=True, scope='session')
 def _private_default_store(tmp_path_factory):
     "Never write the user's default store from tests."

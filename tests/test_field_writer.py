@@ -307,7 +307,7 @@ def test_flush_and_disarm_wait_a_bounded_time_for_a_locked_store(db, monkeypatch
     while time.monotonic() < deadline and sql(db, "SELECT pid FROM ranks")[0][0] is not None: time.sleep(0.1)
     assert sql(db, "SELECT pid FROM ranks") == [(None,)]
 
-def test_a_disk_that_fills_twice_is_said_twice_with_counts(db):
+def test_a_disk_that_fills_twice_is_said_twice_with_counts(db, thread_writer):
     model = _mlp()
     te = torchEmber(model, run='full-twice', db=db)
     _steps(model, 2); te.flush()

@@ -261,7 +261,7 @@ def store_capped(eng):
         event.remove(eng, 'connect', cap)
         eng.dispose()
 
-def test_full_disk_warns_once_and_training_goes_on(db):
+def test_full_disk_warns_once_and_training_goes_on(db, thread_writer):
     model, bare = _mlp(), _mlp()
     te = torchEmber(model, run='full', db=db)
     _steps(model, 2); _steps(bare, 2)
@@ -285,7 +285,7 @@ def test_full_disk_warns_once_and_training_goes_on(db):
     assert steps[:2] == [0, 1] and steps[-2:] == [12, 13] and len(steps) < 14
     te.disarm()
 
-def test_full_disk_with_strict_raises_from_flush(db):
+def test_full_disk_with_strict_raises_from_flush(db, thread_writer):
     model = _big()
     te = torchEmber(model, run='full-strict', db=db, strict=True)
     _steps(model, 1)
@@ -302,7 +302,7 @@ def test_full_disk_with_strict_raises_from_flush(db):
     assert check_whole(db, 'full-strict', len(te.latest())) == [0, 2, 3]
     te.disarm()
 
-def test_full_disk_with_strict_is_not_silent_at_disarm(db):
+def test_full_disk_with_strict_is_not_silent_at_disarm(db, thread_writer):
     "With strict=True nothing warns, so a write that fails after the last flush() must raise from disarm()."
     model = _big()
     te = torchEmber(model, run='full-strict-exit', db=db, strict=True)
