@@ -6,6 +6,8 @@ from sqlalchemy import event
 import torchember.ember as ember
 from torchember import torchEmber
 
+pytestmark = pytest.mark.usefixtures('thread_writer')   # they watch or patch the writer's work in this process
+
 
 class Branchy(nn.Module):
     "Two linears; `skip` leaves the second out, so a step's enter/exit events change."

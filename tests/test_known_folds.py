@@ -8,6 +8,8 @@ from torchember import torchEmber
 from torchember import store
 from torchember.store import roll_up, _known, _wide
 
+pytestmark = pytest.mark.usefixtures('thread_writer')   # they watch or patch the writer's work in this process
+
 COLS = 'run_id, rank, ttype, width, bin, module_id, norm_sq, std_sq, mean_hi, mean_lo, zero_frac, hi, lo, bad_step, bad_steps'
 
 def _rollups(eng, run_id):
