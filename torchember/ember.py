@@ -227,7 +227,7 @@ def _lone_rank(self:torchEmber):
 
 @patch
 def _step_args(self:torchEmber, rec, packed:bool=False)->dict:
-    "`write_steps`' dict for `rec` (`packed`: rows as `StepRecord.packed` gives them, where it can); moves what was written forward."
+    "`write_steps`' dict for `rec` (`packed`: rows as `StepRecord.packed` gives them, if it can); moves what was written on."
     same = rec.events and rec.events == self._last_events[1]
     pack = rec.packed() if packed and not self.capture.pieces else None
     rows, pieces = ([], []) if pack is not None else self._pieces(rec.rows())
