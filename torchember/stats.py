@@ -311,7 +311,7 @@ def _meta(shape:tuple|None, dtype:str)->tuple:
 
 @patch_to(StepRecord)
 def packed(self)->tuple|None:
-    "`rows` as `(keys, stats)`: each row's first six fields and `nbytes`, and a float64 matrix of stats; None with custom stats."
+    "`rows` as `(keys, stats)`: each row's first six fields and `nbytes`, and a float64 stats matrix; None with custom stats."
     if self.extras or any(k[6] < 0 for k in self.keys): return None
     self.ready()
     S = _stats_np(self.moments.numpy()) if self.moments is not None and len(self.moments) else np.empty((0, len(STATS)))
