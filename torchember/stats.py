@@ -312,15 +312,16 @@ def _meta(shape:tuple|None, dtype:str)->tuple:
 @patch_to(StepRecord)
 def packed(self)->tuple|None:
     "`rows` as `(keys, stats)`: each row's first six fields and `nbytes`, and a float64 stats matrix; None with custom stats."
-    if self.extras or any(k[6] < 0 for k in self.keys): return None
-    self.ready()
-    S = _stats_np(self.moments.numpy()) if self.moments is not None and len(self.moments) else np.empty((0, len(STATS)))
-    keys, meta = [], _META
-    for mi, call, ttype, tname, shape, dtype, _, _ in self.keys:
+    if self.extras: return None
+    keys, at, meta, perm = [], [], _META, self.perm
+    for mi, call, ttype, tname, shape, dtype, mrow, _ in self.keys:
+        if mrow < 0: return None   # a custom stat function that failed: no stats, None in `rows`
         text, nbytes = meta.get((shape, dtype)) or _meta(shape, dtype)
         keys.append((mi, call, ttype, tname, text, dtype, nbytes))
-    perm = self.perm
-    return keys, S[[perm[k[6]] for k in self.keys]]
+        at.append(perm[mrow])
+    self.ready()
+    S = _stats_np(self.moments.numpy()) if self.moments is not None and len(self.moments) else np.empty((0, len(STATS)))
+    return keys, S[at]
 
 # %% ../nbs/01_stats.ipynb #2fad112f
 class Recorder:

@@ -963,6 +963,13 @@ class Writer:
         else: warnings.warn(f"torchember: {e}", RuntimeWarning, stacklevel=3)
 
     def _run(self):
+        try: self._loop()
+        finally:   # outside the lock: `stopped` may wait (a writer process ending)
+            if self.stopped is not None:
+                try: self.stopped()
+                except Exception: pass
+
+    def _loop(self):
         while True:
             with self._cv:
                 while True:
@@ -971,7 +978,7 @@ class Writer:
                         wait = self.pending[0][0] + self.linger - time.monotonic()
                         if wait <= 0: break
                         self._cv.wait(wait)
-                    elif self._stop: return self._end()
+                    elif self._stop: return
                     else: self._cv.wait()
                 batch = self._busy = [self.pending.popleft() for _ in range(min(self.group, len(self.pending)))]
                 self.nbytes -= sum(n for *_, n in batch)
@@ -985,11 +992,6 @@ class Writer:
                 self._busy = None
                 self._cv.notify_all()
                 if back: self._cv.wait(RETRY_S)
-
-    def _end(self):
-        if self.stopped is not None:
-            try: self.stopped()
-            except Exception: pass
 
     def _write_batch(self, batch:list)->list:
         "Write `batch` in one transaction, else item by item; the items the store was too busy to take."
