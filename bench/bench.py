@@ -160,10 +160,14 @@ def _writer_cpu(threads) -> float:
         except (AttributeError, OSError, ProcessLookupError): pass
     return total
 
+def _sink(handle):
+    "The handle's `WriterProcess`, or None where a thread of this process writes."
+    write = getattr(getattr(handle, 'writer', None), 'write', None)
+    return getattr(write, 'keywords', {}).get('sink')
+
 def _process_cpu(handle) -> float:
     "CPU seconds the handle's writer process has used so far (0 where a thread writes, or where the OS cannot say)."
-    write = getattr(getattr(handle, 'writer', None), 'write', None)
-    proc = getattr(getattr(write, 'keywords', {}).get('sink'), 'proc', None)
+    proc = getattr(_sink(handle), 'proc', None)
     if proc is None: return 0.0
     try: fields = Path(f'/proc/{proc.pid}/stat').read_text().rsplit(')', 1)[1].split()
     except OSError: return 0.0

@@ -15,7 +15,7 @@ steps.
     python bench/gpu.py --device cpu --tiny   # a smoke test of the script itself, anywhere
     python bench/gpu.py --breakdown           # where a recorded step's time goes, part by part
 """
-import argparse, importlib.util, statistics, sys, tempfile, threading, time, warnings
+import argparse, importlib.util, os, statistics, sys, tempfile, threading, time, warnings
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -26,6 +26,7 @@ import torch
 from torch import nn
 import corpus
 from torchember import torchEmber
+from torchember.writer_process import use_process, cores
 
 
 def gpt_setup(device, tiny):
@@ -157,6 +158,9 @@ def main(argv=None):
     name = torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'
     print(f"device: {name}; torch {torch.__version__}")
     db = str(Path(tempfile.mkdtemp(prefix='torchember-gpu-')) / 'bench.db')
+    by = use_process(db, torch.get_num_threads(), on_device=device.type != 'cpu')
+    print(f"writer: {'a process' if by else 'a thread'} ({cores()} cores for this process, torch {torch.get_num_threads()} threads"
+          f"{'; TORCHEMBER_WRITER=' + os.environ['TORCHEMBER_WRITER'] if os.environ.get('TORCHEMBER_WRITER') else ''})")
     if not a.breakdown: print(f"{'model':<14} {'config':<12} {'bare ms':>9} {'armed ms':>9} {'ratio':>7} {'paired':>7}")
     for m in a.models.split(','):
         model, step = MODELS[m](device, a.tiny)

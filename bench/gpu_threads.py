@@ -51,6 +51,7 @@ def block(model, step, k, device, db, fs):
     te = torchEmber(model, db=db, every=1) if fs is not None else None
     for f in fs or []: f(te)
     if te is not None: step(); te.flush()   # a run's first recorded step (its data-flow graph; a writer process starts) before the clock
+    if (sink := bench._sink(te)) is not None: sink(te.run_id, te.rank, [])   # booted before the clock, though no step reach it
     gpu.sync(device)
     a, p0, t0 = thread_cpu(), bench._process_cpu(te), time.perf_counter()
     for _ in range(k): step()

@@ -23,9 +23,13 @@ SCRIPT = textwrap.dedent('''
             out += x
             return self.relu(out)
 
+    class Swap(nn.Module):
+        "Outputs a permuted view (dense, not contiguous), as attention layers do: read where it lies, not copied."
+        def forward(self, x): return x.transpose(2, 3)
+
     def model_of(dtype):
         torch.manual_seed(0)
-        return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), Block(), Block(), nn.Flatten(), nn.Linear(4 * 8 * 8, 300),
+        return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), Block(), Swap(), Block(), nn.Flatten(), nn.Linear(4 * 8 * 8, 300),
                              nn.GELU(), nn.Linear(300, 10)).to(device, dtype)
 
     def record(dtype, db, run):
@@ -100,7 +104,7 @@ DEVICES = ['cpu'] + (['cuda'] if torch.cuda.is_available() else [])
 
 @pytest.mark.parametrize('device', DEVICES)
 def test_kernels_record_what_eager_kernels_record(tmp_path, device):
-    "Every row of three steps and an inference call (in-place changes, a NaN input, float32 and bfloat16): the same stats."
+    "Every row of three steps and an inference call (in-place changes, a permuted view, a NaN input, float32 and bfloat16): the same stats."
     for dtype, r in run(tmp_path, 'works', device).items():
         k, e = r['kernels'], r['eager']
         assert not r['warned'], r['warned']

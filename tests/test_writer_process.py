@@ -49,9 +49,10 @@ def gone(pid:int, timeout=20) -> bool:
 
 
 def test_the_choice(monkeypatch):
-    "Unset: a process where a core is spare beside torch's threads; asked for: a process, but never for a store in memory."
+    "Unset: a process where a core is spare beside torch's threads or a model on a GPU; asked for: a process, never in memory."
     monkeypatch.delenv(WRITER_ENV, raising=False)
     assert use_process('x.db', threads=cores() - 1) and not use_process('x.db', threads=cores())
+    assert use_process('x.db', threads=cores(), on_device=True) == (cores() > 1)   # a model on a GPU leaves torch's threads idle
     monkeypatch.setenv(WRITER_ENV, 'process')
     assert use_process('x.db', threads=10**6) and not use_process(':memory:', threads=1)
 

@@ -25,7 +25,7 @@ from sqlalchemy import select, func
 
 # %% auto #0
 __all__ = ['GROUP', 'PROCESS_LINGER_S', 'LONE_WRITES', 'SIGNAL_WAIT_S', 'FLUSH_WAIT_S', 'torchEmber', 'unwrap', 'process_rank',
-           'agree_run_name', 'rank_selector']
+           'agree_run_name', 'rank_selector', 'on_accelerator']
 
 # %% ../nbs/04_ember.ipynb #654a6fa8
 class torchEmber:
@@ -82,7 +82,7 @@ class torchEmber:
         self._changes = Changes()
         self._flows = GraphCapture(self.capture, off=compiled)   # the model's graph, on its first recorded step
         self.writer, self._disarm_hook, self._last_events = None, _Hook(self.disarm), (None, None)
-        self._by_process = self.recording and use_process(db, torch.get_num_threads())   # who writes: `writer_process`
+        self._by_process = self.recording and use_process(db, torch.get_num_threads(), on_accelerator(model))   # who writes: `writer_process`
         self._forked, self._dropped, self._released = False, 0, False
         self._piece_writes = 0   # writes with pieces of sharded parameters, until every rank is known to record
         self.engine = self.run_id = None
@@ -161,6 +161,11 @@ def rank_selector(ranks=None)->callable:
     chosen = {ranks} if isinstance(ranks, int) else set(ranks)
     if not all(isinstance(r, int) and r >= 0 for r in chosen): raise TypeError(f"ranks= takes ranks (ints >= 0) or a predicate, not {ranks!r}")
     return lambda rank: rank in chosen
+
+# %% ../nbs/04_ember.ipynb #373fa6cd
+def on_accelerator(model:nn.Module)->bool:
+    "Whether any parameter or buffer of `model` lives on an accelerator (not the CPU, not `meta`)."
+    return any(t.device.type not in ('cpu', 'meta') for t in (*model.parameters(), *model.buffers()))
 
 # %% ../nbs/04_ember.ipynb #83fa450b
 GROUP = 16   # the most steps the writer puts in one transaction

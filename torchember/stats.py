@@ -622,7 +622,7 @@ def _on_device(self, ts:list, rows:list, memo:dict=None)->bool:
     if tm is None or any(type(t) not in _PLAIN for t in ts): return False
     dev = ts[0].device
     p, done = self._parts.get(dev) or self._parts.setdefault(dev, (tm.Partials(dev), []))
-    ts = [t if t.is_contiguous() else t.contiguous() for t in ts]
+    ts = [t if tm.dense(t) else t.contiguous() for t in ts]   # a permuted view is read where it lies
     try:
         if len(ts) == 1: p.add(ts[0]); order = [0]
         else: order = p.add_many(ts, memo)

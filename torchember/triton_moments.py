@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 # %% auto #0
-__all__ = ['INTERPRETED', 'BLOCK', 'MAXG', 'SPAN', 'WARPS', 'WIDTH', 'DTYPES', 'CAP', 'programs', 'Partials']
+__all__ = ['INTERPRETED', 'BLOCK', 'MAXG', 'SPAN', 'WARPS', 'WIDTH', 'DTYPES', 'CAP', 'dense', 'programs', 'Partials']
 
 # %% ../nbs/00b_triton_moments.ipynb #f23d6ebb
 def _interpreter_fix():
@@ -120,6 +120,15 @@ def _finish(part, segs, out, R: tl.constexpr):
 DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32, torch.float64: tl.float64}
 CAP = 2**15      # partial rows a buffer holds (2 MiB); a step needing more starts another
 
+def dense(t:torch.Tensor)->bool:
+    "Whether `t`'s elements fill one block of memory from its first element's address, in some order."
+    if t.is_contiguous(): return True
+    at = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
+        if stride != at: return False
+        at *= size
+    return True
+
 def programs(n:int, size:int)->int:
     "Programs a tensor of `n` elements of `size` bytes is shared out over."
     return min(-(-n // (BLOCK * SPAN[size])), MAXG)   # plain ints: `triton.cdiv` from Python costs ~2 µs a call
@@ -140,7 +149,7 @@ class Partials:
         self.buf, self.used, self.segs = torch.empty((max(CAP, k), WIDTH), dtype=torch.float64, device=self.device), 0, []
 
     def add(self, t:torch.Tensor):
-        "Start the moments of contiguous float tensor `t`: one launch."
+        "Start the moments of dense float tensor `t`: one launch."
         n, size = t.numel(), t.element_size()
         g = programs(n, size)
         self._room(g)
@@ -149,7 +158,7 @@ class Partials:
         self.used += g
 
     def add_many(self, ts:list, memo:dict=None)->list:
-        "Start the moments of contiguous float tensors `ts`, a launch per dtype and size class; their indices in row order."
+        "Start the moments of dense float tensors `ts`, a launch per dtype and size class; their indices in row order."
         before = (list(self.full), self.buf, self.used, list(self.segs))   # all of them started, or none (it raised)
         try: return self._add_many(ts, memo)
         except Exception:

@@ -24,12 +24,15 @@ def cores()->int:
     try: return len(os.sched_getaffinity(0))
     except AttributeError: return os.cpu_count() or 1
 
-def use_process(db, threads:int)->bool:
-    "Whether a child process should write store `db`: asked for, or a core spare beside torch's `threads`; never in memory."
+def use_process(db,
+                threads:int,          # torch's intra-op threads
+                on_device:bool=False  # the model is on an accelerator, so any second core is spare
+               )->bool:
+    "Whether a child process should write store `db`: asked for, or a core spare beside torch's threads; never in memory."
     kind = os.environ.get(WRITER_ENV, '').strip().lower()
     if kind not in ('', 'process', 'thread'): raise ValueError(f"{WRITER_ENV} must be 'process' or 'thread', not {kind!r}")
     if kind == 'thread' or os.name != 'posix' or db_url(db) == MEMORY: return False
-    return kind == 'process' or cores() > threads
+    return kind == 'process' or cores() > (1 if on_device else threads)
 
 # %% ../nbs/02a_writer_process.ipynb #926672f6
 _LEN = struct.Struct('<Q')
