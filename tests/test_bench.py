@@ -88,6 +88,15 @@ def test_gpu_threads_benchmark_runs_as_is():
     for v in ('bare', 'armed', 'writer only at flush', 'no writer', 'nothing but module hooks'): assert f'  {v} ' in out, out
     assert 'training  Capture._grads_done' in out and 'writer    torchEmber._write_steps' in out, out
 
+def test_gpu_steps_benchmark_runs_as_is():
+    "The script that times an `every=10` run step by step runs end to end on the CPU (tiny model), each writer; figures not checked."
+    r = subprocess.run([sys.executable, str(GPU.parent/'gpu_steps.py'), '--device', 'cpu', '--tiny', '--steps', '20', '--rounds', '1'],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [l.split() for l in r.stdout.splitlines() if l.startswith('gpt2-small')][1:]
+    assert [w[1] for w in rows] == ['bare', 'process', 'thread'], r.stdout
+    assert all(w[2] != 'nan' for w in rows[1:]) and rows[0][2] == 'nan', r.stdout   # armed runs recorded steps; bare none
+
 def test_gpu_stats_benchmark_runs_as_is():
     "The script that times ways of measuring many tensors on an accelerator runs end to end on the CPU, every way timed (Triton's in its interpreter)."
     triton = importlib.util.find_spec('triton') is not None
