@@ -161,9 +161,8 @@ def _writer_cpu(threads) -> float:
     return total
 
 def _sink(handle):
-    "The handle's `WriterProcess`, or None where a thread of this process writes."
-    write = getattr(getattr(handle, 'writer', None), 'write', None)
-    return getattr(write, 'keywords', {}).get('sink')
+    "The handle's `WriterProcess`, or None where a thread of this process writes (or for a stand-in handle)."
+    return getattr(handle, 'writer_process', None)
 
 def _process_cpu(handle) -> float:
     "CPU seconds the handle's writer process has used so far (0 where a thread writes, or where the OS cannot say)."

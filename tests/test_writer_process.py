@@ -32,7 +32,7 @@ def armed(tmp_path, run, **kw):
 
 def sink(te) -> WriterProcess:
     "The `WriterProcess` that writes `te`'s steps."
-    wp = te.writer.write.keywords['sink']
+    wp = te.writer_process
     assert isinstance(wp, WriterProcess)
     return wp
 
@@ -63,7 +63,7 @@ def test_process_writes_what_the_thread_writes(tmp_path, monkeypatch):
         monkeypatch.setenv(WRITER_ENV, kind)
         model = _mlp()
         te = torchEmber(model, run=kind, db=str(tmp_path/'same.db'), every=2)
-        assert (te.writer.write.keywords['sink'] is not None) == (kind == 'process')
+        assert (te.writer_process is not None) == (kind == 'process')
         for i in range(20):
             loss = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(i))).pow(2).mean()
             loss.backward()
@@ -142,7 +142,7 @@ def test_forked_dataloader_workers_leave_the_child_alone(tmp_path, process):
 
 SHOW_PID = TRAIN.replace("te = torchEmber(model, run=run, db=db, strict=strict)\n",
                          "te = torchEmber(model, run=run, db=db, strict=strict)\n"
-                         "print('writer', te.writer.write.keywords['sink'].proc.pid, flush=True)\n")
+                         "print('writer', te.writer_process.proc.pid, flush=True)\n")
 
 def start(tmp_path, db, run, steps, every, **extra):
     assert SHOW_PID != TRAIN

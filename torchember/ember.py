@@ -81,7 +81,7 @@ class torchEmber:
         if track_updates: self.recorder.param_extras = UpdateTracker()
         self._changes = Changes()
         self._flows = GraphCapture(self.capture, off=compiled)   # the model's graph, on its first recorded step
-        self.writer, self._disarm_hook, self._last_events = None, _Hook(self.disarm), (None, None)
+        self.writer, self._sink, self._disarm_hook, self._last_events = None, None, _Hook(self.disarm), (None, None)
         self._by_process = self.recording and use_process(db, torch.get_num_threads(), on_accelerator(model))   # who writes: `writer_process`
         self._forked, self._dropped, self._released = False, 0, False
         self._piece_writes = 0   # writes with pieces of sharded parameters, until every rank is known to record
@@ -183,7 +183,7 @@ def _emit(self:torchEmber, rec):
 def _start_writer(self:torchEmber)->Writer:
     "The writer of this torchEmber, started if it has none."
     if self.writer is None:
-        sink = self._start_sink()
+        sink = self._sink = self._start_sink()
         self.writer = Writer(partial(self._write_steps, sink=sink), strict=self.strict, size=_rec_bytes, group=GROUP,
                              stopped=sink.close if sink is not None else None, linger=None if sink is None else PROCESS_LINGER_S)
     return self.writer
@@ -197,6 +197,11 @@ def _start_sink(self:torchEmber)->WriterProcess|None:
     except Exception as e:
         sink._lost(e)   # said once; this process writes
         return None
+
+@patch(as_prop=True)
+def writer_process(self:torchEmber)->WriterProcess|None:
+    "The child process that writes this run's store (`torchember.writer_process`); None where a thread of this process does."
+    return self._sink
 
 def _rec_bytes(rec)->int:
     "About the memory a waiting `StepRecord` holds: its keys and stats, and its snapshots."
