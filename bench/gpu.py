@@ -62,6 +62,26 @@ def sync(device):
     if device.type == 'cuda': torch.cuda.synchronize(device)
 
 
+def device_named(device:str)->tuple:
+    "`(torch.device, its name)` for `--device`; exits where CUDA is asked for and there is none."
+    dev = torch.device(device)
+    if dev.type == 'cuda' and not torch.cuda.is_available(): sys.exit("no CUDA device here: run with --device cpu (--tiny) to check the script")
+    return dev, torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'CPU'
+
+
+def warmed(names:str, device, tiny:bool):
+    "`(name, model, step)` for each of the comma-separated model `names`, three steps taken (kernels chosen, memory held)."
+    for m in names.split(','):
+        model, step = MODELS[m](device, tiny)
+        for _ in range(3): step()
+        yield m, model, step
+
+
+def scratch_db(name:str)->str:
+    "A path for store `name` in a new temporary folder."
+    return str(Path(tempfile.mkdtemp(prefix=f'torchember-{name}-')) / f'{name}.db')
+
+
 def block(model, step, k, device, every, db, first=None):
     "Seconds a step over `k` steps; armed with `every` (None: bare), the run's first step before the clock, flush inside."
     te = torchEmber(model, db=db, every=every) if every else None
@@ -153,18 +173,14 @@ def main(argv=None):
     p.add_argument('--tiny', action='store_true', help="small models: a smoke test of the script")
     p.add_argument('--breakdown', action='store_true', help="only where a step recorded every step goes, part by part")
     a = p.parse_args(argv)
-    device = torch.device(a.device)
-    if device.type == 'cuda' and not torch.cuda.is_available(): sys.exit("no CUDA device here: run with --device cpu --tiny to check the script")
-    name = torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'
+    device, name = device_named(a.device)
     print(f"device: {name}; torch {torch.__version__}")
-    db = str(Path(tempfile.mkdtemp(prefix='torchember-gpu-')) / 'bench.db')
+    db = scratch_db('gpu')
     by = use_process(db, torch.get_num_threads(), on_device=device.type != 'cpu')
     print(f"writer: {'a process' if by else 'a thread'} ({cores()} cores for this process, torch {torch.get_num_threads()} threads"
           f"{'; TORCHEMBER_WRITER=' + os.environ['TORCHEMBER_WRITER'] if os.environ.get('TORCHEMBER_WRITER') else ''})")
     if not a.breakdown: print(f"{'model':<14} {'config':<12} {'bare ms':>9} {'armed ms':>9} {'ratio':>7} {'paired':>7}")
-    for m in a.models.split(','):
-        model, step = MODELS[m](device, a.tiny)
-        for _ in range(3): step()
+    for m, model, step in warmed(a.models, device, a.tiny):
         if a.breakdown:
             breakdown(m, model, step, device, db, a.blocks, a.steps)
             continue

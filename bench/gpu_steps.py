@@ -10,7 +10,7 @@ Armed runs alternate a writer process and a writer thread (`TORCHEMBER_WRITER`),
     python bench/gpu_steps.py --models resnet18-b256 --steps 60
     python bench/gpu_steps.py --device cpu --tiny            # a smoke test of the script
 """
-import argparse, os, statistics, sys, tempfile, time
+import argparse, os, statistics, sys, time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -50,13 +50,10 @@ def main(argv=None):
     p.add_argument('--rounds', type=int, default=2)
     p.add_argument('--tiny', action='store_true', help="small models: a smoke test of the script")
     a = p.parse_args(argv)
-    device = torch.device(a.device)
-    name = torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'
+    device, name = gpu.device_named(a.device)
     print(f"device: {name}; torch {torch.__version__}; {os.cpu_count()} CPUs; ms a step, medians; sum and tail (flush) in ms")
-    db = str(Path(tempfile.mkdtemp(prefix='torchember-steps-')) / 'steps.db')
-    for m in a.models.split(','):
-        model, step = gpu.MODELS[m](device, a.tiny)
-        for _ in range(3): step()
+    db = gpu.scratch_db('steps')
+    for m, model, step in gpu.warmed(a.models, device, a.tiny):
         print(f"{m:<14} {'run':<8} {'recorded':>8} {'next':>7} {'2nd':>7} {'3rd':>7} {'others':>7} {'sum':>8} {'tail':>7}")
         for _ in range(a.rounds):
             for w in (None, 'process', 'thread'):

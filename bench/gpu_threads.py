@@ -12,7 +12,7 @@ blocks), so this runs on Linux.
     python bench/gpu_threads.py                         # both models of bench/gpu.py
     python bench/gpu_threads.py --models gpt2-small --rounds 5 --profile --parts
 """
-import argparse, cProfile, io, os, pstats, statistics, sys, tempfile, threading, time
+import argparse, cProfile, io, os, pstats, statistics, sys, threading, time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -115,13 +115,10 @@ def main(argv=None):
     p.add_argument('--profile', action='store_true', help="also cProfile the training thread over 10 recorded steps")
     p.add_argument('--parts', action='store_true', help="also CPU ms a step of torchember's main methods, by the thread they ran on")
     a = p.parse_args(argv)
-    device = torch.device(a.device)
-    name = torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'
+    device, name = gpu.device_named(a.device)
     print(f"device: {name}; torch {torch.__version__}; {os.cpu_count()} CPUs")
-    db = str(Path(tempfile.mkdtemp(prefix='torchember-threads-')) / 'threads.db')
-    for m in a.models.split(','):
-        model, step = gpu.MODELS[m](device, a.tiny)
-        for _ in range(3): step()
+    db = gpu.scratch_db('threads')
+    for m, model, step in gpu.warmed(a.models, device, a.tiny):
         te = torchEmber(model, db=db, every=1)
         for _ in range(3): step()      # the stats kernels compile
         te.flush(); te.disarm()
