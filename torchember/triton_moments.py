@@ -120,6 +120,7 @@ def _finish(part, segs, out, R: tl.constexpr):
 # %% ../nbs/00b_triton_moments.ipynb #fdd9dd46
 DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32, torch.float64: tl.float64}
 CAP = 2**15      # partial rows a buffer holds (2 MiB); a step needing more starts another
+_LAYOUTS = {}     # (dtypes, sizes) of a list -> its memo: how `add_many` classes it
 
 def dense(t:torch.Tensor)->bool:
     "Whether `t`'s elements fill one block of memory from its first element's address, in some order."
@@ -172,7 +173,11 @@ class Partials:
             raise
 
     def _add_many(self, ts:list, memo:dict=None)->list:
-        layout = memo.get('layout') if memo is not None else None   # a caller's memo: lists of these dtypes and sizes
+        if memo is None:   # lists of these dtypes and sizes were classed before (a step's batches of activations)
+            key = (tuple([t.dtype for t in ts]), tuple([t.numel() for t in ts]))
+            if len(_LAYOUTS) > 256: _LAYOUTS.clear()
+            memo = _LAYOUTS.setdefault(key, {})
+        layout = memo.get('layout')   # a caller's memo: lists of these dtypes and sizes
         if layout is None or layout[0] != len(ts):
             classes = {}
             for i, t in enumerate(ts):
@@ -180,7 +185,7 @@ class Partials:
                 g = programs(n, t.element_size())
                 classes.setdefault((t.dtype, g.bit_length()), []).append((i, n, g))
             layout = (len(ts), classes, [m for ms in classes.values() for m in ms])   # members: one table for every class
-            if memo is not None: memo['layout'] = layout
+            memo['layout'] = layout
         _, classes, members = layout
         table = _up(_ints([(ts[i].data_ptr(), n) for i, n, _ in members], 2), self.device)
         order, at = [], 0
