@@ -398,8 +398,15 @@ def tensor(self, mi, call, ttype, tname, t):
         keys.append((mi, call, ttype, tname, prev[4], prev[5], prev[6], prev[7]))
         return
     self._seen[key] = (weakref.ref(t), version, fn, len(keys))
-    if fn is default_stats: mrow, xi = self._default(t, copy=True, where=(mi, ttype, tname)), -1
-    else: mrow, xi = -1, self._custom(fn, t, mi, ttype, tname)
+    if fn is not default_stats: mrow, xi = -1, self._custom(fn, t, mi, ttype, tname)
+    elif (version is not None and type(t) in _PLAIN and self._batchable.get(where := (mi, ttype, tname)) is True and self._batch
+          and t.dtype in FLOATS and (dev := t.device).type in TRITON_DEVICES and not (self._nat and dev.type == 'cpu')
+          and t.layout == torch.strided and not t.is_nested):   # an accelerator's activation seen unchanged before: batched
+        mrow, xi = self._nm, -1
+        self._nm += 1
+        self._later.append((t.detach(), version, mrow, where))
+        self._held_up(t, dev)
+    else: mrow, xi = self._default(t, copy=True, where=(mi, ttype, tname)), -1
     keys.append((mi, call, ttype, tname, shape_of(t), dtype_name(t), mrow, xi))
 
 @patch_to(Recorder)
@@ -672,9 +679,14 @@ def _at_hook(self, t:torch.Tensor, row:int, key:tuple)->bool:
         if version is not None and batchable is None: self._watch.append((t, version, key))
     elif triton_moments() is None or type(t) not in _PLAIN: return False
     else: self._later.append((t, version, row, key))
-    self._held += t.numel() * t.element_size()
-    if len(self._later) + len(self._watch) >= LATER_MAX or self._held > _later_cap(t.device): self._read_later()
+    self._held_up(t, t.device)
     return True
+
+@patch_to(Recorder)
+def _held_up(self, t:torch.Tensor, dev:torch.device):
+    "Count activation `t` (on `dev`) as kept for the batched read, and read the batch once it is full."
+    self._held += t.numel() * t.element_size()
+    if len(self._later) + len(self._watch) >= LATER_MAX or self._held > _later_cap(dev): self._read_later()
 
 @patch_to(Recorder)
 def _read_later(self):
