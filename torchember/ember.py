@@ -82,7 +82,7 @@ class torchEmber:
         self._changes = Changes()
         self._flows = GraphCapture(self.capture, off=compiled)   # the model's graph, on its first recorded step
         self.writer, self._sink, self._disarm_hook, self._last_events = None, None, _Hook(self.disarm), (None, None)
-        self._by_process = self.recording and use_process(db, torch.get_num_threads(), on_accelerator(model))   # who writes: `writer_process`
+        self._by_process = self.recording and use_process(db, torch.get_num_threads(), on_accelerator(model))   # see `_start_sink`
         self._forked, self._dropped, self._released = False, 0, False
         self._piece_writes = 0   # writes with pieces of sharded parameters, until every rank is known to record
         self.engine = self.run_id = None
