@@ -6,7 +6,7 @@ Docs: https://torchember.github.io/torchember/ember.html.md"""
 
 # %% ../nbs/04_ember.ipynb #ee006446
 from __future__ import annotations
-import atexit, math, os, secrets, signal, threading, time, warnings, weakref
+import atexit, itertools, math, os, secrets, signal, threading, time, warnings, weakref
 from collections import deque
 from functools import partial
 import torch
@@ -165,7 +165,7 @@ def rank_selector(ranks=None)->callable:
 # %% ../nbs/04_ember.ipynb #373fa6cd
 def on_accelerator(model:nn.Module)->bool:
     "Whether any parameter or buffer of `model` lives on an accelerator (not the CPU, not `meta`)."
-    return any(t.device.type not in ('cpu', 'meta') for t in (*model.parameters(), *model.buffers()))
+    return any(t.device.type not in ('cpu', 'meta') for t in itertools.chain(model.parameters(), model.buffers()))
 
 # %% ../nbs/04_ember.ipynb #83fa450b
 GROUP = 16   # the most steps the writer puts in one transaction

@@ -398,15 +398,16 @@ def tensor(self, mi, call, ttype, tname, t):
         keys.append((mi, call, ttype, tname, prev[4], prev[5], prev[6], prev[7]))
         return
     self._seen[key] = (weakref.ref(t), version, fn, len(keys))
+    where = (mi, ttype, tname)
     if fn is not default_stats: mrow, xi = -1, self._custom(fn, t, mi, ttype, tname)
-    elif (version is not None and type(t) in _PLAIN and self._batchable.get(where := (mi, ttype, tname)) is True and self._batch
+    elif (version is not None and type(t) in _PLAIN and self._batchable.get(where) is True and self._batch
           and t.dtype in FLOATS and (dev := t.device).type in TRITON_DEVICES and not (self._nat and dev.type == 'cpu')
           and t.layout == torch.strided and not t.is_nested):   # an accelerator's activation seen unchanged before: batched
         mrow, xi = self._nm, -1
         self._nm += 1
         self._later.append((t.detach(), version, mrow, where))
         self._held_up(t, dev)
-    else: mrow, xi = self._default(t, copy=True, where=(mi, ttype, tname)), -1
+    else: mrow, xi = self._default(t, copy=True, where=where), -1
     keys.append((mi, call, ttype, tname, shape_of(t), dtype_name(t), mrow, xi))
 
 @patch_to(Recorder)
