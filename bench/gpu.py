@@ -189,7 +189,7 @@ def main(argv=None):
             for every in ((None, 1, 10) if r % 2 == 0 else (10, 1, None)):
                 times[every].append(block(model, step, a.steps, device, every, db, first))
         bare = statistics.median(times[None])
-        print(f"{m:<14} a run's first recorded step and its write (its data-flow graph captured, a writer process started; once a run, not in the blocks): "
+        print(f"{m:<14} a run's first recorded step and its write (its data-flow graph captured, the writer process started where one writes; once a run, not in the blocks): "
               f"{statistics.median(first) * 1e3:.1f} ms", flush=True)
         for every in (1, 10):
             med = statistics.median(times[every])
