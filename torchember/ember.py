@@ -212,7 +212,7 @@ def _write_steps(self:torchEmber, recs:list, sink=None):
     "Write `recs` in one transaction (through `sink` if given); if it fails, put back what writing moved forward, and raise."
     kept = self._written()
     try:
-        args = [self._step_args(rec, packed=sink is not None) for rec in recs]
+        args = [self._step_args(rec) for rec in recs]
         if sink is not None: sink(self.run_id, self.rank, args)
         else: write_steps(self.engine, self.run_id, args, rank=self.rank)
     except BaseException:
@@ -236,16 +236,16 @@ def _lone_rank(self:torchEmber):
                       RuntimeWarning)
 
 @patch
-def _step_args(self:torchEmber, rec, packed:bool=False)->dict:
-    "`write_steps`' dict for `rec` (`packed`: rows as `StepRecord.packed` gives them, if it can); moves what was written on."
+def _step_args(self:torchEmber, rec)->dict:
+    "`write_steps`' dict for `rec` (its rows as `StepRecord.packed` gives them where it can); moves what was written on."
     same = rec.events and rec.events == self._last_events[1]
-    pack = rec.packed() if packed and not self.capture.pieces else None
+    pack = rec.packed() if not self.capture.pieces else None
     rows, pieces = ([], []) if pack is not None else self._pieces(rec.rows())
     kw = dict(step=rec.step, rows=rows, pieces=pieces, events=rec.events, closed=rec.closed,
               events_step=self._last_events[0] if same else None, training=rec.training, iteration=rec.iteration, kind=rec.kind,
               iteration_after=rec.iteration_after, calls=rec.call_rows(),
               scalars=rec.scalar_values(), snapshots=self._changes.rows(rec.snapshots), flows=getattr(rec, 'flows', ()))
-    if pack is not None: kw['packed'] = pack   # for a `WriterProcess`, which makes them rows
+    if pack is not None: kw['packed'] = pack
     if rec.events and not same: self._last_events = (rec.step, rec.events)
     return kw
 

@@ -309,19 +309,34 @@ def _meta(shape:tuple|None, dtype:str)->tuple:
     m = _META[shape, dtype] = ('null' if shape is None else str(list(shape)), _nbytes(shape, dtype))
     return m
 
+_PACKINGS = {}   # (rows, moment rows) -> [(keys, perm, (packed keys, stats rows))]: the layouts of steps seen lately
+
+def _layout(keys:list, perm:list)->tuple|None:
+    "`(packed keys, the stats matrix's row of each)` of a step's `keys` and `perm`: the same objects for every step alike."
+    for k, p, out in _PACKINGS.get((len(keys), len(perm)), ()):
+        if k == keys and p == perm: return out
+    packed, at, meta = [], [], _META
+    for mi, call, ttype, tname, shape, dtype, mrow, _ in keys:
+        if mrow < 0: return None   # a custom stat function that failed: no stats, None in `rows`
+        text, nbytes = meta.get((shape, dtype)) or _meta(shape, dtype)
+        packed.append((mi, call, ttype, tname, text, dtype, nbytes))
+        at.append(perm[mrow])
+    if len(_PACKINGS) > 256: _PACKINGS.clear()   # layouts that change every step (e.g. sequence lengths) don't pile up
+    seen = _PACKINGS.setdefault((len(keys), len(perm)), [])
+    if len(seen) >= 8: del seen[0]
+    out = (packed, np.array(at, dtype=np.intp))
+    seen.append((list(keys), list(perm), out))
+    return out
+
 @patch_to(StepRecord)
 def packed(self)->tuple|None:
     "`rows` as `(keys, stats)`: each row's first six fields and `nbytes`, and a float64 stats matrix; None with custom stats."
     if self.extras: return None
-    keys, at, meta, perm = [], [], _META, self.perm
-    for mi, call, ttype, tname, shape, dtype, mrow, _ in self.keys:
-        if mrow < 0: return None   # a custom stat function that failed: no stats, None in `rows`
-        text, nbytes = meta.get((shape, dtype)) or _meta(shape, dtype)
-        keys.append((mi, call, ttype, tname, text, dtype, nbytes))
-        at.append(perm[mrow])
+    layout = _layout(self.keys, self.perm)
+    if layout is None: return None
     self.ready()
     S = _stats_np(self.moments.numpy()) if self.moments is not None and len(self.moments) else np.empty((0, len(STATS)))
-    return keys, S[at]
+    return layout[0], S[layout[1]]
 
 # %% ../nbs/01_stats.ipynb #2fad112f
 class Recorder:

@@ -23,9 +23,9 @@ __all__ = ['SCHEMA_VERSION', 'MEMORY', 'metadata', 'STAT_COLS', 'Str', 'Size', '
            'snapshots_t', 'flows_t', 'VIEWS', 'RETIRED_RUN_ID', 'ROWS_PER_INSERT', 'ROLLUP_WIDTHS', 'THINNED',
            'KNOWN_MAX', 'LINGER_S', 'PENDING_STEPS', 'PENDING_BYTES', 'RETRY_S', 'EXIT_WAIT_S', 'default_db', 'db_url',
            'check_name', 'escaped', 'StoreError', 'engine', 'keyed_by_rank', 'create_run', 'drop_run', 'last_iteration',
-           'claim', 'release', 'rows_digest', 'write_step', 'write_steps', 'merge_pieces', 'module_steps_sql',
-           'roll_up', 'roll_up_closed', 'rolled_steps', 'thin_steps', 'module_values', 'idle_priority', 'store_busy',
-           'Writer']
+           'claim', 'release', 'rows_digest', 'packed_digest', 'write_step', 'write_steps', 'merge_pieces',
+           'module_steps_sql', 'roll_up', 'roll_up_closed', 'rolled_steps', 'thin_steps', 'module_values',
+           'idle_priority', 'store_busy', 'Writer']
 
 # %% ../nbs/02_store.ipynb #2b4773a6
 SCHEMA_VERSION = 2
@@ -511,17 +511,22 @@ def _multi_row(c, table:Table, replace:bool, n:int)->str:
     vals = ['(' + ','.join('?' * len(cols)) + ')'] * n
     return f"INSERT {'OR REPLACE ' if replace else ''}INTO {q(table.name)} ({', '.join(map(q, cols))}) VALUES {', '.join(vals)}"
 
+def _statements(c, table:Table, replace:bool, rows:int):
+    "`(first row, rows, SQL)` of the multi-row statements that insert `rows` rows into `table` on SQLite connection `c`."
+    i, most = 0, _max_variables(c) // len(table.columns)
+    sizes = [n for n in ROWS_PER_INSERT if n <= most]
+    while i < rows:
+        n = next((n for n in sizes if rows - i >= n), min(rows - i, most))   # the largest that fits, else the rest
+        key = ('rows', table.name, replace, n)
+        if key not in _sql: _sql[key] = (_multi_row(c, table, replace, n), None)
+        yield i, n, _sql[key][0]
+        i += n
+
 def _insert_rows(c, table:Table, head:tuple, rows:list, replace:bool=False):
     "Insert `rows`, each after the same `head` of leading columns: multi-row statements on SQLite, one executemany elsewhere."
     if c.dialect.name == 'sqlite':
-        i, most = 0, _max_variables(c) // len(table.columns)
-        sizes = [n for n in ROWS_PER_INSERT if n <= most]
-        while i < len(rows):
-            n = next((n for n in sizes if len(rows) - i >= n), min(len(rows) - i, most))   # the largest that fits, else the rest
-            key = ('rows', table.name, replace, n)
-            if key not in _sql: _sql[key] = (_multi_row(c, table, replace, n), None)
-            _execute(c, _sql[key][0], tuple(itertools.chain.from_iterable(map(partial(itertools.chain, head), rows[i:i+n]))))
-            i += n
+        for i, n, sql in _statements(c, table, replace, len(rows)):
+            _execute(c, sql, tuple(itertools.chain.from_iterable(map(partial(itertools.chain, head), rows[i:i+n]))))
         return
     sql, order = _compiled(c, (table.name, replace), partial(_insert, table, replace))
     names, rows = [col.name for col in table.columns], [(*head, *r) for r in rows] if head else rows
@@ -538,10 +543,42 @@ def _execute(c, sql:str, params):
         esc = lambda row: {k: escaped(v) for k, v in row.items()} if isinstance(row, dict) else tuple(map(escaped, row))
         c.exec_driver_sql(sql, [esc(r) for r in params] if isinstance(params, list) else esc(params))
 
+def _insert_matrix(c, table:Table, m:np.ndarray, replace:bool=False):
+    "Insert the rows of object matrix `m`, its columns in `table`'s order, as `_insert_rows` does."
+    if c.dialect.name != 'sqlite': return _insert_rows(c, table, (), m.tolist(), replace)
+    flat, w = m.ravel().tolist(), m.shape[1]
+    for i, n, sql in _statements(c, table, replace, len(m)): _execute(c, sql, tuple(flat[i * w:(i + n) * w]))
+
+_PACKED = {}   # id of a list of packed keys -> (the list, what `_packed_layout` worked out of it)
+
+def _packed_layout(keys:list)->dict:
+    "What writing the steps whose packed keys are the list `keys` needs of it, worked out once (`StepRecord.packed`)."
+    got = _PACKED.get(id(keys))
+    if got is not None and got[0] is keys: return got[1]
+    if len(_PACKED) > 64: _PACKED.clear()
+    row = np.empty((len(keys), len(stats_t.columns)), dtype=object)   # run_id, step, rank; six keys; the stats; extra, nbytes
+    if keys:
+        row[:, 3:9] = np.array([k[:6] for k in keys], dtype=object)
+        row[:, -1] = [k[6] for k in keys]
+    row[:, -2] = None
+    _PACKED[id(keys)] = keys, (got := dict(row=row, pickled=pickle.dumps(keys, protocol=5)))
+    return got
+
+def _insert_packed(c, head:tuple, keys:list, stats:np.ndarray):
+    "Insert a step's packed rows (`keys` and their `stats` matrix) into `stats`, after `head`: its layout's rows, stats filled in."
+    if not keys: return
+    m = _packed_layout(keys)['row'].copy()
+    m[:, :3], m[:, 9:9 + len(STAT_COLS)] = head, stats
+    _insert_matrix(c, stats_t, m, replace=True)
+
 def rows_digest(rows:list)->str|None:
     "A digest of a step's stat rows as written (equal rows in equal order: equal digests); None if unpicklable."
     try: return hashlib.sha256(pickle.dumps(rows, protocol=5)).hexdigest()[:32]   # ~70 µs for an MLP's 258 rows, SHA in hardware
     except Exception: return None
+
+def packed_digest(keys:list, stats:np.ndarray)->str:
+    "`rows_digest` of packed rows: over their layout's keys, pickled once, and their stats' bytes."
+    return hashlib.sha256(_packed_layout(keys)['pickled'] + np.ascontiguousarray(stats, dtype=np.float64).tobytes()).hexdigest()[:32]
 
 def write_step(eng, run_id:int, step:int, rows:list, events:list=(), closed:bool=True, events_step:int=None,
                training:bool=None, calls:list=(), scalars:dict=None, snapshots:list=(), rank:int=0,
@@ -559,14 +596,18 @@ def write_steps(eng, run_id:int, steps:list, rank:int=0):
                 c.exec_driver_sql('SELECT pg_advisory_xact_lock(%(k)s)', dict(k=_pg_key(run_id, -1)))   # merging ranks take turns
             for s in steps:
                 step, rows, closed, pieces = s['step'], s.get('rows') or [], s.get('closed', True), s.get('pieces') or []
+                keys, stats = s.get('packed') or (None, None)   # `StepRecord.packed`, in place of `rows`
                 head = (run_id, step, rank)
-                if rows: _insert_rows(c, stats_t, head, rows, replace=True)
+                if keys is not None: _insert_packed(c, head, keys, stats)
+                elif rows: _insert_rows(c, stats_t, head, rows, replace=True)
                 if pieces:
                     _insert_rows(c, shards_t, head, pieces, replace=True)
                     pieced.append(step)
-                if rows or pieces or closed:
-                    digests.append((*head, rows_digest(rows + pieces) if closed else None))
-                    _remember(c, run_id, rank, step, rows if closed and not pieces else None)
+                if rows or keys or pieces or closed:
+                    digest = packed_digest(keys, stats) if keys is not None else rows_digest(rows + pieces)
+                    digests.append((*head, digest if closed else None))
+                    if keys is not None: _remember(c, run_id, rank, step, keys if closed and not pieces else None, stats)
+                    else: _remember(c, run_id, rank, step, rows if closed and not pieces else None)
                 if calls := s.get('calls'): _insert_rows(c, calls_t, head, calls, replace=True)
                 if scalars := s.get('scalars'): _insert_rows(c, scalars_t, head, list(scalars.items()), replace=True)
                 if flows := s.get('flows'): _insert_rows(c, flows_t, head, flows, replace=True)
@@ -574,7 +615,7 @@ def write_steps(eng, run_id:int, steps:list, rank:int=0):
                     _executemany(c, snapshots_t, [(run_id, m, tt, tn, call, step, rank, *rest) for m, tt, tn, call, *rest in snapshots], replace=True)
                 events, events_step, training = s.get('events') or (), s.get('events_step'), s.get('training')
                 if events and events_step is None: _insert_rows(c, events_t, head, [(i, *e) for i, e in enumerate(events)])
-                if closed: closes.append((*head, time.time(), len(rows), step if events_step is None else events_step,
+                if closed: closes.append((*head, time.time(), len(rows if keys is None else keys), step if events_step is None else events_step,
                                           None if training is None else int(training), s.get('iteration'), s.get('kind'),
                                           s.get('iteration_after'), None, None, None))   # the sums: set below, once the rows are in
             if digests: _executemany(c, digests_t, digests, replace=True)
@@ -584,7 +625,8 @@ def write_steps(eng, run_id:int, steps:list, rank:int=0):
                 params = dict(rid=run_id, st=max(r[1] for r in closes))
                 c.exec_driver_sql(sql, tuple(params[n] for n in order) if order else params)
             if pieced: merge_pieces(c, run_id, pieced)
-            if summed := sorted({s['step'] for s in steps if s.get('rows') or s.get('pieces')}): c.exec_driver_sql(_sums_sql(run_id, summed))
+            if summed := sorted({s['step'] for s in steps if s.get('rows') or s.get('pieces') or (s.get('packed') or ((),))[0]}):
+                c.exec_driver_sql(_sums_sql(run_id, summed))
             if closes or summed: roll_up_closed(c, run_id, rank, [r[1] for r in closes], summed)
     except BaseException:   # nothing of it stored: the wider bins it folded in memory are not either
         _forget_wider(eng.engine if isinstance(eng, sa.Connection) else eng, run_id, [rank])
@@ -756,21 +798,28 @@ _known = weakref.WeakKeyDictionary()   # engine -> {(run_id, rank): {step: (keys
 KNOWN_MAX = 4096                       # steps whose module values the writer keeps, at most (then it folds in SQL)
 _GROUPS = {}
 
-def module_values(rows:list)->tuple:
-    "`(keys, values)` of one step's `stats` rows: `(ttype, module_id)` keys, with `module_steps_sql`'s 7 values (NaN: NULL)."
-    keys = tuple((r[2], r[0]) for r in rows)
+def _grouped(keys:tuple)->tuple:
+    "`(each key once, in key order; the rows sorted by key; where each key's rows start)` of rows' `(ttype, module_id)` keys."
     g = _GROUPS.get(keys)
-    if g is None:                       # the rows sorted by key, and where each key's rows start: worked out once per layout
+    if g is None:                       # worked out once per layout
         if len(_GROUPS) > 64: _GROUPS.clear()
         uniq = tuple(sorted(set(keys)))   # in key order, not the rows': steps whose rows came in another order fold together
         pos = {k: i for i, k in enumerate(uniq)}
         idx = np.array([pos[k] for k in keys], dtype=np.intp)
         order = np.argsort(idx, kind='stable')
         g = _GROUPS[keys] = (uniq, order, np.flatnonzero(np.r_[True, np.diff(idx[order]) != 0]) if len(idx) else idx)
-    uniq, order, starts = g
+    return g
+
+def module_values(rows:list, stats:np.ndarray=None)->tuple:
+    "`(keys, values)` of a step's `stats` rows (or packed keys and their `stats`): `(ttype, module_id)` keys, `module_steps_sql`'s 7 values."
+    if stats is None: uniq, order, starts = _grouped(tuple((r[2], r[0]) for r in rows))
+    else:
+        lay = _packed_layout(rows)
+        if 'grouped' not in lay: lay['grouped'] = _grouped(tuple((k[2], k[0]) for k in rows))
+        uniq, order, starts = lay['grouped']
     out = np.empty((len(uniq), 7))
     if not len(uniq): return uniq, out
-    x = np.array([r[6:15] for r in rows], dtype=float)[order]   # None (NULL) becomes NaN
+    x = (np.array([r[6:15] for r in rows], dtype=float) if stats is None else stats)[order]   # None (NULL) becomes NaN (NULL, too)
     numel, mean, std, lo, hi, norm, zf, nan, inf = x.T
     with np.errstate(all='ignore'):
         terms = np.stack([numel, norm * norm, std * std * numel, mean * numel, zf * numel], 1)
@@ -786,13 +835,13 @@ def module_values(rows:list)->tuple:
     out[:, 6] = np.where(np.maximum.reduceat(bad, starts) > 0, 0., np.nan)   # 0: the step, once known
     return uniq, out
 
-def _remember(c, run_id:int, rank:int, step:int, rows):
-    "Keep the module values of `step` written whole now (`rows`), or forget them (None: late rows, pieces, a second write)."
+def _remember(c, run_id:int, rank:int, step:int, rows, stats:np.ndarray=None):
+    "Keep the module values of `step` written whole now (`rows`, or packed keys and `stats`), or forget them (`rows` None)."
     if c.dialect.name != 'sqlite': return   # a server folds in its own process
     steps = _known.setdefault(c.engine, {}).setdefault((run_id, rank), {})
     if rows is None or step in steps or len(steps) >= KNOWN_MAX: steps[step] = None
     else:
-        try: keys, v = module_values(rows)
+        try: keys, v = module_values(rows, stats)
         except Exception: steps[step] = None; return   # rows of a shape it can't read: that bin is folded in SQL
         v[:, 6] = np.where(np.isnan(v[:, 6]), np.nan, step)
         steps[step] = (keys, v)

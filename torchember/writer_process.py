@@ -8,7 +8,7 @@ Docs: https://torchember.github.io/torchember/writer_process.html.md"""
 from __future__ import annotations
 
 # %% auto #0
-__all__ = ['WRITER_ENV', 'cores', 'use_process', 'send', 'unpacked', 'receive', 'serve', 'WriterProcess']
+__all__ = ['WRITER_ENV', 'cores', 'use_process', 'send', 'with_keys', 'receive', 'serve', 'WriterProcess']
 
 # %% ../nbs/02a_writer_process.ipynb #f7d8d59f
 import importlib.util, os, pickle, signal, struct, subprocess, sys, warnings, weakref
@@ -42,13 +42,10 @@ def send(f, b:bytes):
     view = memoryview(_LEN.pack(len(b)) + b)
     while view: view = view[f.write(view):]
 
-def unpacked(step:dict, keys:list=None)->dict:
-    "`step` (a dict of `write_step`'s arguments) with its `packed` rows as `rows`; packed keys of None: `keys`."
-    if 'packed' not in step: return step
-    s = dict(step)
-    k, stats = s.pop('packed')
-    s['rows'] = [(*key[:6], *st, None, key[6]) for key, st in zip(keys if k is None else k, stats.tolist())]
-    return s
+def with_keys(step:dict, keys:list)->dict:
+    "`step` (a dict of `write_step`'s arguments) with `keys` put back where its packed keys were left out (None)."
+    if 'packed' not in step or step['packed'][0] is not None: return step
+    return {**step, 'packed': (keys, step['packed'][1])}
 
 def receive(f)->bytes:
     "The next frame from pipe `f`; `EOFError` if it closed."
@@ -84,7 +81,7 @@ def serve(down:int, up:int):
                     for i, s in enumerate(steps):
                         if 'packed' not in s: continue
                         if s['packed'][0] is not None: last[run_id, rank] = s['packed'][0]
-                        steps[i] = unpacked(s, last[run_id, rank])   # a KeyError if the parent's memory is wrong: it sends them again
+                        else: steps[i] = with_keys(s, last[run_id, rank])   # a KeyError if the parent's memory is wrong: it sends them again
                     write_steps(eng, run_id, steps, rank=rank)
                     err = None
                 except Exception as e: err = e
@@ -118,7 +115,7 @@ class WriterProcess:
                     for text, category in said: warnings.warn(text, category)
                     if err is not None: raise err
                     return
-        write_steps(engine(self.url), run_id, [unpacked(s) for s in steps], rank=rank)
+        write_steps(engine(self.url), run_id, steps, rank=rank)
 
     def _sent(self, run_id:int, rank:int, steps:list)->tuple:
         "`(steps to send, the packed keys the child then holds)`: packed keys the child holds already sent as None."
