@@ -877,14 +877,26 @@ def _merged(a:np.ndarray, b:np.ndarray)->np.ndarray:
     return np.column_stack([np.fmax(a[:, :3], b[:, :3]), np.fmin(a[:, 3], b[:, 3]), np.fmax(a[:, 4:6], b[:, 4:6]),
                             np.fmin(a[:, 6:8], b[:, 6:8]), a[:, 8] + b[:, 8]])
 
-def _bin_rows(rid:int, rank:int, width:int, keys:tuple, bins)->list:
-    "`rollups` rows of bins `[(bin, values)]` of `width` steps, one a `(ttype, module_id)` of `keys` (NaN: NULL)."
-    rows = []
+_KEY_COLUMNS = {}   # id of a step's module keys -> (the keys, as an object array of two columns)
+
+def _bin_rows(rid:int, rank:int, width:int, keys:tuple, bins, which:np.ndarray=None)->list:
+    "`rollups` rows of bins `[(bin, values)]` of `width` steps, one a `(ttype, module_id)` of `keys` (`which` of them; NaN: NULL)."
+    if not keys: return []
+    key = _KEY_COLUMNS.get(id(keys))
+    if key is None or key[0] is not keys:
+        if len(_KEY_COLUMNS) > 64: _KEY_COLUMNS.clear()
+        key = _KEY_COLUMNS[id(keys)] = (keys, np.array(keys, dtype=object).reshape(len(keys), 2))
+    key, rows = key[1] if which is None else key[1][which], []
     for b, agg in bins:
-        for (ttype, mi), a in zip(keys, agg.tolist()):
-            a = [None if v != v else v for v in a]
-            if a[7] is not None: a[7] = int(a[7])
-            rows.append((rid, rank, ttype, width, b, mi, *a[:8], int(a[8])))
+        if which is not None: agg = agg[which]
+        m = np.empty((len(key), 15), dtype=object)   # filled by numpy, column by column: no Python per value
+        m[:, :2], m[:, 2], m[:, 3:5], m[:, 5] = (rid, rank), key[:, 0], (width, b), key[:, 1]
+        m[:, 6:14] = agg[:, :8]
+        m[:, 6:14][np.isnan(agg[:, :8])] = None
+        known = ~np.isnan(agg[:, 7])
+        m[known, 13] = agg[known, 7].astype(np.int64)   # the first bad step, an integer
+        m[:, 14] = agg[:, 8].astype(np.int64)
+        rows += map(tuple, m.tolist())   # SQLAlchemy's executemany takes tuples
     return rows
 
 def _upsert_bins(c, rows:list, merge:bool):
@@ -903,7 +915,7 @@ def _fold_wider(c, rid:int, rank:int, keys:tuple, bins:list):
         if st is not None: state[w] = st
         for at, (v, stored) in done.items():   # of a bin the store holds, only the modules whose values changed
             new = np.ones(len(keys), bool) if stored is None else _changed(v, stored)
-            rows += _bin_rows(rid, rank, w, [k for k, n in zip(keys, new) if n], [(at, v[new])])
+            rows += _bin_rows(rid, rank, w, keys, [(at, v)], new)
         if sql:   # bins this writer did not see whole: folded again in SQL, from the width below as stored
             _upsert_bins(c, rows, merge=False); rows = []
             _refold(c, rid, f"rank IN ({rank})", sql[0] * w, sql[-1] * w + w - 1, widths=(w,))
