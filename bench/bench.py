@@ -148,6 +148,7 @@ class Block:
     wall: float
     cpu: float
     writer_cpu: float = 0.0
+    writer_here: float = 0.0  # ... of it, on the writer thread of the training process (the child's holds none of its GIL)
     rows: int = 0            # stats rows the run holds
     timed_rows: int = 0      # ... of the steps taken, and written, in the clock
     first: float = 0.0       # seconds of the run's first step, taken before the clock
@@ -203,7 +204,8 @@ def time_block(model, step, k, cfg: Optional[Config]) -> Block:
     out = Block(dt / k, dc / k, first=first)
     if handle is not None:
         writers = [t for t in threading.enumerate() if t not in before and t.name == 'torchember-writer']
-        out.writer_cpu = _writer_cpu(writers) - w0 + _process_cpu(handle) - p0   # the thread's and its process's, in the clock
+        out.writer_here = _writer_cpu(writers) - w0
+        out.writer_cpu = out.writer_here + _process_cpu(handle) - p0   # the thread's and its process's, in the clock
         out.rows, out.timed_rows = _rows(handle), _rows(handle, first_step)
         cfg.disarm(handle)
     return out
@@ -226,9 +228,10 @@ def bench_model(name, cfgs, blocks, steps, warmup, warmup_s):
     times = {k: [b.wall for b in v] for k, v in runs.items()}
     bare = statistics.median(times[None])
     floor = 1 + read_floor(model) / bare
-    def per_tensor(label):   # of each block beside its round's bare one: (training-thread µs, writer µs) a recorded tensor
-        pairs = [((a.cpu - b.cpu) * steps / a.timed_rows, a.writer_cpu / a.timed_rows) for a, b in zip(runs[label], runs[None]) if a.timed_rows]
-        return tuple(statistics.median(x) * 1e6 for x in zip(*pairs)) if pairs else (float('nan'), float('nan'))
+    def per_tensor(label):   # of each block beside its round's bare one: (training-thread, writer, its in-process part) µs a recorded tensor
+        pairs = [((a.cpu - b.cpu) * steps / a.timed_rows, a.writer_cpu / a.timed_rows, a.writer_here / a.timed_rows)
+                 for a, b in zip(runs[label], runs[None]) if a.timed_rows]
+        return tuple(statistics.median(x) * 1e6 for x in zip(*pairs)) if pairs else (float('nan'),) * 3
     return [(name, c.label, bare, statistics.median(times[c.label]), floor, statistics.median(times[c.label]) / bare,
              statistics.median(a / b for a, b in zip(times[c.label], times[None])),
              _spread(times[None]), _spread(times[c.label]), *per_tensor(c.label),
@@ -461,18 +464,20 @@ def main(argv=None):
           f"(spread = (max-min)/median over blocks);\n"
           f"floor = 1 + one read of the params and a grad-sized copy (torch.sum of each) over the bare step: no stats of them can cost less\n")
     print("per tensor: CPU µs of the training thread beyond bare (median over blocks, each against its round's bare block) "
-          "and of the writer (its thread, and its process where one writes), per recorded tensor (stats row); rows: recorded tensors a step, on average;\n"
+          "and of the writer (its thread, and its process where one writes), per recorded tensor (stats row); GIL µs: the writer's part on its "
+          "thread in the training process, all of it that can hold the training's GIL (at most: SQLite's own work lets go of it); "
+          "rows: recorded tensors a step, on average;\n"
           "first ms: a run's first step and its write, before each armed block's clock (it also captures the model's data-flow "
           "graph, and a writer process starts: once a run)\n")
     hdr = (f"{'model':<10} {'config':<22} {'steps':>5} {'bare ms':>9} {'armed ms':>9} {'floor':>7} {'ratio':>7} {'paired':>7} "
-           f"{'spread b/a':>12} {'µs/tensor':>9} {'writer µs':>9} {'rows':>6} {'first ms':>9}")
+           f"{'spread b/a':>12} {'µs/tensor':>9} {'writer µs':>9} {'GIL µs':>7} {'rows':>6} {'first ms':>9}")
     print(hdr); print('-' * len(hdr))
     t_all = time.perf_counter()
     for n in names:
         steps = a.steps or MODELS[n][2 if a.quick else 1]
-        for (mn, label, bare, armed, floor, ratio, paired, sb, sa, us, wus, rows, first) in bench_model(n, cfgs, blocks, steps, warmup, warmup_s):
+        for (mn, label, bare, armed, floor, ratio, paired, sb, sa, us, wus, gil, rows, first) in bench_model(n, cfgs, blocks, steps, warmup, warmup_s):
             print(f"{mn:<10} {label:<22} {steps:5d} {bare*1e3:9.2f} {armed*1e3:9.2f} {floor:6.2f}x {ratio:7.2f}x {paired:6.2f}x "
-                  f"{sb*100:5.0f}%/{sa*100:3.0f}% {us:9.2f} {wus:9.2f} {rows:6.0f} {first*1e3:9.1f}", flush=True)
+                  f"{sb*100:5.0f}%/{sa*100:3.0f}% {us:9.2f} {wus:9.2f} {gil:7.2f} {rows:6.0f} {first*1e3:9.1f}", flush=True)
     print(f"\ntotal {time.perf_counter() - t_all:.0f} s")
     if torchEmber is not None:
         print(f"SQLite's own floor here: {sqlite_floor():.2f} µs of CPU a stats row (raw sqlite3 into the store's `stats` table, "

@@ -17,8 +17,9 @@ def test_ratios_of_both_configurations():
     ratios = [[float(t[:-1]) for t in r if t.endswith('x')] for r in rows]   # floor, ratio, paired
     assert all(len(x) == 3 and x[1] > 0 and x[2] > 0 for x in ratios)
     assert all(x[0] >= 1 for x in ratios)          # the floor: one read of the params and grads (the ratio may be under 1: noise)
-    us, writer, n, first = zip(*[map(float, r[-4:]) for r in rows])   # per tensor: training thread, writer; tensors a step; first step
+    us, writer, here, n, first = zip(*[map(float, r[-5:]) for r in rows])   # per tensor: training thread, writer, its in-process part; ...
     assert all(w > 0 for w in writer) and n[0] > 200 and n[1] < n[0] / 5, (writer, n)   # every step: 258 tensors; every=10: a tenth
+    assert all(0 < h <= w for h, w in zip(here, writer)), (here, writer)                 # the writer thread's part of the writer's CPU
     assert all(f > 0 for f in first), first          # a run's first step, timed apart before the clock
     machine = next(l for l in out.splitlines() if l.startswith('machine: '))
     assert 'cores' in machine and ' L' in machine, machine   # names the CPU, its cores and caches
