@@ -565,7 +565,7 @@ def _packed_layout(keys:list)->dict:
     return got
 
 def _insert_packed(c, head:tuple, keys:list, stats:np.ndarray):
-    "Insert a step's packed rows (`keys` and their `stats` matrix) into `stats`, after `head`: its layout's rows, stats filled in."
+    "Insert a step's packed rows (`keys` and their `stats` matrix) after `head`: its layout's rows with the stats put in."
     if not keys: return
     m = _packed_layout(keys)['row'].copy()
     m[:, :3], m[:, 9:9 + len(STAT_COLS)] = head, stats
@@ -587,6 +587,10 @@ def write_step(eng, run_id:int, step:int, rows:list, events:list=(), closed:bool
     write_steps(eng, run_id, [dict(step=step, rows=rows, events=events, closed=closed, events_step=events_step, training=training,
                                    iteration=iteration, kind=kind, calls=calls, scalars=scalars, snapshots=snapshots, pieces=pieces)], rank=rank)
 
+def _brings_rows(step:dict)->bool:
+    "Whether a step of `write_steps` brings stats rows: as `rows`, `pieces` or `packed`."
+    return bool(step.get('rows') or step.get('pieces') or (step.get('packed') or ((),))[0])
+
 def write_steps(eng, run_id:int, steps:list, rank:int=0):
     "Write several steps of `rank` (dicts of `write_step`'s arguments) in one transaction of `eng`."
     try:
@@ -606,8 +610,7 @@ def write_steps(eng, run_id:int, steps:list, rank:int=0):
                 if rows or keys or pieces or closed:
                     digest = packed_digest(keys, stats) if keys is not None else rows_digest(rows + pieces)
                     digests.append((*head, digest if closed else None))
-                    if keys is not None: _remember(c, run_id, rank, step, keys if closed and not pieces else None, stats)
-                    else: _remember(c, run_id, rank, step, rows if closed and not pieces else None)
+                    _remember(c, run_id, rank, step, (rows if keys is None else keys) if closed and not pieces else None, stats)
                 if calls := s.get('calls'): _insert_rows(c, calls_t, head, calls, replace=True)
                 if scalars := s.get('scalars'): _insert_rows(c, scalars_t, head, list(scalars.items()), replace=True)
                 if flows := s.get('flows'): _insert_rows(c, flows_t, head, flows, replace=True)
@@ -615,7 +618,8 @@ def write_steps(eng, run_id:int, steps:list, rank:int=0):
                     _executemany(c, snapshots_t, [(run_id, m, tt, tn, call, step, rank, *rest) for m, tt, tn, call, *rest in snapshots], replace=True)
                 events, events_step, training = s.get('events') or (), s.get('events_step'), s.get('training')
                 if events and events_step is None: _insert_rows(c, events_t, head, [(i, *e) for i, e in enumerate(events)])
-                if closed: closes.append((*head, time.time(), len(rows if keys is None else keys), step if events_step is None else events_step,
+                n = len(rows if keys is None else keys)
+                if closed: closes.append((*head, time.time(), n, step if events_step is None else events_step,
                                           None if training is None else int(training), s.get('iteration'), s.get('kind'),
                                           s.get('iteration_after'), None, None, None))   # the sums: set below, once the rows are in
             if digests: _executemany(c, digests_t, digests, replace=True)
@@ -625,8 +629,7 @@ def write_steps(eng, run_id:int, steps:list, rank:int=0):
                 params = dict(rid=run_id, st=max(r[1] for r in closes))
                 c.exec_driver_sql(sql, tuple(params[n] for n in order) if order else params)
             if pieced: merge_pieces(c, run_id, pieced)
-            if summed := sorted({s['step'] for s in steps if s.get('rows') or s.get('pieces') or (s.get('packed') or ((),))[0]}):
-                c.exec_driver_sql(_sums_sql(run_id, summed))
+            if summed := sorted({s['step'] for s in steps if _brings_rows(s)}): c.exec_driver_sql(_sums_sql(run_id, summed))
             if closes or summed: roll_up_closed(c, run_id, rank, [r[1] for r in closes], summed)
     except BaseException:   # nothing of it stored: the wider bins it folded in memory are not either
         _forget_wider(eng.engine if isinstance(eng, sa.Connection) else eng, run_id, [rank])
@@ -811,7 +814,7 @@ def _grouped(keys:tuple)->tuple:
     return g
 
 def module_values(rows:list, stats:np.ndarray=None)->tuple:
-    "`(keys, values)` of a step's `stats` rows (or packed keys and their `stats`): `(ttype, module_id)` keys, `module_steps_sql`'s 7 values."
+    "`(keys, values)` of a step's rows (or packed keys and `stats`): `(ttype, module_id)` keys, `module_steps_sql`'s values."
     if stats is None: uniq, order, starts = _grouped(tuple((r[2], r[0]) for r in rows))
     else:
         lay = _packed_layout(rows)
@@ -880,7 +883,7 @@ def _merged(a:np.ndarray, b:np.ndarray)->np.ndarray:
 _KEY_COLUMNS = {}   # id of a step's module keys -> (the keys, as an object array of two columns)
 
 def _bin_rows(rid:int, rank:int, width:int, keys:tuple, bins, which:np.ndarray=None)->list:
-    "`rollups` rows of bins `[(bin, values)]` of `width` steps, one a `(ttype, module_id)` of `keys` (`which` of them; NaN: NULL)."
+    "`rollups` rows of bins `[(bin, values)]` of `width` steps, one a `(ttype, module_id)` of `keys` (or `which`); NaN: NULL."
     if not keys: return []
     key = _KEY_COLUMNS.get(id(keys))
     if key is None or key[0] is not keys:
