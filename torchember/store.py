@@ -23,9 +23,9 @@ __all__ = ['SCHEMA_VERSION', 'MEMORY', 'metadata', 'STAT_COLS', 'Str', 'Size', '
            'snapshots_t', 'flows_t', 'VIEWS', 'RETIRED_RUN_ID', 'ROWS_PER_INSERT', 'ROLLUP_WIDTHS', 'THINNED',
            'KNOWN_MAX', 'LINGER_S', 'PENDING_STEPS', 'PENDING_BYTES', 'RETRY_S', 'EXIT_WAIT_S', 'default_db', 'db_url',
            'check_name', 'escaped', 'StoreError', 'engine', 'keyed_by_rank', 'create_run', 'drop_run', 'last_iteration',
-           'claim', 'release', 'rows_digest', 'packed_digest', 'write_step', 'write_steps', 'merge_pieces',
-           'module_steps_sql', 'roll_up', 'roll_up_closed', 'rolled_steps', 'thin_steps', 'module_values',
-           'idle_priority', 'store_busy', 'Writer']
+           'claim', 'release', 'rows_digest', 'packed_sums', 'packed_digest', 'write_step', 'write_steps',
+           'merge_pieces', 'module_steps_sql', 'roll_up', 'roll_up_closed', 'rolled_steps', 'thin_steps',
+           'module_values', 'idle_priority', 'store_busy', 'Writer']
 
 # %% ../nbs/02_store.ipynb #2b4773a6
 SCHEMA_VERSION = 2
@@ -576,6 +576,18 @@ def rows_digest(rows:list)->str|None:
     try: return hashlib.sha256(pickle.dumps(rows, protocol=5)).hexdigest()[:32]   # ~70 µs for an MLP's 258 rows, SHA in hardware
     except Exception: return None
 
+def packed_sums(keys:list, stats:np.ndarray)->tuple:
+    "`(weight_sq, grad_sq)` of a step's packed rows, as `_sums_sql` sums them (in key order; None where a norm is NULL)."
+    lay = _packed_layout(keys)
+    if 'sums' not in lay:   # the rows of each ttype in the order of the table's key, as SQLite reads them
+        order = sorted(range(len(keys)), key=lambda i: (keys[i][0], keys[i][1], keys[i][3]))   # module_id, call, tname
+        lay['sums'] = tuple(np.array([i for i in order if keys[i][2] == tt], dtype=np.intp) for tt in ('weight', 'weight_grad'))
+    out = []
+    for at in lay['sums']:
+        norms = stats[at, STAT_COLS.index('norm')]
+        out.append(None if not len(at) or np.isnan(norms).any() else sum((norms * norms).tolist()))
+    return tuple(out)
+
 def packed_digest(keys:list, stats:np.ndarray)->str:
     "`rows_digest` of packed rows: over their layout's keys, pickled once, and their stats' bytes."
     return hashlib.sha256(_packed_layout(keys)['pickled'] + np.ascontiguousarray(stats, dtype=np.float64).tobytes()).hexdigest()[:32]
@@ -594,7 +606,7 @@ def _brings_rows(step:dict)->bool:
 def write_steps(eng, run_id:int, steps:list, rank:int=0):
     "Write several steps of `rank` (dicts of `write_step`'s arguments) in one transaction of `eng`."
     try:
-        digests, closes, pieced = [], [], []
+        digests, closes, pieced, in_sql = [], [], [], set()
         with (nullcontext(eng) if isinstance(eng, sa.Connection) else eng.begin()) as c:
             if any(s.get('pieces') for s in steps) and c.dialect.name == 'postgresql':
                 c.exec_driver_sql('SELECT pg_advisory_xact_lock(%(k)s)', dict(k=_pg_key(run_id, -1)))   # merging ranks take turns
@@ -618,10 +630,12 @@ def write_steps(eng, run_id:int, steps:list, rank:int=0):
                     _executemany(c, snapshots_t, [(run_id, m, tt, tn, call, step, rank, *rest) for m, tt, tn, call, *rest in snapshots], replace=True)
                 events, events_step, training = s.get('events') or (), s.get('events_step'), s.get('training')
                 if events and events_step is None: _insert_rows(c, events_t, head, [(i, *e) for i, e in enumerate(events)])
-                n = len(rows if keys is None else keys)
+                n, sums = len(rows if keys is None else keys), (None, None, None)   # the sums of rows: set below, once they are in
+                if keys and closed and not pieces: sums = (*packed_sums(keys, stats), 1)
+                elif _brings_rows(s): in_sql.add(step)   # rows to sum in SQL, with any the step has already
                 if closed: closes.append((*head, time.time(), n, step if events_step is None else events_step,
                                           None if training is None else int(training), s.get('iteration'), s.get('kind'),
-                                          s.get('iteration_after'), None, None, None))   # the sums: set below, once the rows are in
+                                          s.get('iteration_after'), *sums))
             if digests: _executemany(c, digests_t, digests, replace=True)
             if closes:
                 _executemany(c, steps_t, closes)
@@ -629,7 +643,8 @@ def write_steps(eng, run_id:int, steps:list, rank:int=0):
                 params = dict(rid=run_id, st=max(r[1] for r in closes))
                 c.exec_driver_sql(sql, tuple(params[n] for n in order) if order else params)
             if pieced: merge_pieces(c, run_id, pieced)
-            if summed := sorted({s['step'] for s in steps if _brings_rows(s)}): c.exec_driver_sql(_sums_sql(run_id, summed))
+            if in_sql: c.exec_driver_sql(_sums_sql(run_id, sorted(in_sql)))
+            summed = sorted({s['step'] for s in steps if _brings_rows(s)})
             if closes or summed: roll_up_closed(c, run_id, rank, [r[1] for r in closes], summed)
     except BaseException:   # nothing of it stored: the wider bins it folded in memory are not either
         _forget_wider(eng.engine if isinstance(eng, sa.Connection) else eng, run_id, [rank])
