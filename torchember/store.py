@@ -549,20 +549,26 @@ def _insert_matrix(c, table:Table, m:np.ndarray, replace:bool=False):
     flat, w = m.ravel().tolist(), m.shape[1]
     for i, n, sql in _statements(c, table, replace, len(m)): _execute(c, sql, tuple(flat[i * w:(i + n) * w]))
 
+def _per_object(memo:dict, obj, make):
+    "`make(obj)`, worked out once per object `obj` (the same list step after step), kept in `memo` (emptied past 64)."
+    got = memo.get(id(obj))
+    if got is not None and got[0] is obj: return got[1]   # `obj` is kept with it, so its id is not another's meanwhile
+    if len(memo) > 64: memo.clear()
+    memo[id(obj)] = obj, (out := make(obj))
+    return out
+
 _PACKED = {}   # id of a list of packed keys -> (the list, what `_packed_layout` worked out of it)
 
 def _packed_layout(keys:list)->dict:
     "What writing the steps whose packed keys are the list `keys` needs of it, worked out once (`StepRecord.packed`)."
-    got = _PACKED.get(id(keys))
-    if got is not None and got[0] is keys: return got[1]
-    if len(_PACKED) > 64: _PACKED.clear()
-    row = np.empty((len(keys), len(stats_t.columns)), dtype=object)   # run_id, step, rank; six keys; the stats; extra, nbytes
-    if keys:
-        row[:, 3:9] = np.array([k[:6] for k in keys], dtype=object)
-        row[:, -1] = [k[6] for k in keys]
-    row[:, -2] = None
-    _PACKED[id(keys)] = keys, (got := dict(row=row, pickled=pickle.dumps(keys, protocol=5)))
-    return got
+    def make(keys):
+        row = np.empty((len(keys), len(stats_t.columns)), dtype=object)   # run_id, step, rank; six keys; the stats; extra, nbytes
+        if keys:
+            row[:, 3:9] = np.array([k[:6] for k in keys], dtype=object)
+            row[:, -1] = [k[6] for k in keys]
+        row[:, -2] = None
+        return dict(row=row, pickled=pickle.dumps(keys, protocol=5))
+    return _per_object(_PACKED, keys, make)
 
 def _insert_packed(c, head:tuple, keys:list, stats:np.ndarray):
     "Insert a step's packed rows (`keys` and their `stats` matrix) after `head`: its layout's rows with the stats put in."
@@ -601,7 +607,8 @@ def write_step(eng, run_id:int, step:int, rows:list, events:list=(), closed:bool
 
 def _brings_rows(step:dict)->bool:
     "Whether a step of `write_steps` brings stats rows: as `rows`, `pieces` or `packed`."
-    return bool(step.get('rows') or step.get('pieces') or (step.get('packed') or ((),))[0])
+    packed = step.get('packed')
+    return bool(step.get('rows') or step.get('pieces') or packed is not None and packed[0])
 
 def write_steps(eng, run_id:int, steps:list, rank:int=0):
     "Write several steps of `rank` (dicts of `write_step`'s arguments) in one transaction of `eng`."
@@ -620,8 +627,8 @@ def write_steps(eng, run_id:int, steps:list, rank:int=0):
                     _insert_rows(c, shards_t, head, pieces, replace=True)
                     pieced.append(step)
                 if rows or keys or pieces or closed:
-                    digest = packed_digest(keys, stats) if keys is not None else rows_digest(rows + pieces)
-                    digests.append((*head, digest if closed else None))
+                    digest = None if not closed else packed_digest(keys, stats) if keys is not None else rows_digest(rows + pieces)
+                    digests.append((*head, digest))
                     _remember(c, run_id, rank, step, (rows if keys is None else keys) if closed and not pieces else None, stats)
                 if calls := s.get('calls'): _insert_rows(c, calls_t, head, calls, replace=True)
                 if scalars := s.get('scalars'): _insert_rows(c, scalars_t, head, list(scalars.items()), replace=True)
@@ -900,11 +907,8 @@ _KEY_COLUMNS = {}   # id of a step's module keys -> (the keys, as an object arra
 def _bin_rows(rid:int, rank:int, width:int, keys:tuple, bins, which:np.ndarray=None)->list:
     "`rollups` rows of bins `[(bin, values)]` of `width` steps, one a `(ttype, module_id)` of `keys` (or `which`); NaN: NULL."
     if not keys: return []
-    key = _KEY_COLUMNS.get(id(keys))
-    if key is None or key[0] is not keys:
-        if len(_KEY_COLUMNS) > 64: _KEY_COLUMNS.clear()
-        key = _KEY_COLUMNS[id(keys)] = (keys, np.array(keys, dtype=object).reshape(len(keys), 2))
-    key, rows = key[1] if which is None else key[1][which], []
+    key = _per_object(_KEY_COLUMNS, keys, lambda keys: np.array(keys, dtype=object).reshape(len(keys), 2))
+    key, rows = key if which is None else key[which], []
     for b, agg in bins:
         if which is not None: agg = agg[which]
         m = np.empty((len(key), 15), dtype=object)   # filled by numpy, column by column: no Python per value
