@@ -511,7 +511,7 @@ def _root_post(self:Capture, mod, args, out):
 @patch
 def _pre(self:Capture, mi, mod, args, kwargs, inference:bool=False):
     if not self._open or self._skip or _graph_task() != -1: return   # not recomputation in a backward
-    if _set_aside():
+    if (_inference_on() or _transforms_on()) and _set_aside():        # the cheap test first: this runs on every module call
         inference = _inference_on()
         with _normal_mode(): return self._pre(mi, mod, args, kwargs, inference)
     c = self._calls[mi]
@@ -519,7 +519,8 @@ def _pre(self:Capture, mi, mod, args, kwargs, inference:bool=False):
     stack = self._stack
     stack.append((mi, c))
     self._events.append((ENTER, mi, c))
-    ins = named_inputs(args, kwargs, self.sigs[mi])
+    if not kwargs and len(args) == 1 and isinstance(a := args[0], torch.Tensor) and (pos := self.sigs[mi][0]): ins = [(pos[0], a)]
+    else: ins = named_inputs(args, kwargs, self.sigs[mi])
     self._keep(mi, c, 'input', ins)
     if self.timing or self.io_grad: self._watch_grads(mi, c, 'input_grad', ins)
     if self.timing:   # the last item: the timing of the call around this one (None for the outermost)
@@ -529,7 +530,7 @@ def _pre(self:Capture, mi, mod, args, kwargs, inference:bool=False):
 @patch
 def _post(self:Capture, mi, mod, args, out):
     if not self._open or self._skip or not self._stack or _graph_task() != -1: return
-    if _set_aside():
+    if (_inference_on() or _transforms_on()) and _set_aside():
         with _normal_mode(): return self._post(mi, mod, args, out)
     c = self._stack.pop()[1]
     if self.timing and (mi, c) in self._times: self._times[mi, c][2] = self.clock()
@@ -545,37 +546,43 @@ WATCH_BYTES = 2**26                # bytes of activations a forward's hooks watc
 @patch
 def _keep(self:Capture, mi, c, ttype, named):
     "Hand tensors `named` of call `c` of module `mi` to the recorder, or keep them to be handed over together (see above)."
-    rec = self.recorder.tensor
     eager = self._eager.get(mi)
-    if eager is not False or not self._keeping or _transforms_on():
+    if eager is False and self._keeping and not _transforms_on():
+        kept = self._kept
         for name, t in named:
-            rec(mi, c, ttype, name, t)
-            if eager is None and self._watch_room > 0:   # watched till the forward's end (freed before, it could have changed)
-                try:
-                    if (n := t.nbytes) <= KEEP_BYTES: self._watched.append((mi, t, t._version)); self._watch_room -= n
-                except Exception: pass   # an inference tensor: no version counter
+            try:
+                if t.nbytes <= KEEP_BYTES:
+                    kept.append((mi, c, ttype, name, t, t._version))
+                    continue
+            except Exception: pass   # no version counter (an inference tensor), or no plain size
+            self.recorder.tensor(mi, c, ttype, name, t)
+        if len(kept) >= KEEP_MAX: self._measure_kept(ended=False)
         return
-    kept = self._kept
+    rec = self.recorder.tensor
     for name, t in named:
-        try:
-            if t.nbytes <= KEEP_BYTES:
-                kept.append((mi, c, ttype, name, t, t._version))
-                continue
-        except Exception: pass   # no version counter (an inference tensor), or no plain size
         rec(mi, c, ttype, name, t)
-    if len(kept) >= KEEP_MAX: self._measure_kept(ended=False)
+        if eager is None and self._watch_room > 0:   # watched till the forward's end (freed before, it could have changed)
+            try:
+                if (n := t.nbytes) <= KEEP_BYTES: self._watched.append((mi, t, t._version)); self._watch_room -= n
+            except Exception: pass   # an inference tensor: no version counter
 
 @patch
 def _measure_kept(self:Capture, ended:bool=True):
     "Hand the kept tensors to the recorder (an empty row for one changed since its hook); `ended`: learn from the watched."
     kept, self._kept = self._kept, []
     watched, self._watched = (self._watched, []) if ended else ((), self._watched)
-    rec = self.recorder.tensor
-    for mi, c, ttype, name, t, v in kept:
-        if t._version == v: rec(mi, c, ttype, name, t)
-        else:
-            self._eager[mi] = True
-            (getattr(self.recorder, 'changed', None) or rec)(mi, c, ttype, name, t)   # a recorder that can't say so: measured as it is
+    rec, many = self.recorder.tensor, getattr(self.recorder, 'tensors', None)   # a recorder of one's own may lack `tensors`
+    fresh = []
+    for item in kept:
+        if item[4]._version == item[5]:
+            if many is None: rec(*item[:5])
+            else: fresh.append(item)
+            continue
+        if fresh: many(fresh); fresh = []
+        mi, c, ttype, name, t, v = item
+        self._eager[mi] = True
+        (getattr(self.recorder, 'changed', None) or rec)(mi, c, ttype, name, t)   # a recorder that can't say so: measured as it is
+    if fresh: many(fresh)
     for mi, t, v in watched:
         if t._version != v: self._eager[mi] = True
         else: self._eager.setdefault(mi, False)

@@ -7,6 +7,7 @@ Docs: https://torchember.github.io/torchember/native.html.md"""
 # %% ../nbs/00a_native.ipynb #4ac8202a
 from __future__ import annotations
 import ctypes, hashlib, json, os, platform, shutil, statistics, subprocess, tempfile, threading, time, warnings
+from array import array
 from pathlib import Path
 import numpy as np
 import torch
@@ -233,6 +234,15 @@ extern "C" int torchember_moments1(void* ptr, int64_t n, int8_t kind, double* ou
   torchember_moments(&ptr, &n, &kind, 1, out, threads);
   return isfinite(out[1]) || out[6] + out[7] > 0;
 }
+
+/* Many tensors: the same as `torchember_moments`; how many of their rows are incomplete. */
+extern "C" int64_t torchember_moments_rows(void* const* ptrs, const int64_t* ns, const int8_t* kinds, int64_t k,
+                                           double* out, int64_t threads) {
+  torchember_moments(ptrs, ns, kinds, k, out, threads);
+  int64_t incomplete = 0;
+  for (int64_t j = 0; j < k; j++) incomplete += !(isfinite(out[8 * j + 1]) || out[8 * j + 6] + out[8 * j + 7] > 0);
+  return incomplete;
+}
 '''
 
 # %% ../nbs/00a_native.ipynb #16b7973a
@@ -315,6 +325,7 @@ def _load()->ctypes.CDLL:
             lib.torchember_moments1.argtypes = [P, I64, I8, P, I64]
             lib.torchember_moments.restype = lib.torchember_use_openmp.restype = None
             lib.torchember_moments1.restype = ctypes.c_int
+            lib.torchember_moments_rows.argtypes, lib.torchember_moments_rows.restype = [P, P, P, I64, P, I64], I64
             lib.torchember_use_openmp.argtypes = [P, P, P]
             try: rt = openmp_runtime()
             except Exception: rt = None
@@ -461,7 +472,7 @@ class MomentRows:
     def __init__(self, capacity:int=256):
         lib = library()
         if lib is None: raise RuntimeError("the native moments kernel is not available")
-        self._kernel, self.n = lib.torchember_moments1, 0
+        self._kernel, self._many, self.n = lib.torchember_moments1, lib.torchember_moments_rows, 0
         self._per, self._threads = PER_THREAD if lib.openmp else PER_STARTED, torch.get_num_threads()
         self._use(torch.empty((max(capacity, 1), 8), dtype=torch.float64))
 
@@ -479,6 +490,22 @@ class MomentRows:
         finite = self._kernel(t.data_ptr(), n, kind, self._ptr + 64 * i, threads)
         self.n = i + 1
         return bool(finite)
+
+    def take_many(self,
+                  ptrs:array,      # data pointers (`array('Q')`) of dense tensors the kernel reads, kept alive by the caller
+                  ns:array,        # their element counts (`array('q')`), none of them 0
+                  kinds:bytearray, # their dtypes' codes (`KINDS`)
+                 )->list:          # the incomplete ones among them (indices into `ptrs`)
+        "Moments of many tensors into the next rows, in one call; which rows are incomplete (overflowed float64 sums)."
+        k, i = len(ns), self.n
+        while i + k > self._cap: self._grow()
+        total = sum(ns)
+        threads = 1 if total < 2 * self._per else min(self._threads, total // self._per)
+        bad = self._many(ptrs.buffer_info()[0], ns.buffer_info()[0], bytes(kinds), k, self._ptr + 64 * i, threads)
+        self.n = i + k
+        if not bad: return []
+        m = self._buf[i:i + k]
+        return (~torch.isfinite(m[:, 1]) & (m[:, 6] + m[:, 7] == 0)).nonzero().flatten().tolist()
 
     def __setitem__(self, i:int, m:torch.Tensor): self._buf[i] = m
     def __len__(self): return self.n

@@ -7,6 +7,7 @@ Docs: https://torchember.github.io/torchember/stats.html.md"""
 # %% ../nbs/01_stats.ipynb #57cf6cb2
 from __future__ import annotations
 import json, math, os, time, warnings, weakref
+from array import array
 from functools import partial
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -375,7 +376,7 @@ _STEP_STATE = ('rec', '_groups', '_pieces', '_nm', '_seen', '_xvals', '_weights'
                '_later', '_watch', '_held', '_batch', '_nat', '_spent', '_t0')
 
 # %% ../nbs/01_stats.ipynb #a3561aa6
-_DTYPES = {}
+_DTYPES, _PLAIN = {}, native._PLAIN
 def dtype_name(t:torch.Tensor)->str:
     "`t`'s dtype without the `torch.` prefix."
     d = t.dtype
@@ -523,6 +524,42 @@ def _run_custom(self, fn, t, mi, ttype, tname):
         if isinstance(v, tuple): self._xvals.append(v[1])
     self.rec.extras.append(d)
     return len(self.rec.extras) - 1
+
+# %% ../nbs/01_stats.ipynb #10c129b5
+@patch_to(Recorder)
+def tensors(self, items:list):
+    "Record `(mi, call, ttype, tname, t, version)` items, unchanged since version: plain CPU ones in one native call."
+    if not self._nat or self.on_tensor is not None or _transforms_on():
+        for it in items: self.tensor(*it[:5])
+        return
+    keys, seen, fns, kind_of, large = self.rec.keys, self._seen, self.stat_fns, native._kind, native.LARGE
+    ptrs, ns, kinds, rows, taken = array('Q'), array('q'), bytearray(), [], []
+    for mi, call, ttype, tname, t, version in items:
+        fn, key = fns[ttype], id(t)
+        s = seen.get(key)
+        if s is not None and s[0]() is t and s[1] == version and s[2] is fn:
+            prev = keys[s[3]]
+            keys.append((mi, call, ttype, tname, prev[4], prev[5], prev[6], prev[7]))
+        elif fn is not default_stats or (kind := kind_of(t)) < 0 or not 0 < (n := t.numel()) < large or not t.is_contiguous():
+            self.tensor(mi, call, ttype, tname, t)
+        else:
+            seen[key] = (weakref.ref(t), version, fn, len(keys))
+            rows.append(row := self._nm)
+            self._nm = row + 1
+            ptrs.append(t.data_ptr()); ns.append(n); kinds.append(kind); taken.append(t)
+            keys.append((mi, call, ttype, tname, tuple(t.shape), dtype_name(t), row, -1))
+    if not rows: return
+    d = self._direct
+    if d is None: d = self._direct = native.MomentRows()
+    i = len(d)
+    try:
+        for j in d.take_many(ptrs, ns, kinds): d[i + j] = _counted(taken[j])   # an overflowed float64 sum
+    except Exception as e:
+        self._failed("the native kernel", e)
+        d.n = i
+        self._pieces.append((rows, _unmeasured(None).expand(len(rows), 8)))
+        return
+    self._direct_rows += rows
 
 # %% ../nbs/01_stats.ipynb #ee492e67
 SLOW_FRACTION, SLOW_S, SLOW_STEPS = 0.5, 0.1, 2
@@ -740,7 +777,6 @@ def _plan(batches, nat:bool=False)->tuple:
     return metas, natives, native.Batch(nts) if nts else None, list(groups.values()), large, other, {}   # memo: Triton's layout
 
 _PLANS = {}
-_PLAIN = native._PLAIN
 
 @patch_to(Recorder)
 def _planned(self, batches):
