@@ -14,8 +14,8 @@ import torch
 
 # %% auto #0
 __all__ = ['SOURCE', 'FLAGS', 'KINDS', 'PER_THREAD', 'PER_STARTED', 'LARGE', 'compiler', 'cache_dir', 'cpu_id', 'build',
-           'openmp_runtime', 'library', 'use_openmp', 'supports', 'Batch', 'moments', 'torch_moments', 'measure_large',
-           'large_choice', 'large_native', 'MomentRows']
+           'openmp_runtime', 'library', 'use_openmp', 'supports', 'dense', 'Batch', 'moments', 'torch_moments',
+           'measure_large', 'large_choice', 'large_native', 'MomentRows']
 
 # %% ../nbs/00a_native.ipynb #d6fadc1c
 SOURCE = r'''#include <stdint.h>
@@ -374,10 +374,18 @@ def supports(t:torch.Tensor)->bool:
     "Whether `moments` reads `t`: a plain dense non-empty CPU tensor of a `KINDS` dtype (a large one only if `large_native`)."
     return _kind(t) >= 0 and 0 < (n := t.numel()) and (n < LARGE or large_native())
 
+def dense(t:torch.Tensor)->bool:
+    "Whether `t`'s elements fill one block of memory from its first element's address, in some order."
+    if t.is_contiguous(): return True
+    at = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
+        if stride != at: return False
+        at *= size
+    return True
+
 def _dense(t:torch.Tensor)->torch.Tensor:
-    "`t` if its memory holds exactly its elements, else a contiguous copy."
-    if t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)): return t
-    return t.contiguous()
+    "`t` if its memory holds exactly its elements (a permuted view, channels-last: read where they lie), else a contiguous copy."
+    return t if t.is_contiguous() or dense(t) else t.contiguous()
 
 # %% ../nbs/00a_native.ipynb #12f535f1
 class Batch:

@@ -540,7 +540,7 @@ def tensors(self, items:list):
         if s is not None and s[0]() is t and s[1] == version and s[2] is fn:
             prev = keys[s[3]]
             keys.append((mi, call, ttype, tname, prev[4], prev[5], prev[6], prev[7]))
-        elif fn is not default_stats or (kind := kind_of(t)) < 0 or not 0 < (n := t.numel()) < large or not t.is_contiguous():
+        elif fn is not default_stats or (kind := kind_of(t)) < 0 or not 0 < (n := t.numel()) < large or not native.dense(t):
             self.tensor(mi, call, ttype, tname, t)
         else:
             seen[key] = (weakref.ref(t), version, fn, len(keys))
@@ -682,7 +682,7 @@ def _on_device(self, ts:list, rows:list, memo:dict=None)->bool:
     if tm is None or any(type(t) not in _PLAIN for t in ts): return False
     dev = ts[0].device
     p, done = self._parts.get(dev) or self._parts.setdefault(dev, (tm.Partials(dev), []))
-    ts = [t if tm.dense(t) else t.contiguous() for t in ts]   # a permuted view is read where it lies
+    ts = [native._dense(t) for t in ts]   # a permuted view is read where it lies
     try:
         if len(ts) == 1: p.add(ts[0]); order = [0]
         else: order = p.add_many(ts, memo)

@@ -11,9 +11,10 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
+from .native import dense
 
 # %% auto #0
-__all__ = ['INTERPRETED', 'BLOCK', 'MAXG', 'SPAN', 'WARPS', 'WIDTH', 'DTYPES', 'CAP', 'dense', 'programs', 'Partials']
+__all__ = ['INTERPRETED', 'BLOCK', 'MAXG', 'SPAN', 'WARPS', 'WIDTH', 'DTYPES', 'CAP', 'programs', 'Partials']
 
 # %% ../nbs/00b_triton_moments.ipynb #f23d6ebb
 def _interpreter_fix():
@@ -121,15 +122,6 @@ def _finish(part, segs, out, R: tl.constexpr):
 DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32, torch.float64: tl.float64}
 CAP = 2**15      # partial rows a buffer holds (2 MiB); a step needing more starts another
 _LAYOUTS = {}     # (dtypes, sizes) of a list -> its memo: how `add_many` classes it
-
-def dense(t:torch.Tensor)->bool:
-    "Whether `t`'s elements fill one block of memory from its first element's address, in some order."
-    if t.is_contiguous(): return True
-    at = 1
-    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
-        if stride != at: return False
-        at *= size
-    return True
 
 def programs(n:int, size:int)->int:
     "Programs a tensor of `n` elements of `size` bytes is shared out over."
