@@ -250,7 +250,7 @@ def _off(obj, *names):
         setattr(obj, n, lambda *a, **k: None)
 
 def _no_writer(h): _off(h.recorder, 'emit')               # records dropped before they reach the writer thread
-def _no_activations(h): _off(h.recorder, 'tensor')        # inputs and outputs not measured
+def _no_activations(h): _off(h.recorder, 'tensor', 'tensors')   # inputs and outputs not measured
 def _no_params(h): _off(h.recorder, 'params')             # weights and grads not measured
 def _empty_hooks(h): _off(h.capture, '_pre', '_post')     # module hooks called, doing nothing
 

@@ -379,7 +379,8 @@ def _hook_dicts(m:nn.Module)->tuple:
 @patch
 def _key_taken(self:Capture, key:int)->bool:
     "Whether a hook of the model already sits under `key` (unpickled hooks keep the keys of the process that saved them)."
-    return (any(key in d for m, _, _ in self._made for d in _hook_dicts(m))
+    # torch keys a with-kwargs or always-called hook in `_forward_pre_hooks` and `_forward_hooks` too: those two tell
+    return (any(key in m._forward_pre_hooks or key in m._forward_hooks for m, _, _ in self._made)
             or any(p._post_accumulate_grad_hooks is not None and key in p._post_accumulate_grad_hooks for p in self.hooked()))
 
 @patch
