@@ -54,3 +54,35 @@ def test_a_module_that_changes_in_place_only_sometimes_leaves_one_empty_row_and_
     lin = df[(df.module == 'lin') & (df.ttype == 'output')].set_index('step')
     assert len(said) == 1 and list(lin.index) == [0, 1, 2, 3, 4]
     assert math.isnan(lin.loc[2, 'mean']) and lin.drop(index=2)['mean'].notna().all()   # that step's row: its key, no stats
+
+class Mixed(nn.Module):
+    "Outputs of every sort the batched read must sort out: a permuted view, float64, ints, an Inf, a dict, a repeat."
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+    def forward(self, x):
+        y = self.lin(x)
+        big = y.detach().double() * 1e3
+        big[0, 0] = float('inf')
+        return {'t': y.t(), 'big': big, 'ids': torch.arange(5), 'same': y, 'y': y * 2}
+
+def test_kept_activations_read_together_give_the_stats_read_one_by_one(tmp_path, monkeypatch):
+    def run(keep):
+        monkeypatch.setenv('TORCHEMBER_KEEP', keep)
+        torch.manual_seed(0)
+        net = nn.Sequential(Mixed())
+        t = torchEmber(net, run=f'keep{keep}', db=str(tmp_path/f'k{keep}.db'))
+        for _ in range(4): sum(v.float().sum() for v in net(torch.randn(3, 6)).values() if v.requires_grad).backward()
+        t.flush()
+        df = t.df()
+        kept = t.capture._eager.get(t.capture.names.index('0'))
+        t.disarm()
+        cols = ['step', 'module', 'ttype', 'tname', 'shape', 'dtype', 'numel', 'mean', 'std', 'min', 'max', 'norm', 'zero_frac', 'nan_count', 'inf_count']
+        return df[df.ttype.isin(['input', 'output'])][[c for c in cols if c in df]].sort_values(['step', 'module', 'ttype', 'tname']).reset_index(drop=True), kept
+    together, kept = run('1')
+    one_by_one, _ = run('0')
+    assert kept is False                           # the module's tensors were kept, and read in one call from step 1 on
+    assert len(together) == 4 * 14              # a step: the root's, the Sequential's and Mixed's input and 5 outputs, the Linear's 2
+    assert together[together.tname == 'output.big']['inf_count'].eq(1).all() and together['mean'].notna().sum() >= 4 * 12
+    import pandas as pd
+    pd.testing.assert_frame_equal(together, one_by_one)
