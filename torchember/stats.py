@@ -529,7 +529,8 @@ def _run_custom(self, fn, t, mi, ttype, tname):
 @patch_to(Recorder)
 def tensors(self, items:list):
     "Record `(mi, call, ttype, tname, t, version)` items, unchanged since version: plain CPU ones in one native call."
-    if not self._nat or self.on_tensor is not None or _transforms_on():
+    if not items: return
+    if not self._nat or self.on_tensor is not None or _transforms_on() or not items[0][4].is_cpu:   # an accelerator's: batched by `tensor`
         for it in items: self.tensor(*it[:5])
         return
     keys, seen, fns, kind_of, large = self.rec.keys, self._seen, self.stat_fns, native._kind, native.LARGE
