@@ -384,7 +384,7 @@ def dense(t:torch.Tensor)->bool:
     return True
 
 def _dense(t:torch.Tensor)->torch.Tensor:
-    "`t` if its memory holds exactly its elements (a permuted view, channels-last: read where they lie), else a contiguous copy."
+    "`t` where its memory holds exactly its elements (a permuted view, channels-last), else a contiguous copy."
     return t if t.is_contiguous() or dense(t) else t.contiguous()
 
 # %% ../nbs/00a_native.ipynb #12f535f1
