@@ -11,7 +11,6 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
-from .native import dense
 
 # %% auto #0
 __all__ = ['INTERPRETED', 'BLOCK', 'MAXG', 'SPAN', 'WARPS', 'WIDTH', 'DTYPES', 'CAP', 'programs', 'Partials']
