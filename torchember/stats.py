@@ -530,9 +530,10 @@ def _run_custom(self, fn, t, mi, ttype, tname):
 def tensors(self, items:list):
     "Record `(mi, call, ttype, tname, t, version)` items, unchanged since version: plain CPU ones in one native call."
     if not items: return
-    if not self._nat or self.on_tensor is not None or _transforms_on() or not items[0][4].is_cpu:   # an accelerator's: batched by `tensor`
+    if self.on_tensor is not None or _transforms_on():
         for it in items: self.tensor(*it[:5])
         return
+    if not self._nat or not items[0][4].is_cpu: return self._launched(items)   # an accelerator's
     keys, seen, fns, kind_of, large = self.rec.keys, self._seen, self.stat_fns, native._kind, native.LARGE
     ptrs, ns, kinds, rows, taken = array('Q'), array('q'), bytearray(), [], []
     for mi, call, ttype, tname, t, version in items:
@@ -561,6 +562,32 @@ def tensors(self, items:list):
         self._pieces.append((rows, _unmeasured(None).expand(len(rows), 8)))
         return
     self._direct_rows += rows
+
+@patch_to(Recorder)
+def _launched(self, items:list):
+    "Record kept items of Triton's devices: plain float ones with default stats launched per device, the rest by `tensor`."
+    if not self._batch:   # `TORCHEMBER_LATER=0`: each read as at its hook
+        for it in items: self.tensor(*it[:5])
+        return
+    keys, seen, fns, nat, on = self.rec.keys, self._seen, self.stat_fns, self._nat, {}
+    for mi, call, ttype, tname, t, version in items:
+        fn, key = fns[ttype], id(t)
+        s = seen.get(key)
+        if s is not None and s[0]() is t and s[1] == version and s[2] is fn:
+            prev = keys[s[3]]
+            keys.append((mi, call, ttype, tname, prev[4], prev[5], prev[6], prev[7]))
+        elif (fn is default_stats and type(t) in _PLAIN and t.dtype in FLOATS and (dev := t.device).type in TRITON_DEVICES
+              and not (nat and dev.type == 'cpu') and t.layout == torch.strided and not t.is_nested):
+            seen[key] = (weakref.ref(t), version, fn, len(keys))
+            row = self._nm
+            self._nm = row + 1
+            ts, rows = on.get(dev) or on.setdefault(dev, ([], []))
+            ts.append(t.detach()); rows.append(row)
+            keys.append((mi, call, ttype, tname, tuple(t.shape), dtype_name(t), row, -1))
+        else: self.tensor(mi, call, ttype, tname, t)
+    for ts, rows in on.values():
+        if not self._on_device(ts, rows):   # Triton failed: the eager kernels read them now
+            for t, r in zip(ts, rows): self._default(t, copy=False, row=r)
 
 # %% ../nbs/01_stats.ipynb #ee492e67
 SLOW_FRACTION, SLOW_S, SLOW_STEPS = 0.5, 0.1, 2
