@@ -6,7 +6,7 @@ Docs: https://torchember.github.io/torchember/triton_moments.html.md"""
 
 # %% ../nbs/00b_triton_moments.ipynb #abda46d7
 from __future__ import annotations
-import itertools, os
+import os
 import numpy as np
 import torch
 import triton
@@ -126,14 +126,24 @@ def programs(n:int, size:int)->int:
     "Programs a tensor of `n` elements of `size` bytes is shared out over."
     return min(-(-n // (BLOCK * SPAN[size])), MAXG)   # plain ints: `triton.cdiv` from Python costs ~2 µs a call
 
-def _ints(rows:list, width:int)->torch.Tensor:
-    "Tuples `rows` of `width` ints as an int64 host tensor of `width` columns, read by NumPy (faster than `torch.tensor`)."
-    flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=width * len(rows))
-    return torch.from_numpy(flat).view(len(rows), width)
-
 def _up(x:torch.Tensor, device:torch.device)->torch.Tensor:
     "Host tensor `x` on `device`, copied from pinned memory without waiting."
     return x if device.type == 'cpu' else x.pin_memory().to(device, non_blocking=True)
+
+def _layout(ts:list)->tuple:
+    "How `Partials.add_many` launches a list like `ts`: `(len, [(dtype, programs, tensors, segments)], order, sizes)`."
+    classes = {}
+    for i, t in enumerate(ts):
+        n = t.numel()
+        g = programs(n, t.element_size())
+        classes.setdefault((t.dtype, g.bit_length()), []).append((i, n, g))
+    launches, order, ns = [], [], []
+    for (dtype, _), ms in classes.items():   # a launch a class; its segments' first rows from the buffer's first free one
+        g = max(g for _, _, g in ms)
+        launches.append((dtype, g, len(ms), np.array([(k * g, g, n) for k, (_, n, _) in enumerate(ms)], dtype=np.int64)))
+        order += [i for i, _, _ in ms]
+        ns += [n for _, n, _ in ms]
+    return len(ts), launches, order, np.array(ns, dtype=np.int64)
 
 class Partials:
     "A step's partial moments on one device: tensors are read as they come, `finish` reduces them to a row each."
@@ -152,7 +162,7 @@ class Partials:
         g = programs(n, size)
         self._room(g)
         if g: _one[(g,)](t, n, self.buf, self.used, g, BLOCK=BLOCK, num_warps=WARPS[size])
-        self.segs.append((self.used, g, n))
+        self.segs.append(np.array(((self.used, g, n),), dtype=np.int64))
         self.used += g
 
     def add_many(self, ts:list, memo:dict=None)->list:
@@ -169,25 +179,17 @@ class Partials:
             if len(_LAYOUTS) > 256: _LAYOUTS.clear()
             memo = _LAYOUTS.setdefault(key, {})
         layout = memo.get('layout')   # a caller's memo: lists of these dtypes and sizes
-        if layout is None or layout[0] != len(ts):
-            classes = {}
-            for i, t in enumerate(ts):
-                n = t.numel()
-                g = programs(n, t.element_size())
-                classes.setdefault((t.dtype, g.bit_length()), []).append((i, n, g))
-            layout = (len(ts), classes, [m for ms in classes.values() for m in ms])   # members: one table for every class
-            memo['layout'] = layout
-        _, classes, members = layout
-        table = _up(_ints([(ts[i].data_ptr(), n) for i, n, _ in members], 2), self.device)
-        order, at = [], 0
-        for (dtype, _), ms in classes.items():
-            g = max(g for _, _, g in ms)
-            self._room(g * len(ms))
-            if g: _many[(len(ms), g)](table[at:], self.buf, self.used, g, DT=DTYPES[dtype], BLOCK=BLOCK, num_warps=WARPS[dtype.itemsize])
-            self.segs += [(self.used + k * g, g, n) for k, (_, n, _) in enumerate(ms)]
-            self.used += g * len(ms)
-            order += [i for i, _, _ in ms]
-            at += len(ms)
+        if layout is None or layout[0] != len(ts): layout = memo['layout'] = _layout(ts)
+        _, launches, order, ns = layout
+        table = np.empty((len(order), 2), dtype=np.int64)
+        table[:, 0], table[:, 1] = [ts[i].data_ptr() for i in order], ns
+        table, at = _up(torch.from_numpy(table), self.device), 0
+        for dtype, g, k, segs in launches:
+            self._room(g * k)
+            if g: _many[(k, g)](table[at:], self.buf, self.used, g, DT=DTYPES[dtype], BLOCK=BLOCK, num_warps=WARPS[dtype.itemsize])
+            self.segs.append(segs + (self.used, 0, 0))
+            self.used += g * k
+            at += k
         return order
 
     def finish(self)->torch.Tensor:
@@ -195,8 +197,9 @@ class Partials:
         parts = self.full + ([(self.buf, self.segs)] if self.segs else [])
         outs = []
         for buf, segs in parts:
+            segs = torch.from_numpy(np.concatenate(segs))
             out = torch.empty((len(segs), 8), dtype=torch.float64, device=self.device)
-            _finish[(len(segs),)](buf, _up(_ints(segs, 3), self.device), out, R=128)
+            _finish[(len(segs),)](buf, _up(segs, self.device), out, R=128)
             outs.append(out)
         self.full, self.buf, self.used, self.segs = [], None, 0, []
         if not outs: return torch.empty((0, 8), dtype=torch.float64, device=self.device)
