@@ -86,3 +86,38 @@ def test_kept_activations_read_together_give_the_stats_read_one_by_one(tmp_path,
     assert together[together.tname == 'output.big']['inf_count'].eq(1).all() and together['mean'].notna().sum() >= 4 * 12
     import pandas as pd
     pd.testing.assert_frame_equal(together, one_by_one)
+
+def _meta_run(tmp_path, monkeypatch, keep, name):
+    "Three steps of a model on the meta device (an accelerator's stand-in: not the CPU) with 2 MiB activations."
+    monkeypatch.setenv('TORCHEMBER_KEEP', keep)
+    net = nn.Sequential(nn.Linear(1024, 1024), nn.GELU(), nn.Linear(1024, 1024), nn.Linear(1024, 8)).to('meta')
+    t = torchEmber(net, run=name, db=str(tmp_path/f'{name}.db'))
+    handed, tensors = [], t.capture.recorder.tensors
+    t.capture.recorder.tensors = lambda items: handed.append([it[4].nbytes for it in items]) or tensors(items)
+    for _ in range(3): net(torch.randn(512, 1024, device='meta')).sum().backward()
+    t.flush()
+    df = t.df()
+    eager = dict(t.capture._eager)
+    t.disarm()
+    cols = ['step', 'module', 'ttype', 'tname', 'call', 'shape', 'dtype', 'numel']
+    return df[cols].sort_values(cols[:5]).reset_index(drop=True), handed, eager
+
+def test_an_accelerators_activations_are_kept_whatever_their_size(tmp_path, monkeypatch):
+    "Off the CPU, activations over `KEEP_BYTES` are kept too and handed over together, with the keys read at hooks give."
+    import pandas as pd
+    from torchember import core
+    kept, handed, eager = _meta_run(tmp_path, monkeypatch, '1', 'kept')
+    at_hooks, none, _ = _meta_run(tmp_path, monkeypatch, '0', 'hooks')
+    assert set(eager.values()) == {False} and none == []
+    assert len(handed) == 2 and max(handed[0]) > core.KEEP_BYTES      # steps 1 and 2, 2 MiB tensors among them
+    pd.testing.assert_frame_equal(kept, at_hooks)
+
+def test_an_accelerators_kept_activations_are_handed_over_within_the_held_bytes(tmp_path, monkeypatch):
+    "No more than `held_cap` bytes of an accelerator's activations wait: past it, those kept are handed over."
+    from torchember import core
+    monkeypatch.setattr(core, 'WATCH_BYTES', 1)
+    monkeypatch.setattr(core, 'HELD_BYTES', 5 * 2**20)
+    monkeypatch.setattr(core, '_CAPS', {})
+    _, handed, eager = _meta_run(tmp_path, monkeypatch, '1', 'capped')
+    assert set(eager.values()) == {False}
+    assert handed and all(sum(h[:-1]) <= 5 * 2**20 for h in handed) and max(len(h) for h in handed) >= 2

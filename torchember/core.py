@@ -18,9 +18,10 @@ from torch.nn.parameter import is_lazy
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 # %% auto #0
-__all__ = ['WRAPPERS', 'ENTER', 'EXIT', 'STEP_KINDS', 'KEEP_MAX', 'KEEP_BYTES', 'WATCH_BYTES', 'user_class', 'is_wrapper',
-           'user_modules', 'module_tree', 'dtensor_piece', 'sharded', 'flat_params', 'module_info', 'named_tensors',
-           'arg_names', 'named_inputs', 'selector', 'Capture', 'elapsed_ms', 'sample_norms', 'attach']
+__all__ = ['WRAPPERS', 'ENTER', 'EXIT', 'STEP_KINDS', 'KEEP_MAX', 'KEEP_BYTES', 'WATCH_BYTES', 'HELD_BYTES', 'user_class',
+           'is_wrapper', 'user_modules', 'module_tree', 'dtensor_piece', 'sharded', 'flat_params', 'module_info',
+           'named_tensors', 'arg_names', 'named_inputs', 'selector', 'Capture', 'held_cap', 'elapsed_ms',
+           'sample_norms', 'attach']
 
 # %% ../nbs/00_core.ipynb #4a1aa61e
 def user_class(m:nn.Module)->type:
@@ -187,7 +188,7 @@ class Capture:
         self._grads, self._times, self._tensor_hooks = None, {}, []
         self._backward_due = False   # the open step's outputs need grad and no backward has ended since: it is not finished
         self._kept, self._watched, self._eager = [], [], {}   # activations kept to be measured together (see `_keep`)
-        self._keeping, self._watch_room = True, 0
+        self._keeping, self._watch_room, self._held, self._hold = True, 0, 0, WATCH_BYTES
         self.clock = time.perf_counter
         self.iteration, self.kind = 0, None   # optimizer steps completed; the open step's kind (`STEP_KINDS`)
         self._opts, self._opt_hook, self._stepped = weakref.WeakKeyDictionary(), None, False
@@ -464,7 +465,8 @@ def _root_pre(self:Capture, mod, args, kwargs, inference:bool=False):
         self.recording = rec
         if rec:
             self._open, self._events, self._calls, self._stack = True, [], [0]*len(self.mods), []
-            self._keeping, self._watch_room = os.environ.get('TORCHEMBER_KEEP') != '0', WATCH_BYTES   # `close` emptied the kept
+            self._keeping = os.environ.get('TORCHEMBER_KEEP') != '0'   # `close` emptied the kept
+            self._watch_room = self._hold = self._room()
             self.kind = 'train' if training and torch.is_grad_enabled() else 'no_grad' if training else 'eval'
             self.recorder.open(self.step, training=training, iteration=self.iteration, kind=self.kind)
             self.recorder.params(self.step, 'weight', [(mi, pn, p) for mi, pn, p in self.params] + self.flat_weights())
@@ -543,6 +545,23 @@ def _post(self:Capture, mi, mod, args, out):
 # %% ../nbs/00_core.ipynb #e2a2d710
 KEEP_MAX, KEEP_BYTES = 64, 2**20   # activations a forward's hooks keep before they are measured together; bytes of one at most
 WATCH_BYTES = 2**26                # bytes of activations a forward's hooks watch at most (the rest are watched in later steps)
+HELD_BYTES = 2**29                 # bytes of an accelerator's activations held at once for a batched read, at most
+
+_CAPS = {}
+def held_cap(device:torch.device)->int:
+    "Bytes of activations held at once for a batched read on accelerator `device`: `HELD_BYTES`, or 1/64 of its memory."
+    cap = _CAPS.get(device)
+    if cap is None:
+        try: cap = min(HELD_BYTES, torch.cuda.get_device_properties(device).total_memory // 64)
+        except Exception: cap = HELD_BYTES     # not a CUDA device (Triton's interpreter, in tests)
+        _CAPS[device] = cap
+    return cap
+
+@patch
+def _room(self:Capture)->int:
+    "Bytes of activations a forward's hooks hold at most, kept or watched: `WATCH_BYTES`, or more on an accelerator."
+    p = self.params[0][2] if self.params else None
+    return WATCH_BYTES if p is None or p.is_cpu else max(WATCH_BYTES, held_cap(p.device))
 
 @patch
 def _keep(self:Capture, mi, c, ttype, named):
@@ -552,25 +571,26 @@ def _keep(self:Capture, mi, c, ttype, named):
         kept = self._kept
         for name, t in named:
             try:
-                if t.nbytes <= KEEP_BYTES:
+                if (n := t.nbytes) <= KEEP_BYTES or not t.is_cpu:   # an accelerator's of any size: its kernels run apart
                     kept.append((mi, c, ttype, name, t, t._version))
+                    self._held += n
                     continue
             except Exception: pass   # no version counter (an inference tensor), or no plain size
             self.recorder.tensor(mi, c, ttype, name, t)
-        if len(kept) >= KEEP_MAX: self._measure_kept(ended=False)
+        if len(kept) >= KEEP_MAX or self._held > self._hold: self._measure_kept(ended=False)
         return
     rec = self.recorder.tensor
     for name, t in named:
         rec(mi, c, ttype, name, t)
         if eager is None and self._watch_room > 0:   # watched till the forward's end (freed before, it could have changed)
             try:
-                if (n := t.nbytes) <= KEEP_BYTES: self._watched.append((mi, t, t._version)); self._watch_room -= n
+                if (n := t.nbytes) <= KEEP_BYTES or not t.is_cpu: self._watched.append((mi, t, t._version)); self._watch_room -= n
             except Exception: pass   # an inference tensor: no version counter
 
 @patch
 def _measure_kept(self:Capture, ended:bool=True):
     "Hand the kept tensors to the recorder (an empty row for one changed since its hook); `ended`: learn from the watched."
-    kept, self._kept = self._kept, []
+    kept, self._kept, self._held = self._kept, [], 0
     watched, self._watched = (self._watched, []) if ended else ((), self._watched)
     rec, many = self.recorder.tensor, getattr(self.recorder, 'tensors', None)   # a recorder of one's own may lack `tensors`
     fresh = []

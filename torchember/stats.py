@@ -14,15 +14,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from fastcore.basics import patch_to
-from .core import elapsed_ms, _transforms_on
+from .core import elapsed_ms, held_cap, _transforms_on
 from .kinds import TTYPES, NORM_EXTRAS, merge_stats
 from . import native
 
 # %% auto #0
 __all__ = ['MOMENTS', 'STATS', 'TRITON_DEVICES', 'F64', 'SMALL', 'FLOATS', 'SLOW_COMPILE_S', 'VECTOR_MAX', 'ROW_FIELDS',
-           'SLOW_FRACTION', 'SLOW_S', 'SLOW_STEPS', 'LATER_MAX', 'LATER_BYTES', 'as_real', 'moments',
-           'stats_of_moments', 'triton_moments', 'native_moments', 'fused_moments', 'default_stats', 'check_stats',
-           'StepRecord', 'Recorder', 'dtype_name', 'local_shard', 'shape_of', 'unwrapped']
+           'SLOW_FRACTION', 'SLOW_S', 'SLOW_STEPS', 'LATER_MAX', 'as_real', 'moments', 'stats_of_moments',
+           'triton_moments', 'native_moments', 'fused_moments', 'default_stats', 'check_stats', 'StepRecord',
+           'Recorder', 'dtype_name', 'local_shard', 'shape_of', 'unwrapped']
 
 # %% ../nbs/01_stats.ipynb #676c44cd
 MOMENTS = ('n', 'sum', 'sumsq', 'min', 'max', 'nonzero', 'nan', 'inf')
@@ -737,17 +737,7 @@ def _triton_planned(self, ts:list, groups:list, large:list, base:int, memo:dict=
     return [idx for idx in groups if idx[0] not in took], [j for j in large if j not in took]
 
 # %% ../nbs/01_stats.ipynb #bf559534
-LATER_MAX, LATER_BYTES = 64, 2**29   # activations kept for one batched read, at most: how many, and their bytes
-
-_CAPS = {}
-def _later_cap(device:torch.device)->int:
-    "Bytes of activations kept for a batched read on `device`: `LATER_BYTES`, or 1/64 of a smaller device's memory."
-    cap = _CAPS.get(device)
-    if cap is None:
-        try: cap = min(LATER_BYTES, torch.cuda.get_device_properties(device).total_memory // 64)
-        except Exception: cap = LATER_BYTES     # not a CUDA device (Triton's interpreter, in tests)
-        _CAPS[device] = cap
-    return cap
+LATER_MAX = 64   # activations kept for one batched read, at most (and `core.held_cap` of their device's bytes)
 
 @patch_to(Recorder)
 def _at_hook(self, t:torch.Tensor, row:int, key:tuple)->bool:
@@ -767,7 +757,7 @@ def _at_hook(self, t:torch.Tensor, row:int, key:tuple)->bool:
 def _held_up(self, t:torch.Tensor, dev:torch.device):
     "Count activation `t` (on `dev`) as kept for the batched read, and read the batch once it is full."
     self._held += t.numel() * t.element_size()
-    if len(self._later) + len(self._watch) >= LATER_MAX or self._held > _later_cap(dev): self._read_later()
+    if len(self._later) + len(self._watch) >= LATER_MAX or self._held > held_cap(dev): self._read_later()
 
 @patch_to(Recorder)
 def _read_later(self):
