@@ -400,6 +400,16 @@ def unwrapped(t:torch.Tensor)->torch.Tensor:
     return t
 
 @patch_to(Recorder)
+def _repeated(self, mi, call, ttype, tname, t, version, fn)->bool:
+    "Whether `t` was measured in this step with `fn` and is unchanged since (`version`): its key then reuses that row."
+    s = self._seen.get(id(t))
+    if s is None or s[0]() is not t or version is None or s[1] != version or s[2] is not fn: return False
+    keys = self.rec.keys
+    prev = keys[s[3]]
+    keys.append((mi, call, ttype, tname, prev[4], prev[5], prev[6], prev[7]))
+    return True
+
+@patch_to(Recorder)
 def tensor(self, mi, call, ttype, tname, t):
     "Record tensor `t` of module `mi`'s `call`."
     if _transforms_on(): t = unwrapped(t)   # a model called inside torch.func's transforms: its values have no storage of their own
@@ -408,11 +418,7 @@ def tensor(self, mi, call, ttype, tname, t):
     keys, key = self.rec.keys, id(t)
     try: version = t._version
     except RuntimeError: version = None   # an inference tensor keeps no version counter: measured each time it is seen
-    seen = self._seen.get(key)
-    if seen is not None and seen[0]() is t and version is not None and seen[1] == version and seen[2] is fn:
-        prev = keys[seen[3]]
-        keys.append((mi, call, ttype, tname, prev[4], prev[5], prev[6], prev[7]))
-        return
+    if self._repeated(mi, call, ttype, tname, t, version, fn): return
     self._seen[key] = (weakref.ref(t), version, fn, len(keys))
     where = (mi, ttype, tname)
     if fn is not default_stats: mrow, xi = -1, self._custom(fn, t, mi, ttype, tname)
@@ -538,11 +544,8 @@ def tensors(self, items:list):
     ptrs, ns, kinds, rows, taken = array('Q'), array('q'), bytearray(), [], []
     for mi, call, ttype, tname, t, version in items:
         fn, key = fns[ttype], id(t)
-        s = seen.get(key)
-        if s is not None and s[0]() is t and s[1] == version and s[2] is fn:
-            prev = keys[s[3]]
-            keys.append((mi, call, ttype, tname, prev[4], prev[5], prev[6], prev[7]))
-        elif fn is not default_stats or (kind := kind_of(t)) < 0 or not 0 < (n := t.numel()) < large or not native.dense(t):
+        if self._repeated(mi, call, ttype, tname, t, version, fn): continue
+        if fn is not default_stats or (kind := kind_of(t)) < 0 or not 0 < (n := t.numel()) < large or not native.dense(t):
             self.tensor(mi, call, ttype, tname, t)
         else:
             seen[key] = (weakref.ref(t), version, fn, len(keys))
@@ -572,12 +575,9 @@ def _launched(self, items:list):
     keys, seen, fns, nat, on = self.rec.keys, self._seen, self.stat_fns, self._nat, {}
     for mi, call, ttype, tname, t, version in items:
         fn, key = fns[ttype], id(t)
-        s = seen.get(key)
-        if s is not None and s[0]() is t and s[1] == version and s[2] is fn:
-            prev = keys[s[3]]
-            keys.append((mi, call, ttype, tname, prev[4], prev[5], prev[6], prev[7]))
-        elif (fn is default_stats and type(t) in _PLAIN and t.dtype in FLOATS and (dev := t.device).type in TRITON_DEVICES
-              and not (nat and dev.type == 'cpu') and t.layout == torch.strided and not t.is_nested):
+        if self._repeated(mi, call, ttype, tname, t, version, fn): continue
+        if (fn is default_stats and type(t) in _PLAIN and t.dtype in FLOATS and (dev := t.device).type in TRITON_DEVICES
+                and not (nat and dev.type == 'cpu') and t.layout == torch.strided and not t.is_nested):
             seen[key] = (weakref.ref(t), version, fn, len(keys))
             row = self._nm
             self._nm = row + 1
