@@ -121,3 +121,22 @@ def test_an_accelerators_kept_activations_are_handed_over_within_the_held_bytes(
     _, handed, eager = _meta_run(tmp_path, monkeypatch, '1', 'capped')
     assert set(eager.values()) == {False}
     assert handed and all(sum(h[:-1]) <= 5 * 2**20 for h in handed) and max(len(h) for h in handed) >= 2
+
+def test_an_accelerators_tensor_larger_than_the_room_is_read_at_its_hook(tmp_path, monkeypatch):
+    "A tensor larger than what is left of `held_cap` is never watched (held to the forward's end): its module stays measured at its hooks."
+    from torchember import core
+    monkeypatch.setattr(core, 'WATCH_BYTES', 1)
+    monkeypatch.setattr(core, 'HELD_BYTES', 5 * 2**20)
+    monkeypatch.setattr(core, '_CAPS', {})
+    monkeypatch.setenv('TORCHEMBER_KEEP', '1')
+    net = nn.Sequential(nn.Linear(4096, 4096), nn.Linear(4096, 8)).to('meta')   # 8 MiB in and out of the first
+    t = torchEmber(net, run='room', db=str(tmp_path/'room.db'))
+    cap, watched = t.capture, []
+    measure = cap._measure_kept
+    cap._measure_kept = lambda ended=True: watched.append(sum(w[1].nbytes for w in cap._watched)) or measure(ended)
+    for _ in range(3): net(torch.randn(512, 4096, device='meta')).sum().backward()
+    t.flush()
+    eager = dict(cap._eager)
+    t.disarm()
+    assert watched and max(watched) <= 5 * 2**20
+    assert eager.get(cap.names.index('0')) is None and eager[cap.names.index('1')] is False

@@ -584,7 +584,8 @@ def _keep(self:Capture, mi, c, ttype, named):
         rec(mi, c, ttype, name, t)
         if eager is None and self._watch_room > 0:   # watched till the forward's end (freed before, it could have changed)
             try:
-                if (n := t.nbytes) <= KEEP_BYTES or not t.is_cpu: self._watched.append((mi, t, t._version)); self._watch_room -= n
+                if (n := t.nbytes) <= KEEP_BYTES or not t.is_cpu and n <= self._watch_room:   # never one the room can't hold
+                    self._watched.append((mi, t, t._version)); self._watch_room -= n
             except Exception: pass   # an inference tensor: no version counter
 
 @patch
