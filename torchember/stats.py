@@ -400,10 +400,9 @@ def unwrapped(t:torch.Tensor)->torch.Tensor:
     return t
 
 @patch_to(Recorder)
-def _repeated(self, mi, call, ttype, tname, t, version, fn)->bool:
-    "Whether `t` was measured in this step with `fn` and is unchanged since (`version`): its key then reuses that row."
-    s = self._seen.get(id(t))
-    if s is None or s[0]() is not t or version is None or s[1] != version or s[2] is not fn: return False
+def _repeated(self, s, mi, call, ttype, tname, t, version, fn)->bool:
+    "Whether `t`, seen in this step as `s`, was measured with `fn` and is unchanged since (`version`): its key reuses its row."
+    if s[0]() is not t or version is None or s[1] != version or s[2] is not fn: return False
     keys = self.rec.keys
     prev = keys[s[3]]
     keys.append((mi, call, ttype, tname, prev[4], prev[5], prev[6], prev[7]))
@@ -418,7 +417,7 @@ def tensor(self, mi, call, ttype, tname, t):
     keys, key = self.rec.keys, id(t)
     try: version = t._version
     except RuntimeError: version = None   # an inference tensor keeps no version counter: measured each time it is seen
-    if self._repeated(mi, call, ttype, tname, t, version, fn): return
+    if (s := self._seen.get(key)) is not None and self._repeated(s, mi, call, ttype, tname, t, version, fn): return
     self._seen[key] = (weakref.ref(t), version, fn, len(keys))
     where = (mi, ttype, tname)
     if fn is not default_stats: mrow, xi = -1, self._custom(fn, t, mi, ttype, tname)
@@ -544,7 +543,7 @@ def tensors(self, items:list):
     ptrs, ns, kinds, rows, taken = array('Q'), array('q'), bytearray(), [], []
     for mi, call, ttype, tname, t, version in items:
         fn, key = fns[ttype], id(t)
-        if self._repeated(mi, call, ttype, tname, t, version, fn): continue
+        if (s := seen.get(key)) is not None and self._repeated(s, mi, call, ttype, tname, t, version, fn): continue
         if fn is not default_stats or (kind := kind_of(t)) < 0 or not 0 < (n := t.numel()) < large or not native.dense(t):
             self.tensor(mi, call, ttype, tname, t)
         else:
@@ -575,19 +574,20 @@ def _launched(self, items:list):
     keys, seen, fns, nat, on = self.rec.keys, self._seen, self.stat_fns, self._nat, {}
     for mi, call, ttype, tname, t, version in items:
         fn, key = fns[ttype], id(t)
-        if self._repeated(mi, call, ttype, tname, t, version, fn): continue
+        if (s := seen.get(key)) is not None and self._repeated(s, mi, call, ttype, tname, t, version, fn): continue
         if (fn is default_stats and type(t) in _PLAIN and t.dtype in FLOATS and (dev := t.device).type in TRITON_DEVICES
                 and not (nat and dev.type == 'cpu') and t.layout == torch.strided and not t.is_nested):
             seen[key] = (weakref.ref(t), version, fn, len(keys))
             row = self._nm
             self._nm = row + 1
             ts, rows = on.get(dev) or on.setdefault(dev, ([], []))
-            ts.append(t.detach()); rows.append(row)
+            ts.append(t); rows.append(row)   # launched below, not held: no need to detach them
             keys.append((mi, call, ttype, tname, tuple(t.shape), dtype_name(t), row, -1))
         else: self.tensor(mi, call, ttype, tname, t)
-    for ts, rows in on.values():
-        if not self._on_device(ts, rows):   # Triton failed: the eager kernels read them now
-            for t, r in zip(ts, rows): self._default(t, copy=False, row=r)
+    with torch.no_grad():   # the copy `_on_device` makes of a tensor with gaps records no graph
+        for ts, rows in on.values():
+            if not self._on_device(ts, rows):   # Triton failed: the eager kernels read them now
+                for t, r in zip(ts, rows): self._default(t, copy=False, row=r)
 
 # %% ../nbs/01_stats.ipynb #ee492e67
 SLOW_FRACTION, SLOW_S, SLOW_STEPS = 0.5, 0.1, 2
