@@ -401,7 +401,7 @@ def unwrapped(t:torch.Tensor)->torch.Tensor:
 
 @patch_to(Recorder)
 def _repeated(self, s, mi, call, ttype, tname, t, version, fn)->bool:
-    "Whether `t`, seen in this step as `s`, was measured with `fn` and is unchanged since (`version`): its key reuses its row."
+    "Whether `t`, seen in this step as `s`, was measured with `fn` and is unchanged since `version`: its key reuses its row."
     if s[0]() is not t or version is None or s[1] != version or s[2] is not fn: return False
     keys = self.rec.keys
     prev = keys[s[3]]
