@@ -385,7 +385,7 @@ def dense(t:torch.Tensor)->bool:
 
 def _dense(t:torch.Tensor)->torch.Tensor:
     "`t` where its memory holds exactly its elements (a permuted view, channels-last), else a contiguous copy."
-    return t if t.is_contiguous() or dense(t) else t.contiguous()
+    return t if dense(t) else t.contiguous()
 
 # %% ../nbs/00a_native.ipynb #12f535f1
 class Batch:
