@@ -10,6 +10,13 @@ Then it times, in CPU seconds of this process, what a user does: open the explor
 another stat, click a module (its history), zoom the history and the map to 1,000 steps, `latest()`, `diagnose()`, and
 the HTML report (with its size). It prints
 the machine first. A benchmark, not a test: CI runs the same code paths on small stores.
+
+    python bench/big.py --steps 50000 --gaps 2048 [--db DIR]
+
+builds the store with its rollups folded for its first 2,048 steps only (a store whose rollups stop early: folded
+by a writer that stopped folding, or by an older torchember), times opening the explorer, redrawing its heatmap and
+a module's history on it, then `Run.roll_up()` (which folds the bins it lacks, 2,048 steps a transaction), a second
+`roll_up()` (nothing left to fold), and the same views again, on the store now folded.
 """
 import argparse, gc, importlib, os, statistics, sys, tempfile, time, warnings
 from pathlib import Path
@@ -21,7 +28,7 @@ from bench import machine_line
 
 CHUNK = 8 * 2048   # steps folded into rollups at once: whole bins of the widest width, and a sort that fits the disk
 
-def build(db:str, modules:int, steps:int, record:int, name:str='big'):
+def build(db:str, modules:int, steps:int, record:int, name:str='big', folded:int=None):
     "A store at `db` with run `name`: `record` steps trained, copied forward to `steps`; a spike and a NaN planted."
     from torchember import torchEmber
     from torchember.store import engine, roll_up, _sums_sql
@@ -58,10 +65,28 @@ def build(db:str, modules:int, steps:int, record:int, name:str='big'):
         c.exec_driver_sql(_sums_sql(rid, [spike, nan]))
         c.exec_driver_sql(f'DELETE FROM rollups WHERE run_id = {rid}')
     t0 = time.perf_counter()
-    for first in range(0, steps, CHUNK):   # what the writer would have folded in, step by step; a chunk a transaction
-        with eng.begin() as c: roll_up(c, rid, first=first, last=min(first + CHUNK, steps) - 1)
+    for first in range(0, steps if folded is None else folded, CHUNK):   # what the writer would have folded; a chunk a transaction
+        with eng.begin() as c: roll_up(c, rid, first=first, last=min(first + CHUNK, steps, folded or steps) - 1)
     print(f'  rollups folded in {time.perf_counter() - t0:.0f} s', flush=True)
     return spike, nan
+
+def measure_gaps(db:str, name:str='big')->dict:
+    "CPU seconds of what a user first does on a store whose rollups stop early: open the explorer, redraw, click."
+    from torchember import explore
+    out = {}
+    ex, out['explore() opens'] = cpu(lambda: explore(db, run=name))
+    ex.close()
+    importlib.import_module('torchember.explore')._FINDINGS.clear()
+    gc.collect()
+    ex, out['explore() again'] = cpu(lambda: explore(db, run=name))
+    _, out['heatmap redraws'] = cpu(lambda: setattr(ex.ov_stat, 'value', 'std' if ex.ov_stat.value != 'std' else 'max'))
+    mod = ex.module_picker.options[len(ex.module_picker.options) // 2]
+    _, out['module history'] = cpu(lambda: ex.select(mod[1] if isinstance(mod, tuple) else mod))
+    ex.close()
+    return out
+
+def show(out:dict):
+    for k, v in out.items(): print(f'  {k:18s} {v:8.2f}' + ('' if 'MiB' in k else ' s CPU'), flush=True)
 
 def built(db:str, name:str):
     "`(spike, nan)` of run `name` if `db` holds it complete (a store kept from an earlier run of this script), else None."
@@ -121,15 +146,29 @@ if __name__ == '__main__':
     p.add_argument('--db', default=None, help='a folder for the SQLite files, or a PostgreSQL URL (one run per step count); '
                                               'a store built there before is reused')
     p.add_argument('--build-only', action='store_true', help='build the stores, measure nothing')
+    p.add_argument('--gaps', type=int, default=None, help='fold the rollups of the first GAPS steps only; time the views, '
+                                                          'then roll_up(), then the views again')
     a = p.parse_args()
     warnings.simplefilter('ignore')
     print(machine_line(), f'torch {torch.__version__}', flush=True)
     folder = a.db if a.db and '://' not in a.db else tempfile.mkdtemp()
     for n in a.steps:
-        db = a.db if a.db and '://' in a.db else os.path.join(folder, f'big-{a.modules}x{n}.db')
+        db = a.db if a.db and '://' in a.db else os.path.join(folder, f'big-{a.modules}x{n}{"-gaps" if a.gaps else ""}.db')
         t0 = time.perf_counter()
-        spike, nan = built(db, f'big-{n}') or build(db, a.modules, n, a.record, name=f'big-{n}')
+        spike, nan = built(db, f'big-{n}') or build(db, a.modules, n, a.record, name=f'big-{n}', folded=a.gaps)
         size = os.path.getsize(db) / 2**30 if '://' not in db else float('nan')
         print(f'{a.modules} modules x {n} steps: built in {time.perf_counter() - t0:.0f} s ({size:.2f} GiB); spike at step {spike}, NaN at {nan}', flush=True)
         if a.build_only: continue
-        for k, v in measure(db, f'big-{n}').items(): print(f'  {k:18s} {v:8.2f}' + ('' if 'MiB' in k else ' s CPU'), flush=True)
+        if a.gaps is None:
+            show(measure(db, f'big-{n}'))
+            continue
+        from torchember import load
+        run = load(f'big-{n}', db)
+        print(f'  steps the rollups lack: {sum(b - a + 1 for a, b in run.unfolded())}', flush=True)
+        show(measure_gaps(db, f'big-{n}'))
+        for what in ('roll_up()', 'roll_up() again'):
+            t0, c0 = time.perf_counter(), time.process_time()
+            run.roll_up()
+            print(f'  {what:18s} {time.process_time() - c0:8.2f} s CPU, {time.perf_counter() - t0:.1f} s wall', flush=True)
+        print(f'  steps the rollups lack: {sum(b - a + 1 for a, b in run.unfolded())}; the views again:', flush=True)
+        show(measure_gaps(db, f'big-{n}'))

@@ -20,9 +20,9 @@ from .tree import subtrees, visible, auto_collapse, block_of
 import warnings
 
 # %% auto #0
-__all__ = ['APPLIED_ONLY', 'BLUE', 'ORANGE', 'RED', 'BAR_LABELS', 'RANK_COLORS', 'MAP_STATS', 'LOG_TICKS', 'with_stats',
-           'stat_columns', 'combine', 'recorded_steps', 'thin', 'peaks', 'history', 'view_steps', 'with_kinds',
-           'iteration_text', 'step_name', 'step_hover', 'step_title', 'heat', 'nan_steps', 'nan_trace',
+__all__ = ['APPLIED_ONLY', 'BLUE', 'ORANGE', 'RED', 'BAR_LABELS', 'RANK_COLORS', 'MAP_STATS', 'EXACT_STEPS', 'LOG_TICKS',
+           'with_stats', 'stat_columns', 'combine', 'recorded_steps', 'thin', 'peaks', 'history', 'view_steps',
+           'with_kinds', 'iteration_text', 'step_name', 'step_hover', 'step_title', 'heat', 'nan_steps', 'nan_trace',
            'history_traces', 'modules_in_order', 'latest_by_module', 'module_label', 'overview_traces', 'bars_axis',
            'latest_times', 'heatmap_traces', 'rank_traces', 'rank_spread', 'spread_traces', 'tensor_image',
            'tensor_figure', 'forward_order', 'module_map', 'map_width', 'module_envelope', 'envelope_traces',
@@ -460,12 +460,13 @@ def module_map(run:Run,                  # the run to read
                bins:int=500,             # at most this many columns
                steps:list=None,          # only these steps (`view_steps`); None: every step
                between:tuple=None,       # `(first, last)`: only the steps in this range (a zoom); None: the whole run
-              )->dict:                   # modules, x (each column's step), width (steps a column), z (values), bad (NaN/Inf in a column)
+              )->dict:                   # modules, x (each column's step), width (steps a column), z (values),
+                                         # bad (NaN/Inf in a column), sampled (read at one step of several: no rollups)
     "Every module's `stat` of `ttype` at the first step (of `steps`) of at most `bins` columns; whether each held NaN/Inf."
     if stat not in MAP_STATS: raise ValueError(f"a map shows one of {', '.join(MAP_STATS)}, not {stat!r}")
     rank = run.ranks[0] if rank is None else rank
     s, st = stats_t.c, steps_t.c
-    empty = dict(modules=[], x=[], width=1, z=np.zeros((0, 0)), bad=np.zeros((0, 0), bool))
+    empty = dict(modules=[], x=[], width=1, z=np.zeros((0, 0)), bad=np.zeros((0, 0), bool), sampled=np.zeros(0, bool))
     with engine(run.db).connect() as c:
         mine = [st.run_id == run.id, st.rank == rank, *([st.step.between(*map(int, between))] if between is not None else [])]
         lo, hi, n = c.execute(select(func.min(st.step), func.max(st.step), func.count()).where(*mine)).one()
@@ -485,8 +486,8 @@ def module_map(run:Run,                  # the run to read
         at = s.step.in_(cols) if width > 1 or steps is not None else s.step.between(lo, hi)   # named steps: a seek each
         vals = c.execute(select(s.module_id, s.step, *_map_agg(stat, s), func.count(s[stat]), func.count())
                          .where(*where, at).group_by(s.step, s.module_id)).all()
-        bad = c.execute(select(s.module_id, ((s.step - lo) // width).label('col'))
-                        .where(*where, s.step.between(lo, hi), sa.or_(s.nan_count > 0, s.inf_count > 0)).group_by(s.module_id, 'col')).all()
+        bad = c.execute(select(s.module_id, ((s.step - lo) // width).label('col'))   # of the steps read: never every row of a long run
+                        .where(*where, at, sa.or_(s.nan_count > 0, s.inf_count > 0)).group_by(s.module_id, 'col')).all()
         names = dict(c.execute(select(modules_t.c.id, modules_t.c.name).where(modules_t.c.run_id == run.id)).all())
     of = {(k - lo) // width: j for j, k in enumerate(cols)}   # a span of `width` steps -> its column
     bad = [(i, of[c]) for i, c in bad if c in of]
@@ -502,10 +503,10 @@ def module_map(run:Run,                  # the run to read
     z, nf = np.full((len(order), len(cols)), np.nan), np.zeros((len(order), len(cols)), bool)
     z[row_of[mid.astype(int)], [of[k] for k in ((step - lo) // width).astype(int)]] = v
     for i, j in bad: nf[row_of[i], j] = True
-    return dict(modules=order, x=cols, width=width, z=z, bad=nf)
+    return dict(modules=order, x=cols, width=width, z=z, bad=nf, sampled=np.zeros(len(cols), bool))   # a step a column by design
 
 # %% ../nbs/05_figures.ipynb #3ffed3df
-from .store import rolled_steps
+from .query import unfolded_steps
 
 _MAP_COLS = dict(norm=[('norm_sq', 'MAX')], std=[('std_sq', 'MAX')], mean=[('mean_hi', 'MAX'), ('mean_lo', 'MIN')],
                  zero_frac=[('zero_frac', 'MAX')], max=[('hi', 'MAX')], min=[('lo', 'MIN')])   # the rollup columns of a map's stat
@@ -515,11 +516,22 @@ def map_width(n:int, lo:int, hi:int, bins:int)->int:
     if n <= bins: return 1
     return next((w for w in ROLLUP_WIDTHS if min(n, hi // w - lo // w + 1) <= bins), ROLLUP_WIDTHS[-1])
 
+EXACT_STEPS = 64   # steps the `rollups` lack that a view reads row by row, at most; past that, a step a column (sampled)
+
+def _unfolded_reads(c, run:Run, rank:int, lo:int, hi:int,
+                   span:int,   # steps a column of the view
+                  )->tuple:    # (steps to read, columns that read one step of several)
+    "The steps of `lo`..`hi` that `rollups` lack which a view reads: all if few, else each column's first."
+    u = np.array(unfolded_steps(c, run.id, rank, lo, hi), dtype=np.int64)
+    if len(u) <= EXACT_STEPS: return u.tolist(), set()
+    cols, first, count = np.unique(u // span, return_index=True, return_counts=True)
+    return u[first].tolist(), set(cols[count > 1].tolist())
+
 def _extremes(c, run:Run, rank:int, ttype:str, stat:str, lo:int, hi:int, n:int, bins:int)->dict|None:
-    "`module_map` from rollup bins, each showing its extremes, the steps after them read row by row; None if not folded."
+    "`module_map` from rollup bins, each showing its extremes, the steps they lack read (or sampled); None: a step a column."
     if ttype not in TTYPES: raise ValueError(f"unknown ttype {ttype!r}")
-    w, rolled = map_width(n, lo, hi, bins), rolled_steps(c, run.id, rank)
-    if w == 1 or rolled is None or rolled[0] > lo: return None      # a long run stored before rollups: sampled, as before
+    w = map_width(n, lo, hi, bins)
+    if w == 1: return None
     k = -(-min(n, hi // w - lo // w + 1) // bins)                     # bins a column: 1 but past 2,048 × `bins` steps
     cols, agg = [col for col, _ in _MAP_COLS[stat]], [f for _, f in _MAP_COLS[stat]]
     mine = f"run_id = {int(run.id)} AND rank = {int(rank)} AND ttype = '{ttype}'"
@@ -528,12 +540,13 @@ def _extremes(c, run:Run, rank:int, ttype:str, stat:str, lo:int, hi:int, n:int, 
     else: sql = (f"SELECT module_id, bin / {k}, {', '.join(f'{f}({col})' for col, f in zip(cols, agg))}, MIN(bad_step) "
                  f"FROM rollups WHERE {mine} AND {span} GROUP BY module_id, bin / {k}")
     rows = c.exec_driver_sql(sql).cursor.fetchall()                  # the driver's tuples: no `Row` made per row
-    if rolled[1] < hi:   # the steps since the last bin folded: their rows
-        per, after = {'mean_hi': 'mean', 'mean_lo': 'mean'}, f'{mine} AND step BETWEEN {max(rolled[1] + 1, lo)} AND {hi}'
+    reads, sampled = _unfolded_reads(c, run, rank, lo, hi, w * k)      # the steps of bins not folded: their rows, or a sample
+    if reads:
+        per, at = {'mean_hi': 'mean', 'mean_lo': 'mean'}, f"{mine} AND step IN ({', '.join(map(str, reads))})"
         rows += c.exec_driver_sql(f"SELECT module_id, step / {w * k}, {', '.join(per.get(col, col) for col in cols)}, bad_step "
-                                  f"FROM ({module_steps_sql(after)}) t").cursor.fetchall()
+                                  f"FROM ({module_steps_sql(at)}) t").cursor.fetchall()
     names = dict(c.execute(select(modules_t.c.id, modules_t.c.name).where(modules_t.c.run_id == run.id)).all())
-    if not rows: return dict(modules=[], x=[], width=w * k, z=np.zeros((0, 0)), bad=np.zeros((0, 0), bool))
+    if not rows: return dict(modules=[], x=[], width=w * k, z=np.zeros((0, 0)), bad=np.zeros((0, 0), bool), sampled=np.zeros(0, bool))
     a = np.array(rows, dtype=float)
     mid, col = a[:, 0].astype(int), a[:, 1].astype(int)
     have = {names[i] for i in np.unique(mid).tolist()}
@@ -551,7 +564,8 @@ def _extremes(c, run:Run, rank:int, ttype:str, stat:str, lo:int, hi:int, n:int, 
     bad = np.zeros(z.shape, bool)
     hit = ~np.isnan(a[:, -1])
     bad[ri[hit], ci[hit]] = True
-    return dict(modules=order, x=[max(lo, int(j) * w * k) for j in present], width=w * k, z=z, bad=bad)
+    return dict(modules=order, x=[max(lo, int(j) * w * k) for j in present], width=w * k, z=z, bad=bad,
+                sampled=np.isin(present, list(sampled)))
 
 # %% ../nbs/05_figures.ipynb #cbb34d15
 _ENVELOPE = dict(norm=('MAX(norm_sq)', 'NULL', 'norm_sq', 'NULL'), std=('MAX(std_sq)', 'NULL', 'std_sq', 'NULL'),   # squares: roots taken after
@@ -561,29 +575,30 @@ _ENVELOPE = dict(norm=('MAX(norm_sq)', 'NULL', 'norm_sq', 'NULL'), std=('MAX(std
 def module_envelope(run:Run, module:str, ttype:str, rank:int=None, bins:int=500, between:tuple=None,
                     stat:str=None,   # one of `MAP_STATS`: its extremes (of the module's tensors together); None: the values' min and max
                    )->pd.DataFrame|None:
-    "Per column (a bin of 8 steps or more): first `step`, `lo`, `hi`, `bad_step` of `module`'s `ttype`; None if not folded."
+    "Per column (a bin of 8 steps or more): first `step`, `lo`, `hi`, `bad_step`, `sampled` of `module`'s `ttype`; None if unfolded."
     rank = run.ranks[0] if rank is None else rank
     r, st = rollups_t.c, steps_t.c
     with engine(run.db).connect() as c:
         mine = [st.run_id == run.id, st.rank == rank, *([st.step.between(*map(int, between))] if between is not None else [])]
         lo, hi, n = c.execute(select(func.min(st.step), func.max(st.step), func.count()).where(*mine)).one()
         mid = c.execute(select(modules_t.c.id).where(modules_t.c.run_id == run.id, modules_t.c.name == module)).scalar()
-        rolled = rolled_steps(c, run.id, rank) if lo is not None else None
-        if mid is None or rolled is None or rolled[0] > lo: return None
+        if mid is None or lo is None: return None
         w = max(map_width(n, lo, hi, bins), ROLLUP_WIDTHS[0])
         k = -(-min(n, hi // w - lo // w + 1) // bins)
         top, bottom, top1, bottom1 = _ENVELOPE.get(stat, ('MAX(hi)', 'MIN(lo)', 'hi', 'lo'))
         mine = f"run_id = {int(run.id)} AND rank = {int(rank)} AND ttype = '{ttype}' AND module_id = {int(mid)}"
         rows = c.exec_driver_sql(f"SELECT bin / {k}, {top}, {bottom}, MIN(bad_step) FROM rollups WHERE {mine} AND width = {w} "
                                  f"AND bin BETWEEN {lo // w} AND {hi // w} GROUP BY bin / {k}").cursor.fetchall()
-        if rolled[1] < hi:   # the steps since the last bin folded: their rows
-            per_step = module_steps_sql(f"{mine} AND step BETWEEN {max(rolled[1] + 1, lo)} AND {hi}")
+        if not rows: return None                                       # nothing folded there: no envelope
+        reads, sampled = _unfolded_reads(c, run, rank, lo, hi, w * k)      # the steps of bins not folded: their rows, or a sample
+        if reads:
+            per_step = module_steps_sql(f"{mine} AND step IN ({', '.join(map(str, reads))})")
             rows += c.exec_driver_sql(f"SELECT step / {w * k}, {top1}, {bottom1}, bad_step FROM ({per_step}) t").cursor.fetchall()
-    if not rows: return None
     df = pd.DataFrame(rows, columns=['col', 'hi', 'lo', 'bad_step']).astype(float)
     df = df.groupby('col').agg(hi=('hi', 'max'), lo=('lo', 'min'), bad_step=('bad_step', 'min')).reset_index()
     if stat in ('norm', 'std'): df['hi'] = np.sqrt(df['hi'])   # SQLite may lack sqrt()
-    return df.assign(step=[max(lo, int(j) * w * k) for j in df['col']])[['step', 'lo', 'hi', 'bad_step']]
+    df = df.assign(step=[max(lo, int(j) * w * k) for j in df['col']], sampled=df['col'].isin(sampled))
+    return df[['step', 'lo', 'hi', 'bad_step', 'sampled']]
 
 def envelope_traces(e:pd.DataFrame, color:str=BLUE)->list:
     "A `module_envelope` as a light band between its bins' min and max, and a red mark at each bin's first NaN/Inf step."
@@ -593,6 +608,8 @@ def envelope_traces(e:pd.DataFrame, color:str=BLUE)->list:
     if lo and hi: tr = [go.Scatter(x=x, y=_list(e['lo']), name='every step: min', showlegend=False, **common),
                         go.Scatter(x=x, y=_list(e['hi']), name='every step: min–max', fill='tonexty', fillcolor=_rgba(color, .08), **common)]
     else: tr = [go.Scatter(x=x, y=_list(e['hi' if hi else 'lo']), name=f"every step: {'max' if hi else 'min'}", **common)]
+    if 'sampled' in e and e['sampled'].any():   # columns the rollups lack, read at one step each: the band says so
+        tr[-1].name += f" (sampled at steps {e.loc[e['sampled'], 'step'].min()}–{e.loc[e['sampled'], 'step'].max()}: no rollups)"
     bad = e[e['bad_step'].notna()]
     at = bad['hi'].fillna(bad['lo']).fillna(e['hi'].max() if hi else e['lo'].min() if lo else 0)   # a bin whose stat is NaN: at the top
     if len(bad): tr.append(go.Scatter(x=bad['bad_step'].astype(int).tolist(), y=_list(at),
@@ -649,6 +666,14 @@ def map_figure(m:dict,               # a `module_map`
         fig.add_shape(type='rect', x0=x0, x1=x1, y0=i - 0.5, y1=i + 0.5, line=dict(color='black', width=3),
                       name='first NaN/Inf')
     span = f" · {m['width']} steps a column" if m['width'] > 1 else ''
+    if (sampled := np.asarray(m.get('sampled', ()), bool)).any():   # columns read at one step of several: shaded, and said
+        xs = np.asarray(m['x'])[sampled]
+        span += f" · sampled at steps {xs.min()}–{xs.max()}, a step a column (no rollups there: run.roll_up())"
+        js = np.flatnonzero(sampled)
+        for a, b in zip(js[np.r_[True, np.diff(js) > 1]], js[np.r_[np.diff(js) > 1, True]]):   # a shape a stretch
+            x0, x1 = _cell_edges(m['x'], a, m['width'])[0], _cell_edges(m['x'], b, m['width'])[1]
+            fig.add_shape(type='rect', x0=x0, x1=x1, y0=-0.5, y1=len(labels) - 0.5, fillcolor='rgba(128,128,128,0.25)',
+                          line=dict(width=0), layer='above', name='sampled')
     step = 'applied step' if applied else 'step'
     fig.update_layout(title=f"{run.name}: log10 {stat} of {ttype}, every module × {step}{span} (click a cell for its history)",
                       height=max(260, 60 + 18 * len(labels)), template='plotly_white', margin=dict(l=10, r=10, t=40, b=40),

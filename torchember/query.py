@@ -14,12 +14,14 @@ import sqlalchemy as sa
 import torch
 from sqlalchemy import select, func
 from .store import (engine, escaped, drop_run, runs_t, ranks_t, modules_t, steps_t, events_t, stats_t, calls_t, scalars_t,
-                              snapshots_t, rollups_t, STAT_COLS, ROLLUP_WIDTHS, rolled_steps)
+                              snapshots_t, rollups_t, STAT_COLS, ROLLUP_WIDTHS, rolled_steps,
+                              unfolded_bins, bin_spans)
 from .store import roll_up as store_roll_up
 
 # %% auto #0
-__all__ = ['SUMMARY', 'FORWARD', 'BACKWARD', 'NONFINITE_KINDS', 'GRAPH_ENDS', 'runs', 'delete_run', 'run_ranks', 'records', 'Run',
-           'load', 'applied_steps', 'summary', 'flow_order', 'decode_snapshot']
+__all__ = ['SUMMARY', 'FORWARD', 'BACKWARD', 'NONFINITE_KINDS', 'VIEW_STEPS', 'ROLL_UP_STEPS', 'GRAPH_ENDS', 'runs', 'delete_run',
+           'run_ranks', 'records', 'Run', 'load', 'applied_steps', 'summary', 'flow_order', 'unfolded_steps',
+           'decode_snapshot']
 
 # %% ../nbs/03_query.ipynb #1536ffaf
 def runs(db=None)->pd.DataFrame:
@@ -367,34 +369,63 @@ def flow_order(df:pd.DataFrame,      # records with `module`, `ttype`, and optio
 # %% ../nbs/03_query.ipynb #f2647a9b
 NONFINITE_KINDS = ('output', 'attached', *BACKWARD)
 
+VIEW_STEPS = 500       # the most steps whose rows a view reads where `rollups` lack bins: a sample, evenly spaced
+ROLL_UP_STEPS = 2048   # the most steps `Run.roll_up` folds in one transaction: one bin of the widest width
+
+@patch
+def unfolded(self:Run, rank:int=None)->list:
+    "`[(first, last)]`: the spans of steps of `rank` (default: the first) the `rollups` lack, whole bins of 8, the newest too."
+    with engine(self.db).connect() as c: return bin_spans(unfolded_bins(c, self.id, _one_rank(self, rank)))
+
 @patch
 def roll_up(self:Run, again:bool=False)->Run:
-    "Fold into `rollups` the complete bins of this run's steps they don't cover yet (`again`: all of them)."
-    w, st = ROLLUP_WIDTHS[0], steps_t.c
-    with engine(self.db).begin() as c:
-        for k in self.ranks:
+    "Fold into `rollups` the complete bins of this run's steps they lack (`again`: every bin), `ROLL_UP_STEPS` a transaction."
+    w, st, eng, most = ROLLUP_WIDTHS[0], steps_t.c, engine(self.db), ROLL_UP_STEPS
+    for k in self.ranks:
+        with eng.connect() as c:
             lo, hi = c.execute(select(func.min(st.step), func.max(st.step)).where(st.run_id == self.id, st.rank == k)).one()
             if lo is None: continue
-            got = None if again else rolled_steps(c, self.id, k)
             last = hi if hi % w == w - 1 else hi // w * w - 1     # the last bin only if complete: the writer folds it when it is
-            first = lo if got is None or got[0] > lo else got[1] + 1
-            if first <= last: store_roll_up(c, self.id, first=first, last=last, ranks=[k])
+            spans = ([(max(a, lo // w * w), min(a + most - 1, last)) for a in range(lo // most * most, last + 1, most)] if again
+                     else bin_spans(unfolded_bins(c, self.id, k, last=last), most))
+        for a, b in spans:   # a transaction each: a roll-up stopped half way keeps what it folded, and the next goes on from there
+            with eng.begin() as c: store_roll_up(c, self.id, first=a, last=b, ranks=[k])
     return self
 
-def _rolled_first_bad(c, run_id:int, rank:int=None)->int|None:
-    "The first step with NaN/Inf in `NONFINITE_KINDS`, from the widest `rollups`; -1 if none; None if unfolded."
+def _sampled(steps:list, n:int)->list:
+    "At most `n` of `steps`, evenly spaced, the first and last kept."
+    if len(steps) <= n: return list(steps)
+    return [steps[i] for i in np.unique(np.linspace(0, len(steps) - 1, max(n, 2)).round().astype(int))]
+
+def unfolded_steps(c, run_id:int, rank:int, first:int=None, last:int=None)->list:
+    "The closed steps of `rank` (within `first`..`last`) in the bins of 8 the `rollups` lack, in order."
+    spans = bin_spans(unfolded_bins(c, run_id, rank, first, last))
+    if not spans: return []
+    lo, hi = max(spans[0][0], -1 if first is None else int(first)), min(spans[-1][1], spans[-1][1] if last is None else int(last))
+    steps = np.array(c.exec_driver_sql(f"SELECT step FROM steps WHERE run_id = {int(run_id)} AND rank = {int(rank)} AND step BETWEEN "
+                                       f"{lo} AND {hi} ORDER BY step").cursor.fetchall(), dtype=np.int64).reshape(-1)   # no Row each
+    ends = np.array(spans, dtype=np.int64).reshape(-1, 2)
+    at = np.searchsorted(ends[:, 0], steps, side='right') - 1
+    return steps[(at >= 0) & (steps <= ends[np.maximum(at, 0), 1])].tolist()
+
+def _rolled_first_bad(c, run_id:int, rank:int=None, sample:bool=False)->int:
+    "The first step with NaN/Inf in `NONFINITE_KINDS`: from the widest `rollups`, and the rows of the bins they lack; -1 if none."
     r, st, s, w = rollups_t.c, steps_t.c, stats_t.c, ROLLUP_WIDTHS[-1]
     ranks = [rank] if rank is not None else c.execute(select(st.rank).where(st.run_id == run_id).distinct()).scalars().all()
+    bad = [s.run_id == run_id, s.ttype.in_(NONFINITE_KINDS), sa.or_(s.nan_count > 0, s.inf_count > 0)]
     firsts = []
     for k in ranks:
-        lo = c.execute(select(func.min(st.step)).where(st.run_id == run_id, st.rank == k)).scalar()
-        if lo is None: continue
-        rolled = rolled_steps(c, run_id, k)
-        if rolled is None or rolled[0] > lo: return None                  # written before rollups
         first = c.execute(select(func.min(r.bad_step)).where(r.run_id == run_id, r.rank == k, r.ttype.in_(NONFINITE_KINDS), r.width == w)).scalar()
-        if first is None:                                                 # the steps since the last bin folded: their rows
-            first = c.execute(select(func.min(s.step)).where(s.run_id == run_id, s.step > rolled[1], s.rank == k, s.ttype.in_(NONFINITE_KINDS),
-                                                             sa.or_(s.nan_count > 0, s.inf_count > 0))).scalar()
+        spans = [(a, b) for a, b in bin_spans(unfolded_bins(c, run_id, k)) if first is None or a < first]   # their rows
+        if sample and spans:   # a view's read: at most `VIEW_STEPS` of their steps
+            at = _sampled(unfolded_steps(c, run_id, k, last=first), VIEW_STEPS)
+            more = c.execute(select(func.min(s.step)).where(*bad, s.rank == k, s.step.in_(at))).scalar() if at else None
+            first = min(first, more) if first is not None and more is not None else more if first is None else first
+        for i in range(0, 0 if sample else len(spans), 32):   # every row of those bins, in order, until one is bad
+            some = sa.or_(*[s.step.between(a, b) for a, b in spans[i:i + 32]])
+            if (more := c.execute(select(func.min(s.step)).where(*bad, s.rank == k, some)).scalar()) is not None:
+                first = more if first is None else min(first, more)
+                break
         if first is not None: firsts.append(first)
     return min(firsts, default=-1)
 
@@ -403,15 +434,16 @@ def first_nonfinite(self:Run,
                     step:int=None,   # the step to look in; default the first step that had NaN or Inf
                     after:int=None,  # with no `step`: search only the steps after this one
                     rank:int=None,   # look in this rank's records only; default every rank's
+                    sample:bool=False,  # where `rollups` lack bins, look at `VIEW_STEPS` of their steps, not every row
                    )->dict|None:     # step, rank, module, mtype, ttype, tname, call, nan_count, inf_count; None if clean
     "The first module call whose output, attached tensor or grad held NaN or Inf, in the order its step computed them."
     s, m = stats_t.c, modules_t
     where = [s.run_id == self.id, s.ttype.in_(NONFINITE_KINDS), sa.or_(s.nan_count > 0, s.inf_count > 0)]
     if rank is not None: where.append(s.rank == rank)
     with engine(self.db).connect() as c:
-        if step is None and after is None and (first := _rolled_first_bad(c, self.id, rank)) is not None:
-            step = first if first >= 0 else None                        # the rollups say where: one short read, not a scan
-            if step is None: return None
+        if step is None and after is None:
+            step = _rolled_first_bad(c, self.id, rank, sample)          # the rollups say where: short reads, not a scan
+            if step < 0: return None
         if step is None:
             step = c.execute(select(func.min(s.step)).where(*where, *([s.step > after] if after is not None else []))).scalar()
             if step is None: return None

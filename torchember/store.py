@@ -24,8 +24,8 @@ __all__ = ['SCHEMA_VERSION', 'MEMORY', 'metadata', 'STAT_COLS', 'Str', 'Size', '
            'KNOWN_MAX', 'LINGER_S', 'PENDING_STEPS', 'PENDING_BYTES', 'RETRY_S', 'EXIT_WAIT_S', 'default_db', 'db_url',
            'check_name', 'escaped', 'StoreError', 'engine', 'keyed_by_rank', 'create_run', 'drop_run', 'last_iteration',
            'claim', 'release', 'rows_digest', 'packed_sums', 'packed_digest', 'write_step', 'write_steps',
-           'merge_pieces', 'module_steps_sql', 'roll_up', 'roll_up_closed', 'rolled_steps', 'thin_steps',
-           'module_values', 'idle_priority', 'store_busy', 'Writer']
+           'merge_pieces', 'module_steps_sql', 'roll_up', 'roll_up_closed', 'rolled_steps', 'unfolded_bins',
+           'bin_spans', 'thin_steps', 'module_values', 'idle_priority', 'store_busy', 'Writer']
 
 # %% ../nbs/02_store.ipynb #2b4773a6
 SCHEMA_VERSION = 2
@@ -788,6 +788,44 @@ def rolled_steps(c, run_id:int, rank:int)->tuple|None:
     if c.execute(select(r.bin).where(r.run_id == run_id, r.rank == rank, r.ttype == t, r.width == ROLLUP_WIDTHS[-1]).limit(1)).first() is None:
         return None   # folded by an older torchember, without today's widths: `Run.roll_up()` folds it again
     return min(firsts) * w, (max(lasts) + 1) * w - 1
+
+def _each_sql(table:str, where:str, expr:str, lo:int, hi:int, step:int)->str:
+    "SQL of each value of `expr // step` in `lo`..`hi` over the rows `where` selects, by one seek of the key each (a skip scan)."
+    first = lambda at: f"(SELECT MIN({expr}) / {step} FROM {table} WHERE {where} AND {expr} BETWEEN {at} AND {hi * step + step - 1})"
+    return (f"WITH RECURSIVE b(x) AS (SELECT {first(lo * step)} UNION ALL SELECT {first('(b.x + 1) * ' + str(step))} "
+            f"FROM b WHERE b.x IS NOT NULL) SELECT x FROM b WHERE x IS NOT NULL")
+
+_FOLDED = {}   # (store, run id, its start, rank) -> (last bin looked at, bins then unfolded): a folded bin stays folded
+
+def unfolded_bins(c, run_id:int, rank:int,
+                  first:int=None,   # the first step to look at; default the rank's first
+                  last:int=None,    # the last; default its newest (its bin may be still filling)
+                 )->list:           # bin numbers (bin b: steps 8b..8b+7), in order
+    "The bins of 8 steps of `rank` of run `run_id` that hold closed steps but no `rollups` row yet."
+    w, rid, rk = ROLLUP_WIDTHS[0], int(run_id), int(rank)
+    mine = f"run_id = {rid} AND rank = {rk}"
+    lo, hi = (c.exec_driver_sql(f"SELECT {f}(step) FROM steps WHERE {mine}").scalar() for f in ('MIN', 'MAX'))
+    if lo is None: return []
+    key = (str(c.engine.url), rid, c.exec_driver_sql(f"SELECT started FROM runs WHERE id = {rid}").scalar(), rk)
+    seen, gaps = _FOLDED.get(key, (lo // w - 1, ()))
+    todo = set(gaps)   # the bins unfolded when last looked at, and those of the steps closed since: one seek each
+    if hi // w > seen: todo |= set(c.exec_driver_sql(_each_sql('steps', mine, 'step', seen + 1, hi // w, w)).scalars().all())
+    for t in TTYPES:   # a bin is folded for every ttype its steps hold at once: the first ttype found covers most
+        if not todo: break
+        got = c.exec_driver_sql(_each_sql('rollups', f"{mine} AND ttype = '{t}' AND width = {w}", 'bin', min(todo), max(todo), 1))
+        todo -= set(got.scalars().all())
+    if len(_FOLDED) > 256: _FOLDED.clear()
+    _FOLDED[key] = (max(seen, hi // w), tuple(sorted(todo)))
+    first, last = lo if first is None else int(first), hi if last is None else int(last)
+    return [b for b in _FOLDED[key][1] if first // w <= b <= last // w]
+
+def bin_spans(bins:list, most:int=None)->list:
+    "`[(first step, last step)]` of `bins` of 8 steps, consecutive ones joined, cut where a multiple of `most` steps begins."
+    w, out = ROLLUP_WIDTHS[0], []
+    for b in bins:
+        if out and out[-1][1] == b * w - 1 and not (most and b * w % most == 0): out[-1] = (out[-1][0], b * w + w - 1)
+        else: out.append((b * w, b * w + w - 1))
+    return out
 
 THINNED = ('stats', 'shards', 'calls')   # the tables whose rows of a thinned step go; `steps`, `scalars`, `events` and `rollups` stay
 
