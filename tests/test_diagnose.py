@@ -40,10 +40,10 @@ def poison(s, m):
 def test_spike_names_the_scaled_layer_and_step(store):
     f = train(mlp(), 'scaled', store, tweak=scale_up).diagnose()
     loss = f[(f['kind'] == 'spike') & (f['stat'] == 'loss')].iloc[0]
-    assert (loss['step'], loss['module'], loss['ttype'], loss['severity']) == (40, '6', 'output', 'warning')
-    assert "module '6' (Linear) left its band first" in loss['message'] and 'at the same step' in loss['message']
-    own = f[(f['kind'] == 'spike') & (f['stat'] == 'rms')].iloc[0]
-    assert (own['step'], own['module']) == (40, '6')
+    assert (loss['step'], loss['module'], loss['ttype'], loss['severity']) == (40, '6', 'weight', 'warning')   # its weight was scaled
+    assert "it followed module '6' (Linear), its weight RMS at step 40, at the same step" in loss['message']
+    own = f.iloc[0]
+    assert (own['kind'], own['step'], own['module'], own['ttype']) == ('cause', 40, '6', 'weight')
     assert list(f.columns) == ['kind', 'severity', 'step', 'iteration', 'module', 'mtype', 'ttype', 'tname', 'stat', 'value', 'expected', 'message']
 
 def test_spike_window_ending_before_it_sees_none(db):
@@ -267,8 +267,7 @@ def test_a_level_seen_every_few_steps_is_no_spike(db, seed):
 def test_a_real_spike_in_a_periodic_run_is_still_found(db):
     _, d = gan(db, scale_d_at=90)    # its real-batch call is step 270, in the window diagnose looks at
     f = d.diagnose()
-    spikes = f[f['kind'] == 'spike']
-    assert len(spikes) and spikes.iloc[0]['step'] == 270 and spikes.iloc[0]['module'] == '0', f[['kind', 'step', 'module', 'message']]
+    assert f.iloc[0][['kind', 'step', 'module', 'ttype']].tolist() == ['cause', 270, '0', 'weight'], f[['kind', 'step', 'module', 'message']]
 
 def fit(db, run, batch=lambda i, g: torch.randn(32, 16, generator=g), after=None, steps=200):
     "SGD of `mlp()` on x -> x[:, :1] for `steps` steps of `batch(i, g)`, recorded as `run`; `after(i, m, g)` runs after each step."

@@ -13,22 +13,24 @@ import pandas as pd
 import sqlalchemy as sa
 from sqlalchemy import select, func, Float
 from fastcore.basics import patch
-from .store import engine, db_url, modules_t, stats_t, steps_t, digests_t, scalars_t, STAT_COLS
+from .store import engine, db_url, modules_t, stats_t, steps_t, digests_t, scalars_t, rollups_t, STAT_COLS, ROLLUP_WIDTHS
 from fnmatch import fnmatchcase
 from .query import Run, flow_order, _one_rank, applied_steps
 
 # %% auto #0
-__all__ = ['COLUMNS', 'SEVERITIES', 'KINDS', 'MAD_SIGMA', 'BEYOND', 'RANGE', 'WATCHED', 'GRAD_NORM', 'MIN_BAND', 'FOLLOW_MIN',
-           'GRADS', 'DIFF_COLUMNS', 'COMPARED', 'finding', 'findings', 'bands', 'trailing_range', 'band_edges',
-           'left_band', 'upward_edges', 'eval_steps', 'micro_steps', 'module_norms', 'signals', 'departures',
-           'first_departure', 'signal_spikes', 'module_spikes', 'loss_followed', 'zero_inputs', 'dead_modules',
-           'across_depth', 'over_steps', 'update_ratios', 'nonfinite_finding', 'with_iterations', 'fingerprints',
-           'step_digests', 'module_prints', 'stat_rows', 'diff']
+__all__ = ['COLUMNS', 'SEVERITIES', 'KINDS', 'MAD_SIGMA', 'BEYOND', 'RANGE', 'WATCHED', 'GRAD_NORM', 'MIN_BAND', 'ORDER', 'GAP',
+           'PERSIST', 'DRIFTS', 'DEPARTURE_COLUMNS', 'SLACK', 'FULL_STEPS', 'LOOK_BACK', 'COARSE_BINS', 'MOST_POINTED',
+           'FOLLOW_MIN', 'GRADS', 'MOST_CAUSES', 'DIFF_COLUMNS', 'COMPARED', 'finding', 'findings', 'bands',
+           'trailing_range', 'band_edges', 'left_band', 'upward_edges', 'eval_steps', 'micro_steps', 'module_norms',
+           'signals', 'model_input', 'module_rms', 'onset', 'departures', 'causal_key', 'episodes', 'rolled_departures',
+           'run_episodes', 'attach', 'root_words', 'cause_finding', 'signal_spikes', 'loss_followed', 'zero_inputs',
+           'dead_modules', 'across_depth', 'over_steps', 'update_ratios', 'nonfinite_finding', 'with_iterations',
+           'followed', 'with_causes', 'fingerprints', 'step_digests', 'module_prints', 'stat_rows', 'diff']
 
 # %% ../nbs/03a_diagnose.ipynb #3281537f
 COLUMNS = ['kind', 'severity', 'step', 'iteration', 'module', 'mtype', 'ttype', 'tname', 'stat', 'value', 'expected', 'message']
 SEVERITIES = ('error', 'warning', 'info')
-KINDS = ('nonfinite', 'exploding', 'spike', 'vanishing', 'dead', 'update_ratio')
+KINDS = ('cause', 'nonfinite', 'exploding', 'spike', 'vanishing', 'dead', 'update_ratio')
 MAD_SIGMA = 1.4826   # MAD x this estimates the standard deviation of normal data
 
 def finding(kind:str, severity:str, step:int, message:str, module:str=None, mtype:str=None, ttype:str=None,
@@ -38,7 +40,7 @@ def finding(kind:str, severity:str, step:int, message:str, module:str=None, mtyp
                 stat=stat, value=float(value), expected=expected, message=message)
 
 def findings(rows:list)->pd.DataFrame:
-    "`rows` as `diagnose` returns them: errors first, then warnings, then info; within each, by step, then kind."
+    "`rows` as `diagnose` returns them: errors first, then warnings, then info; within each, by step, then kind (causes first)."
     df = pd.DataFrame(rows, columns=COLUMNS)
     key = df['severity'].map(SEVERITIES.index) * 1e12 + df['step'] * 10 + df['kind'].map(KINDS.index)
     df = df.iloc[np.argsort(key.to_numpy(), kind='stable')].reset_index(drop=True)
@@ -168,40 +170,217 @@ def signals(run:Run, rank:int, hi:int, grads_from:int)->pd.DataFrame:
 
 # %% ../nbs/03a_diagnose.ipynb #109a982b
 MIN_BAND = 10   # a band needs this many earlier steps (fewer if `window` is smaller): a shorter history gives no spikes
+ORDER = ('weight', 'input', 'output', 'weight_grad')   # a step's order: weights (the last update set them), forward, grads
 
-def departures(norms:pd.DataFrame,  # `module_norms` rows
-               names:pd.DataFrame,  # `_names(run)`
-               window:int, spike:float, factor:float,
-               lo:int,              # report departures at this step and later only
-              )->pd.DataFrame:      # step, module, mtype, ttype, value, median, mad
-    "The module RMS values that left their trailing band (`band_edges`) at step `lo` or later."
-    cols = ['step', 'module', 'mtype', 'ttype', 'value', 'median', 'mad', 'lo', 'hi']
-    if norms.empty: return pd.DataFrame(columns=cols)
-    wide = norms.pivot(index='step', columns=['module_id', 'ttype'], values='rms')   # `module_norms`: one row a step, module, ttype
-    x, rows = wide.to_numpy(float), np.flatnonzero(wide.index.to_numpy() >= lo)        # bands of the steps reported only
-    low, high, med, mad = band_edges(x, window, spike, factor, min(window, MIN_BAND), rows)
-    r, j = np.nonzero(left_band(x[rows], low, high))
-    i = rows[r]
-    keys = wide.columns[j]
-    df = pd.DataFrame({'step': wide.index[i], 'module_id': keys.get_level_values(0), 'ttype': keys.get_level_values(1),
-                       'value': x[i, j], 'median': med[r, j], 'mad': mad[r, j], 'lo': low[r, j], 'hi': high[r, j]})
-    return df.join(names, on='module_id')[cols]
+def model_input(names:pd.DataFrame, order:list)->int|None:
+    "The module whose input is the batch: the model itself (module ''), else the first module called."
+    roots = names.index[names['module'] == '']
+    return int(roots[0]) if len(roots) else (order[0] if order else None)
 
-def first_departure(run:Run, rank:int, deps:pd.DataFrame)->pd.Series|None:
-    "Of `deps`, the earliest step's first in the order the step computed them (forward, then backward, then weights)."
-    if deps.empty: return None
-    at = deps[deps['step'] == deps['step'].min()]
-    return flow_order(at.reset_index(drop=True), run.events(int(at['step'].iloc[0]), rank)).iloc[0]
+def module_rms(run:Run, rank:int, lo:int, hi:int, root:int=None)->pd.DataFrame:
+    "Training steps `lo..hi` x (module id, ttype): the RMS of each module's weights, outputs, weight grads; `root`'s input."
+    s = stats_t.c
+    tt = s.ttype.in_(WATCHED) if root is None else sa.or_(s.ttype.in_(WATCHED), sa.and_(s.ttype == 'input', s.module_id == root))
+    sq = sa.case((func.count(s.norm) == func.count(), func.sum(s.norm * s.norm)))   # a NaN norm (NULL in SQLite): no RMS
+    q = (select(s.step, s.module_id, s.ttype, sq, func.sum(s.numel))
+         .where(s.run_id == run.id, s.rank == rank, s.step.between(lo, hi), tt).group_by(s.step, s.module_id, s.ttype))
+    with engine(run.db).connect() as c: rows = c.execute(q).cursor.fetchall()
+    df = pd.DataFrame(rows, columns=['step', 'module_id', 'ttype', 'sq', 'numel']).astype({'sq': float, 'numel': float})   # None: NaN
+    df = df[~df['step'].isin(eval_steps(run, rank)) & ~(df['ttype'].eq('weight_grad') & df['step'].isin(micro_steps(run, rank)))]
+    df['rms'] = (df['sq'] / df['numel'].where(df['numel'] > 0)) ** .5
+    return df.pivot_table(index='step', columns=['module_id', 'ttype'], values='rms', aggfunc='first', dropna=False)
 
 def _band_text(lo, hi, med): return f"{lo:.4g} to {hi:.4g} (around the median {med:.4g} of the steps before)"
 
+# %% ../nbs/03a_diagnose.ipynb #7da76849
+def onset(y:np.ndarray,   # one series' values, in log10, up to and with its departure (the last)
+          least:int=5,    # the level before a drift is made of this many values at least
+         )->int:          # the index at which the series began to move: the last one for a jump
+    "Where a series that left its band began to move: a drift's start (a level, then a straight line in log), else its last step."
+    ok = np.isfinite(y)
+    if ok.sum() < least + 3 or not ok[-1]: return len(y) - 1
+    t, y = np.arange(len(y))[ok], y[ok]
+    moves = np.abs(np.diff(y[-4:]))
+    if moves[-1] > 3 * moves[:-1].max(): return int(t[-1])   # its last step moved far more than the steps before: a jump
+    fit = np.polyfit(t[:-1], y[:-1], 1)
+    jump = ((np.polyval(fit, t[:-1]) - y[:-1]) ** 2).sum()   # a straight line, then the departure alone
+    best, at = math.inf, len(t) - 1
+    for k in range(least - 1, len(t) - 2):                   # a level up to t[k], a straight line from there
+        A = np.c_[np.ones(len(t)), np.maximum(0, t - t[k])]
+        coef = np.linalg.lstsq(A, y, rcond=None)[0]
+        if np.sign(coef[1]) != np.sign(y[-1] - y[:k + 1].mean()): continue   # moving away from the level, as the departure did
+        sse = ((A @ coef - y) ** 2).sum()
+        if sse < best: best, at = sse, k + 1
+    return int(t[at]) if best < 0.5 * jump else int(t[-1])
+
+# %% ../nbs/03a_diagnose.ipynb #f05ff60d
+GAP = 3        # outside its band again within this many steps: still the same departure
+PERSIST = 5    # a weight's drift: `factor` times off the median of a full window, this many steps in a row
+DRIFTS = ('weight',)   # judged for drifts too: outputs and grads wander by themselves while a model learns
+
+def _drifted(x:np.ndarray, med:np.ndarray, full:np.ndarray, factor:float)->np.ndarray:
+    "Where `x` lies `factor` times off its band's median `PERSIST` steps in a row, with a full band (a drift widens the MAD)."
+    with np.errstate(invalid='ignore', divide='ignore'):
+        off = full & ((np.abs(x) > factor * np.abs(med)) | (np.abs(x) < np.abs(med) / factor))
+    off = np.nan_to_num(off, nan=False).astype(bool)
+    run = np.zeros(off.shape, int)                       # how many steps in a row it has been off, at each step
+    for i in range(len(off)): run[i] = np.where(off[i], (run[i - 1] if i else 0) + 1, 0)
+    spell = np.zeros(off.shape, bool)                    # the whole spell, from its first step, where it lasted PERSIST
+    for i in range(len(off) - 1, -1, -1): spell[i] = off[i] & ((run[i] >= PERSIST) | (spell[i + 1] if i + 1 < len(off) else False))
+    return spell
+
+DEPARTURE_COLUMNS = ['step', 'onset', 'until', 'module_id', 'ttype', 'value', 'median', 'lo', 'hi']
+
+def departures(wide:pd.DataFrame,  # `module_rms`: steps x (module id, ttype)
+               window:int, spike:float, factor:float,
+               start:int=None,     # report departures from this step on (the steps before make the first bands)
+              )->pd.DataFrame:     # `DEPARTURE_COLUMNS`: its step, onset, last step outside, value, band
+    "Each time a series of `wide` newly left its band: a change of scale that persists is one departure, at its start."
+    if wide.empty: return pd.DataFrame(columns=DEPARTURE_COLUMNS)
+    x, steps = wide.to_numpy(float), wide.index.to_numpy()
+    low, high, med, _ = band_edges(x, window, spike, factor, min(window, MIN_BAND))
+    full = (~np.isnan(_before(x, window))).sum(-1) >= window
+    drifts = np.array([t in DRIFTS for t in wide.columns.get_level_values('ttype')])
+    jumped = left_band(x, low, high)
+    out = jumped | (_drifted(x, med, full, factor) & drifts)
+    with np.errstate(divide='ignore', invalid='ignore'): logs = np.log10(np.abs(x))
+    rows = []
+    for j in np.flatnonzero(out.any(0)):
+        at, last = np.flatnonzero(out[:, j]), -math.inf
+        for spell in np.split(at, np.flatnonzero(np.diff(at) > GAP) + 1):   # spells outside, gaps of up to GAP steps joined
+            i = int(spell[0])
+            if not jumped[i, j] and i - last <= window:   # a level a jump reached, now off the median of a full band: the same
+                if rows and rows[-1][3:5] == tuple(wide.columns[j]): rows[-1] = (*rows[-1][:2], int(steps[int(spell[-1])]), *rows[-1][3:])
+                last = int(spell[-1]); continue
+            last = int(spell[-1])
+            if start is not None and steps[i] < start: continue
+            a = max(0, i - window)
+            o = a + onset(logs[a:i + 1, j])
+            rows.append((int(steps[i]), int(steps[o]), int(steps[last]), *wide.columns[j], x[i, j], med[i, j], low[i, j], high[i, j]))
+    return pd.DataFrame(rows, columns=DEPARTURE_COLUMNS)
+
+# %% ../nbs/03a_diagnose.ipynb #602e9c0f
+SLACK = 2   # a drift's start is fitted: within this many steps of it, the tensor computed first is the root
+
+def causal_key(ttype:str, module_id:int, pos:dict)->tuple:
+    "Where a tensor comes in a step: weights first, then the forward as calls returned (`pos`), then grads from the output back."
+    p = pos.get(module_id, math.inf)
+    return (ORDER.index(ttype), -p if ttype == 'weight_grad' else p)
+
+def episodes(deps:pd.DataFrame,   # `departures`
+             pos:dict,            # module id -> its place in a step's forward, as calls returned
+            )->list:              # dicts: rows (departures, first the root), root, until (its last step outside)
+    "`deps` grouped: each departure joins the episode still outside its band at its onset, else begins one."
+    if deps.empty: return []
+    d = deps.assign(key=[(o, *causal_key(t, m, pos)) for o, t, m in zip(deps['onset'], deps['ttype'], deps['module_id'])])
+    eps = []
+    for _, r in d.sort_values('key', kind='stable').iterrows():
+        live = [e for e in eps if e['until'] + GAP >= r['onset']]
+        if live: live[-1]['rows'].append(r); live[-1]['until'] = max(live[-1]['until'], r['until'])
+        else: eps.append(dict(rows=[r], until=r['until']))
+    for e in eps:
+        root = e['rows'][0]
+        if root['onset'] < root['step']:   # a fitted start: the first computed of those that began within SLACK of it
+            root = min((r for r in e['rows'] if r['onset'] <= root['onset'] + SLACK), key=lambda r: r['key'][1:])
+        e['root'] = root
+    return eps
+
+def _exit_order(run:Run, rank:int, step:int, names:pd.DataFrame)->dict:
+    "Module id -> its place in the forward of `step`, as calls returned (a layer before the block that holds it)."
+    ev = run.events(step, rank)
+    ids = {n: i for i, n in names['module'].items()}
+    done = dict.fromkeys(m for k, m in zip(ev['kind'], ev['module']) if k == 'exit')
+    return {ids[m]: i for i, m in enumerate(done) if m in ids}
+
+# %% ../nbs/03a_diagnose.ipynb #c6f1f6cc
+FULL_STEPS = 1000   # a run of at most this many steps is judged step by step, whole; a longer one where its rollups point
+LOOK_BACK = 100     # how many steps before an event (a NaN, a spike of the loss) its cause is looked for, in a long run
+COARSE_BINS = 400   # a long run's rollups are read at the narrowest width that gives at most this many bins
+MOST_POINTED = 20   # ... and at most this many places where a bin left its band are read step by step
+
+def rolled_departures(run:Run, rank:int, lo:int, hi:int, window:int, spike:float, factor:float)->list:
+    "Steps of `lo..hi` where a module's largest norm in a `rollups` bin newly left its band of the bins before."
+    r = rollups_t.c
+    w = next((w for w in ROLLUP_WIDTHS if (hi - lo) / w <= COARSE_BINS), ROLLUP_WIDTHS[-1])
+    q = select(r.bin, r.module_id, r.ttype, r.norm_sq).where(r.run_id == run.id, r.rank == rank, r.width == w,
+                                                              r.ttype.in_(WATCHED), r.bin.between(lo // w, hi // w))
+    with engine(run.db).connect() as c: rows = c.execute(q).cursor.fetchall()
+    if not rows: return []
+    df = pd.DataFrame(rows, columns=['bin', 'module_id', 'ttype', 'norm_sq']).astype({'norm_sq': float})
+    x = df.pivot_table(index='bin', columns=['module_id', 'ttype'], values='norm_sq', aggfunc='first') ** .5
+    n = max(2, min(MIN_BAND, window // w))
+    low, high, *_ = band_edges(x.to_numpy(float), max(n, window // w), spike, factor, n)
+    out = left_band(x.to_numpy(float), low, high)
+    new = out & ~np.vstack([np.zeros((1, out.shape[1]), bool), out[:-1]])
+    return [int(b) * w for b in x.index[new.any(1)]]
+
+def _spans(ats:list, before:int, after:int, lo:int, hi:int)->list:
+    "`[(first, last)]`: from `before` steps before each of `ats` to `after` past it, within `lo..hi`, overlaps joined."
+    out = []
+    for a in sorted(ats):
+        s, e = max(lo, a - before), min(hi, a + after)
+        if out and s <= out[-1][1] + 1: out[-1] = (out[-1][0], max(out[-1][1], e))
+        else: out.append((s, e))
+    return out
+
+def run_episodes(run:Run, rank:int, first:int, hi:int, window:int, spike:float, factor:float,
+                 events:list,           # steps of the events whose causes are looked for
+                 names:pd.DataFrame, order:list)->list:
+    "The `episodes` of the run up to `hi`: every step judged against its own trailing band (or where `rollups` point)."
+    root = model_input(names, order)
+    if hi - first + 1 <= FULL_STEPS: spans = [(first, hi)]
+    else:
+        pointed = rolled_departures(run, rank, first, hi, window, spike, factor)[:MOST_POINTED]
+        spans = _spans([*events, *pointed, hi], LOOK_BACK + window, ROLLUP_WIDTHS[0], first, hi)
+    deps = [departures(module_rms(run, rank, a, b, root), window, spike, factor, start=a + window if a > first else None)
+            for a, b in spans]
+    deps = [d for d in deps if len(d)]
+    return episodes(pd.concat(deps, ignore_index=True) if deps else pd.DataFrame(), _exit_order(run, rank, hi, names))
+
+# %% ../nbs/03a_diagnose.ipynb #5a97a2d7
+def attach(eps:list, step:int, lead:int)->dict|None:
+    "The episode that an event at `step` followed: begun by then, and outside its band then or at most `lead` steps before."
+    live = [e for e in eps if e['root']['onset'] <= step <= e['until'] + lead]
+    return max(live, key=lambda e: (min(e['until'], step), -e['root']['onset'])) if live else None
+
+def _later(n:int, word:str='later')->str: return 'at the same step' if n == 0 else f"{n} step{'s' if n != 1 else ''} {word}"
+
+def _by(value:float, median:float)->str:
+    "How far `value` is from `median`, as a factor: '1e+04x', '1/3.2'."
+    r = abs(value / median) if median else math.inf
+    return f"{r:.3g}x" if r >= 1 else f"1/{1 / r:.3g}" if r > 0 else 'to 0'
+
+def root_words(e:dict, names:pd.DataFrame)->str:
+    "The root of episode `e` in a few words: \"module 'conv2' (Conv2d), its weight RMS at step 61\"."
+    r = e['root']
+    if r['ttype'] == 'input': return f"the batch (the model's input) at step {r['onset']}"
+    return f"module {names.loc[r['module_id'], 'module']!r} ({names.loc[r['module_id'], 'mtype']}), its {r['ttype']} RMS at step {r['onset']}"
+
+def cause_finding(e:dict, names:pd.DataFrame,
+                  after:list,   # what the episode led to: (step, words, is it NaN/Inf)
+                 )->dict:
+    "Episode `e` as a `cause` finding: the module that started it, when, by how much, and what followed."
+    r = e['root']
+    m, mtype = names.loc[r['module_id'], 'module'], names.loc[r['module_id'], 'mtype']
+    who = "the batch (the model's input)" if r['ttype'] == 'input' else f"module {m!r} ({mtype})"
+    began = (f"began to move at step {r['onset']} and left its band at step {r['step']}" if r['onset'] < r['step']
+             else f"left its band at step {r['step']}")
+    msg = f"{who} started it: its {r['ttype']} RMS {began}, {r['value']:.4g} against a median of {r['median']:.4g} before ({_by(r['value'], r['median'])})"
+    others = {(x['module_id'], x['ttype']) for x in e['rows']} - {(r['module_id'], r['ttype'])}
+    if others:
+        n = len({x for x, _ in others})
+        msg += f"; {len(others)} more tensor{'s' if len(others) > 1 else ''} of {n} module{'s' if n > 1 else ''} left their bands after it"
+    for s, words, _ in sorted(after): msg += f"; then {words} at step {s}, {_later(s - r['onset'])}"
+    return finding('cause', 'error' if any(bad for *_, bad in after) else 'warning', r['onset'], msg, module=m, mtype=mtype,
+                   ttype=r['ttype'], stat='rms', value=r['value'], expected=_band_text(r['lo'], r['hi'], r['median']))
+
 # %% ../nbs/03a_diagnose.ipynb #174963b2
-def signal_spikes(run:Run, rank:int, sig:pd.DataFrame, names:pd.DataFrame, window:int, spike:float, factor:float,
-                  lead:int, most:int=5,
-                  norms:pd.DataFrame=None, read:tuple=None,   # `module_norms` already read, of steps `read` (first, last): not read again
+def signal_spikes(sig:pd.DataFrame,   # `signals`: steps x logged scalars and the global grad norm
+                  window:int, spike:float, factor:float,
+                  most:int=5,         # the first this many spikes
                  )->list:
-    "Findings for the first `most` upward spikes of `sig`'s signals, each naming the module that left its band first."
-    out, firsts = [], {}   # spike step -> the module that left its band first: each step's stats read once
+    "Findings for the first `most` upward spikes of `sig`'s signals, anywhere in the run; `diagnose` adds what each followed."
+    out = []
     if sig.empty: return out
     x, steps = sig.to_numpy(float), sig.index.to_numpy()
     low, high, med = upward_edges(x, window, spike, factor, min(window, MIN_BAND))
@@ -210,44 +389,9 @@ def signal_spikes(run:Run, rank:int, sig:pd.DataFrame, names:pd.DataFrame, windo
     for i, j in sorted(zip(*np.nonzero(starts)))[:most]:
         s, name = int(steps[i]), sig.columns[j]
         what = 'the global grad norm' if name == GRAD_NORM else f"logged {name!r}"
-        if s not in firsts:
-            a = int(steps[max(0, i - lead - window)])
-            have = norms is not None and read[0] <= a and s <= read[1]
-            near = norms[norms['step'].between(a, s)] if have else module_norms(run, rank, a, s)
-            firsts[s] = first_departure(run, rank, departures(near, names, window, spike, factor, int(steps[max(0, i - lead)])))
-        first = firsts[s]
-        msg = f"{what} spiked at step {s} ({x[i, j]:.4g}, against a median of {med[i, j]:.4g} over the steps before)"
-        if first is None:
-            out.append(finding('spike', 'warning', s, msg + "; no module's stats left their band before it (look at the data or the loss)",
-                               stat=name, value=x[i, j], expected=_band_text(low[i, j], high[i, j], med[i, j])))
-            continue
-        ahead = s - int(first['step'])
-        when = 'at the same step' if ahead == 0 else f"{ahead} step{'s' if ahead > 1 else ''} before"
-        out.append(finding('spike', 'warning', s, f"{msg}; module {first['module']!r} ({first['mtype']}) left its band first: "
-                           f"its {first['ttype']} RMS, {first['value']:.4g} at step {first['step']}, {when}",
-                           module=first['module'], mtype=first['mtype'], ttype=first['ttype'], stat=name, value=x[i, j],
+        out.append(finding('spike', 'warning', s, f"{what} spiked at step {s} ({x[i, j]:.4g}, against a median of "
+                           f"{med[i, j]:.4g} over the steps before)", stat=name, value=x[i, j],
                            expected=_band_text(low[i, j], high[i, j], med[i, j])))
-    return out
-
-def module_spikes(run:Run, rank:int, norms:pd.DataFrame, names:pd.DataFrame, window:int, spike:float, factor:float,
-                  lo:int, most:int=10)->list:
-    "Findings for the steps from `lo` at which a module's RMS newly left its band, one a step: the first module in order."
-    steps_of = sorted(set(norms['step']))
-    before = [s for s in steps_of if s < lo]
-    deps = departures(norms, names, window, spike, factor, before[-1] if before else lo)   # and the step before: still outside?
-    if deps.empty: return []
-    deps = deps.sort_values(['module', 'ttype', 'step'])
-    prev = deps.groupby(['module', 'ttype'])['step'].shift()
-    back = {b: a for a, b in zip(steps_of, steps_of[1:])}   # step -> the recorded step before it
-    deps = deps[(prev != deps['step'].map(back)) & (deps['step'] >= lo)]   # a band left anew, not still outside
-    out = []
-    for s, at in list(deps.groupby('step'))[:most]:
-        f = first_departure(run, rank, at)
-        more = len(at) - 1
-        out.append(finding('spike', 'warning', s, f"module {f['module']!r} ({f['mtype']}): {f['ttype']} RMS {f['value']:.4g} at step {s}, "
-                           f"outside its band of the steps before{f'; {more} more left theirs at that step, after it' if more else ''}",
-                           module=f['module'], mtype=f['mtype'], ttype=f['ttype'], stat='rms', value=f['value'],
-                           expected=_band_text(f['lo'], f['hi'], f['median'])))
     return out
 
 # %% ../nbs/03a_diagnose.ipynb #a89af57b
@@ -435,7 +579,7 @@ def diagnose(self:Run,
              window:int=50,       # recorded steps of each trailing band, and the steps the per-module checks look back over
              spike:float=10.0,    # a spike lies this many robust sigmas (1.4826·MAD) from its median: noise rarely goes past 5
              factor:float=2.0,    # ... and is also at least this many times its median (or, for a module norm, at most 1/factor): a small MAD alone is no spike
-             lead:int=20,         # a module that left its band at most this many steps before a scalar's spike can be its cause
+             lead:int=20,         # an event (NaN, a spike of the loss) follows an episode still outside its band, or this many steps after
              dead:float=0.99,     # an output with at least this zero fraction on every step of the window is dead (ReLU's are ~0.5 when healthy)
              orders:float=3.0,    # weight grads changing by this many orders of magnitude across depth or over the window vanish or explode
              update_band:tuple=(1e-6, 0.03),  # ‖Δw‖/‖w‖ is usually 1e-4..1e-2 per step: above 3x that a learning rate is too large, below 1e-6 a layer barely learns
@@ -451,8 +595,8 @@ def diagnose(self:Run,
     with ThreadPoolExecutor(1) as pool:   # the one scan of the whole run (NaN, Inf) runs beside the rest
         nonfinite = pool.submit(nonfinite_finding, self, rank, hi)
         rows = _windowed(self, rank, hi, window, spike, factor, lead, dead, orders, update_band)
-        rows = [r for r in nonfinite.result() + rows if not quiet(r)]
-    return with_iterations(findings(rows), self.step_kinds(rank))
+        rows = with_causes(self, rank, hi, nonfinite.result() + rows, window, spike, factor, lead)
+    return with_iterations(findings([r for r in rows if not quiet(r)]), self.step_kinds(rank))
 
 def _ignored(ignore)->callable:
     "A predicate on findings from `diagnose`'s `ignore=`: 'kind' or 'kind:glob', the glob matched on the module or the stat."
@@ -481,16 +625,51 @@ def _windowed(self:Run, rank, hi, window, spike, factor, lead, dead, orders, upd
     names = _names(self)
     lo = hi - window + 1                                   # the steps the per-module checks look at
     norms = module_norms(self, rank, lo - window, hi)       # and the steps before them, for their bands
-    sig = signals(self, rank, hi, lo - window)
+    sig = signals(self, rank, hi, 0)                        # the loss and the grad norm of every step
     order = _forward_order(self, rank, hi, names)
     rms = _grad_rms(norms)
-    spikes = [*signal_spikes(self, rank, sig, names, window, spike, factor, lead, norms=norms, read=(lo - window, hi)),
-              *module_spikes(self, rank, norms, names, window, spike, factor, lo)]
-    return [*[_calm_grad_spike(f, sig, window, spike, factor, lead) for f in spikes],
+    return [*[_calm_grad_spike(f, sig, window, spike, factor, lead) for f in signal_spikes(sig, window, spike, factor)],
             *dead_modules(norms, names, lo, dead, zeros_in=lambda ids: zero_inputs(self, rank, lo, hi, ids)),
             *(across_depth(rms.loc[at], order, names, at, orders) if (at := rms.index[rms.index <= hi].max()) >= lo else []),
             *over_steps(rms[rms.index >= lo], order, names, orders),
             *update_ratios(self, rank, lo, hi, names, update_band)]
+
+def _event_words(f:dict)->tuple:
+    "Event finding `f` (a NaN, a spike of a signal, a dead output) in a few words, and whether it is NaN/Inf no run survives."
+    if f['kind'] == 'nonfinite':
+        return f"the first {'NaN' if f['stat'] == 'nan_count' else 'Inf'} (the {f['ttype']} of module {f['module']!r})", f['severity'] == 'error'
+    if f['kind'] == 'dead': return f"the output of module {f['module']!r} went dead", False
+    return f"a spike of {'the global grad norm' if f['stat'] == GRAD_NORM else repr(f['stat'])}", False
+
+def followed(e:dict, names:pd.DataFrame)->bool:
+    "Whether another module left its band in episode `e` after its root: not one that holds the root (its output is the root's)."
+    m = names.loc[e['root']['module_id'], 'module']
+    holds = lambda n: n == m or n == '' or m.startswith(n + '.')
+    return any(not holds(names.loc[r['module_id'], 'module']) for r in e['rows'][1:])
+
+MOST_CAUSES = 10   # episodes that led to no event are listed, the first this many: those others followed, or of a weight
+
+def with_causes(run:Run, rank:int, hi:int, rows:list, window:int, spike:float, factor:float, lead:int)->list:
+    "`rows` and a `cause` finding for each episode of the run up to `hi`; each event's message says which it followed."
+    names = _names(run)
+    steps = run.step_kinds(rank)['step']
+    events = [r for r in rows if r['kind'] in ('nonfinite', 'dead') or r['kind'] == 'spike' and r['module'] is None]
+    eps = run_episodes(run, rank, int(steps.min()) if len(steps) else 0, hi, window, spike, factor, [r['step'] for r in events],
+                       names, _forward_order(run, rank, hi, names))
+    led = {id(e): [] for e in eps}
+    for r in events:
+        e = attach(eps, r['step'], lead)
+        if e is None:
+            if r['kind'] == 'spike': r['message'] += "; no module's stats left their band before it (look at the data or the loss)"
+            continue
+        led[id(e)].append((r['step'], *_event_words(r)))
+        ahead = r['step'] - e['root']['onset']
+        r['message'] += f"; it followed {root_words(e, names)}, {_later(ahead, 'before')} (the likely cause, above)"
+        if r['kind'] == 'spike':   # a signal names the module that started it
+            r.update(module=names.loc[e['root']['module_id'], 'module'], mtype=names.loc[e['root']['module_id'], 'mtype'], ttype=e['root']['ttype'])
+    told = [e for e in eps if led[id(e)]]
+    told += [e for e in eps if not led[id(e)] and (followed(e, names) or e['root']['ttype'] == 'weight')][:MOST_CAUSES]
+    return [cause_finding(e, names, led[id(e)]) for e in told] + rows
 
 # %% ../nbs/03a_diagnose.ipynb #c9801c05
 DIFF_COLUMNS = ['step', 'iteration', 'module', 'mtype', 'ttype', 'tname', 'stat', 'a', 'b']

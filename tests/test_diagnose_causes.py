@@ -1,0 +1,58 @@
+"Issue 50: `diagnose()` names the module that started a blow-up (the cause), not the victim; NaN stays NaN."
+import math
+import numpy as np
+import pandas as pd
+import pytest
+from causes import CASES
+
+@pytest.fixture(scope='module')
+def made(tmp_path_factory):
+    "Each known-cause run, made once for the tests of this file."
+    out = {}
+    def get(name):
+        if name not in out: out[name] = CASES[name][0](str(tmp_path_factory.mktemp(name)/'store.db'))
+        return out[name]
+    return get
+
+@pytest.mark.parametrize('name', list(CASES))
+def test_diagnose_names_the_cause_first(name, made):
+    _, module, step = CASES[name]
+    f = made(name).diagnose()
+    first = f.iloc[0]
+    assert first['kind'] == 'cause', f[['kind', 'step', 'module', 'ttype']].head()
+    assert first['module'] == module and abs(first['step'] - step) <= 2, first['message']
+    causes = f[f['kind'] == 'cause']
+    assert not ((causes['step'] < first['step']) & (causes['severity'] == first['severity'])).any()   # no earlier cause below it
+    named = f[f['module'].notna() & (f.index > 0)]
+    # no row above the cause names another module; a module named later is the cause or one that followed it
+    assert f.index[f['module'] == module].min() == 0
+
+def test_the_nonfinite_row_says_what_it_followed(made):
+    f = made('scaled_weight').diagnose()
+    nf = f[f['kind'] == 'nonfinite'].iloc[0]
+    assert nf['module'] != 'blocks.1.mlp.proj'                       # the victim, a later LayerNorm...
+    assert "it followed module 'blocks.1.mlp.proj'" in nf['message']  # ...says what it followed
+    cause = f.iloc[0]
+    assert cause['severity'] == 'error' and 'the first NaN' in cause['message']
+    assert cause['value'] / float(cause['expected'].split('median ')[1].split(' ')[0]) > 1e3   # by how much: ~1e4x
+
+def test_the_bad_batch_is_the_models_input(made):
+    f = made('bad_batch').diagnose()
+    assert f.iloc[0][['kind', 'ttype', 'step']].tolist() == ['cause', 'input', 70]
+    loss = f[(f['kind'] == 'spike') & (f['stat'] == 'loss')].iloc[0]
+    assert loss['step'] == 70 and loss['ttype'] == 'input' and 'the batch' in loss['message']
+
+def test_a_cause_long_before_the_end_is_seen(made):
+    "The hot-lr run's cause is 60 steps before its end, past the 50-step window that ends at the last step."
+    r = made('hot_lr')
+    f = r.diagnose(window=20)
+    assert f.iloc[0][['kind', 'module']].tolist() == ['cause', 'conv2']
+
+def test_a_persistent_change_is_one_finding(made):
+    f = made('hot_lr').diagnose()
+    assert (f['kind'] == 'cause').sum() == 1
+    assert (f['module'] == 'conv2').all() or set(f.loc[f['module'] != 'conv2', 'kind']) <= {'dead'}
+
+def test_ignore_causes(made):
+    f = made('scaled_weight').diagnose(ignore='cause')
+    assert not (f['kind'] == 'cause').any() and f.iloc[0]['kind'] == 'nonfinite'
