@@ -56,3 +56,16 @@ def test_a_persistent_change_is_one_finding(made):
 def test_ignore_causes(made):
     f = made('scaled_weight').diagnose(ignore='cause')
     assert not (f['kind'] == 'cause').any() and f.iloc[0]['kind'] == 'nonfinite'
+
+def test_nan_stays_nan(made):
+    "After the blow-up every grad is NaN: df keeps the stat columns, summary shows NaN (not 0.0), last_finite_step is the step before."
+    r = made('scaled_weight')
+    broke = r.first_nonfinite()['step']
+    assert r.last_finite_step() == broke - 1
+    d = r.df(step=r.last_step, ttype='weight_grad')
+    assert {'mean', 'std', 'min', 'max', 'norm'} <= set(d.columns) and d['norm'].isna().all()
+    s = r.summary(step=r.last_step)
+    assert s['grad_norm'].isna().all() and not (s['grad_norm'] == 0).any()
+    top = r.summary(step='last_finite').nlargest(5, 'grad_norm')     # "the top five by grad norm, before the NaN"
+    assert len(top) == 5 and top['grad_norm'].notna().all() and (top['step'] == broke - 1).all()
+    assert r.df(step='last_finite')['step'].unique().tolist() == [broke - 1]

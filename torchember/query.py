@@ -99,9 +99,9 @@ def records(db, run_id:int, run:str, step=None, module=None, ttype=None, tname=N
     return _expand(df)
 
 def _expand(df:pd.DataFrame)->pd.DataFrame:
-    "Drop default stat columns no row has, and spread the `extra` JSON into columns."
+    "Spread the `extra` JSON into columns; every default stat column stays (NaN where NaN), `nbytes` only where known."
     extra = df.pop('extra')
-    df = df.drop(columns=[c for c in (*STAT_COLS, 'nbytes') if df[c].isna().all() and not df.empty])
+    df = df.drop(columns=['nbytes'] if df['nbytes'].isna().all() and not df.empty else [])
     if extra.notna().any():
         x = pd.DataFrame([json.loads(e) if isinstance(e, str) else {} for e in extra], index=df.index)
         x.columns = [f'stat_{c}' if c in df.columns or c in _META else c for c in x.columns]   # never hide a column
@@ -154,8 +154,16 @@ from fastcore.basics import patch
 
 @patch
 def df(self:Run, step=None, module=None, ttype=None, tname=None, steps:tuple=None, rank=None)->pd.DataFrame:
-    "Records of this run, filtered by step(s) or a `(first, last)` range, module(s), ttype(s), tname(s), rank(s)."
+    "Records of this run, filtered by step(s) (or 'last_finite'), a `(first, last)` range, module(s), ttype(s), tname(s), rank(s)."
+    step = _named_step(self, step, rank)
     return records(self.db, self.id, self.name, step=step, module=module, ttype=ttype, tname=tname, steps=steps, rank=rank)
+
+def _named_step(run:Run, step, rank=None):
+    "`step` as a number: 'last_finite' is `Run.last_finite_step` (-1, no step, if the run broke at once)."
+    if not isinstance(step, str): return step
+    if step != 'last_finite': raise ValueError(f"step= takes a step number or 'last_finite', not {step!r}")
+    s = run.last_finite_step(rank if rank is None or isinstance(rank, int) else None)
+    return -1 if s is None else s
 
 @patch
 def latest(self:Run, rank:int=None)->pd.DataFrame:
@@ -248,8 +256,9 @@ def summary(df:pd.DataFrame)->pd.DataFrame:
     d = df.assign(sq=df.get('norm', pd.Series(index=df.index, dtype=float))**2,
                   bad=bad.where(df.ttype != 'input', 0), bad_in=bad.where(df.ttype == 'input', 0))
     keys = ['module', 'mtype', 'call']
-    out = d[d.ttype == 'output'].groupby(keys, sort=False).first()[['mean', 'std']].add_prefix('out_')
-    w = d[d.ttype.isin(['weight', 'weight_grad'])].groupby(['module', 'ttype'])['sq'].sum()**0.5
+    out = d[d.ttype == 'output'].groupby(keys, sort=False)[['mean', 'std']].agg(lambda v: v.iloc[0]).add_prefix('out_')
+    nan_kept = lambda v: v.sum(skipna=False)   # a NaN norm makes a NaN sum: never a 0.0 that reads as a dead grad
+    w = d[d.ttype.isin(['weight', 'weight_grad'])].groupby(['module', 'ttype'])['sq'].agg(nan_kept)**0.5
     res = d.groupby(keys, sort=False)[['bad', 'bad_in']].sum().set_axis(['nonfinite', 'nonfinite_inputs'], axis=1).join(out)
     res['weight_norm'] = [w.get((m, 'weight'), math.nan) for m, _, _ in res.index]
     res['grad_norm'] = [w.get((m, 'weight_grad'), math.nan) for m, _, _ in res.index]
@@ -259,8 +268,9 @@ def summary(df:pd.DataFrame)->pd.DataFrame:
 
 @patch
 def summary(self:Run, step:int=None, rank:int=None)->pd.DataFrame:
-    "One line per module call of `step` (default: the newest training step) on `rank` (default: the first)."
+    "One line per module call of `step` (default: the newest training step; or 'last_finite') on `rank` (default: first)."
     rank = _one_rank(self, rank)
+    step = None if step == 'last_finite' and self.last_finite_step(rank) is None else _named_step(self, step, rank)
     if step is None: step, it = self.newest_train_step(self.last_steps.get(rank), rank)
     else: it = self.step_kinds(rank).set_index('step')['iteration'].get(step)
     res = summary(self.df(step=-1 if step is None else step, rank=rank))
@@ -457,6 +467,15 @@ def first_nonfinite(self:Run,
     df = df[df['rank'] == df['rank'].iloc[0]]                       # the lowest rank that had one
     first = flow_order(df, self.events(step, int(df['rank'].iloc[0]))).iloc[0]
     return {k: int(first[k] or 0) if k in ('step', 'rank', 'call', 'nan_count', 'inf_count') else first[k] for k in cols}
+
+# %% ../nbs/03_query.ipynb #e50a1f02
+@patch
+def last_finite_step(self:Run, rank:int=None)->int|None:
+    "The newest training step before the first NaN or Inf (the newest, if none): just before it broke; None if at once."
+    rank = _one_rank(self, rank)
+    f = self.first_nonfinite(rank=rank)
+    last = self.last_steps.get(rank) if f is None else f['step'] - 1
+    return None if last is None or last < 0 else self.newest_train_step(last, rank)[0]
 
 # %% ../nbs/03_query.ipynb #09eb35ec
 def _json_value(v):
