@@ -192,6 +192,7 @@ class Capture:
         self.clock = time.perf_counter
         self.iteration, self.kind = 0, None   # optimizer steps completed; the open step's kind (`STEP_KINDS`)
         self._opts, self._opt_hook, self._stepped = weakref.WeakKeyDictionary(), None, False
+        self.compiled = None   # the hooks' path inside `torch.compile`'s graphs (`torchember.compiled`), if any
 
     def current_params(self)->list:
         "`(mi, name, parameter)` for every parameter, each under the first module that owns it."
@@ -350,6 +351,7 @@ def arm(self:Capture):
     p = next(iter(self.model.parameters()), None)
     self.clock = _CudaClock() if self.timing and p is not None and p.is_cuda else time.perf_counter
     self._opt_hook = register_optimizer_step_post_hook(_optimizer_stepped(self))
+    if self.compiled is not None: self._install()   # the module hooks in place before a first trace: compiled with them
     self.armed = True
     return self
 
@@ -357,7 +359,8 @@ def arm(self:Capture):
 def _install(self:Capture):
     "Put the per-module and per-parameter hooks in place for a recorded step, under one fresh key of torch's hook dicts."
     if self._made is None:
-        self._made = [(m, _Hook(self._pre, mi), _Hook(self._post, mi)) for mi, m in enumerate(self.mods) if mi and self.selected[mi]]
+        tags = range(len(self.mods)) if self.compiled is None else self.compiled.tags   # no int a graph of one block holds
+        self._made = [(m, _Hook(self._pre, tags[mi]), _Hook(self._post, tags[mi])) for mi, m in enumerate(self.mods) if mi and self.selected[mi]]
     key = RemovableHandle.next_id     # taken as a handle takes it, so no later handle gets it
     while self._key_taken(key): key += 1
     RemovableHandle.next_id, self._hooked = key + 1, key
@@ -415,6 +418,7 @@ def disarm(self:Capture):
 _inference_on = torch.is_inference_mode_enabled
 _graph_task = torch._C._current_graph_task_id   # -1 unless a backward is running on this thread
 
+_compiling = torch.compiler.is_compiling   # dynamo is tracing this call: hooks take `self.compiled`'s traceable path
 _transforms_on = torch._C._are_functorch_transforms_active   # inside torch.func's vmap, grad, jacrev, ...
 _aside = threading.local()                                    # `.on`: this thread is in `_normal_mode`
 
@@ -436,6 +440,7 @@ def _normal_mode():
 
 @patch
 def _root_pre(self:Capture, mod, args, kwargs, inference:bool=False):
+    if _compiling(): return None if self.compiled is None else self.compiled.root_pre(mod, args, kwargs)
     if _graph_task() != -1: return      # a forward recomputed by activation checkpointing: not a step
     if _set_aside():
         inference = _inference_on()
@@ -461,7 +466,7 @@ def _root_pre(self:Capture, mod, args, kwargs, inference:bool=False):
                 self.params = params
                 self.pieces = self.piece_map()
         if rec and self._hooked is None: self._install()
-        elif not rec: self._uninstall()
+        elif not rec and not getattr(self.compiled, 'seen', False): self._uninstall()   # compiled code keeps them: no recompile
         self.recording = rec
         if rec:
             self._open, self._events, self._calls, self._stack = True, [], [0]*len(self.mods), []
@@ -493,7 +498,8 @@ def _nested(self:Capture)->bool:
     return n > 1
 
 @patch
-def _root_post(self:Capture, mod, args, out):
+def _root_post(self:Capture, mod, args, out, backward:bool=None):   # backward: whether one follows (default: from `out`)
+    if _compiling(): return None if self.compiled is None else self.compiled.root_post(mod, args, out)
     if _graph_task() != -1: return
     if _set_aside():
         with _normal_mode(): return self._root_post(mod, args, out)
@@ -504,7 +510,7 @@ def _root_post(self:Capture, mod, args, out):
         if self._skip: self._skip = False
         elif sys.exc_info()[1] is not None: self.close()
         elif self._open:
-            self._backward_due = any(t.requires_grad for _, t in named_tensors(out))
+            self._backward_due = any(t.requires_grad for _, t in named_tensors(out)) if backward is None else backward
             if not self._backward_due and self.kind == 'train':   # a train-mode call that built no graph (all frozen, say)
                 self.kind = 'no_grad'
                 if (say := getattr(self.recorder, 'set_kind', None)): say('no_grad')
@@ -512,11 +518,13 @@ def _root_post(self:Capture, mod, args, out):
 
 # %% ../nbs/00_core.ipynb #4fa25472
 @patch
-def _pre(self:Capture, mi, mod, args, kwargs, inference:bool=False):
+def _pre(self:Capture, tag, mod, args, kwargs, inference:bool=False):   # tag: what compiled code records `mod` under
+    if _compiling(): return None if self.compiled is None else self.compiled.pre(tag, mod, args, kwargs)
     if not self._open or self._skip or _graph_task() != -1: return   # not recomputation in a backward
     if (_inference_on() or _transforms_on()) and _set_aside():        # the cheap test first: this runs on every module call
         inference = _inference_on()
-        with _normal_mode(): return self._pre(mi, mod, args, kwargs, inference)
+        with _normal_mode(): return self._pre(tag, mod, args, kwargs, inference)
+    mi = self.index[id(mod)]
     c = self._calls[mi]
     self._calls[mi] = c + 1
     stack = self._stack
@@ -531,10 +539,12 @@ def _pre(self:Capture, mi, mod, args, kwargs, inference:bool=False):
                               self._times.get(stack[-2]) if len(stack) > 1 else None]
 
 @patch
-def _post(self:Capture, mi, mod, args, out):
+def _post(self:Capture, tag, mod, args, out):
+    if _compiling(): return None if self.compiled is None else self.compiled.post(tag, mod, args, out)
     if not self._open or self._skip or not self._stack or _graph_task() != -1: return
     if (_inference_on() or _transforms_on()) and _set_aside():
-        with _normal_mode(): return self._post(mi, mod, args, out)
+        with _normal_mode(): return self._post(tag, mod, args, out)
+    mi = self.index[id(mod)]
     c = self._stack.pop()[1]
     if self.timing and (mi, c) in self._times: self._times[mi, c][2] = self.clock()
     outs = [('output', out)] if isinstance(out, torch.Tensor) else named_tensors(out, 'output')
@@ -658,7 +668,7 @@ def sample_norms(g:torch.Tensor)->torch.Tensor:
 # %% ../nbs/00_core.ipynb #bba5f788
 @patch
 def _grad_hook(self:Capture, pi, p):
-    if self._captured: return   # the backward of a call inside a CUDA graph's capture
+    if self._captured or not self.recording: return   # a CUDA graph's capture; a step not recorded (compiled code keeps hooks)
     if self.timing and self._open and not isinstance(pi, tuple):
         now, mi = self.clock(), self.params[pi][0]
         for c in range(self._calls[mi]):            # every call of the module that owns `p` ends its backward no earlier
@@ -706,6 +716,7 @@ def attach(t:torch.Tensor,     # the tensor to record; returned unchanged
 
 @patch
 def _attach(self:Capture, module, name, t):
+    if _compiling(): return   # inside a compiled region: not recorded (no Python there at run time)
     if not (self._open and self.recording) or self._skip or _graph_task() != -1: return
     if _set_aside():
         with _normal_mode(): return self._attach(module, name, t)

@@ -21,6 +21,7 @@ from .store import (engine, create_run, claim, release, write_steps, Writer, db_
                     last_iteration, ranks_t)
 from .query import Run
 from .graph import GraphCapture, is_compiled
+from .compiled import CompiledHooks
 from sqlalchemy import select, func
 
 # %% auto #0
@@ -70,6 +71,7 @@ class torchEmber:
         self.stat_fns = self.recorder.stat_fns
         self.capture = Capture(model, self.recorder, every=every, modules=modules, record_eval=record_eval,
                                timing=timing, io_grad=io_grad, flats=flats)
+        CompiledHooks(self.capture)      # its hooks' path inside compiled graphs (`torchember.compiled`)
         writers = sum(bool(pick(r)) for r in range(self.world_size))
         if self.capture.pieces and writers < self.world_size:
             raise ValueError(f"this model is sharded (FSDP or tensor parallel): each rank holds a piece of each parameter, so the "

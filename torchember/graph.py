@@ -176,6 +176,9 @@ def _root_pre(self:GraphCapture, mod, args, kwargs):
     if torch.compiler.is_compiling(): return
     cap = self.cap
     if cap._depth != 1 or not (cap.recording and cap._open) or cap._skip: return
+    if getattr(cap.compiled, 'seen', False) or is_compiled(cap.model):   # compiled since arming: dynamo would trace the mode
+        self.off = True
+        return self._unroot()
     try:
         if self.flows is not None: self._stop()          # a step cut short (Ctrl-C) left it running
         if (_graph_task() != -1 or _transforms_on() or not torch.is_grad_enabled() or torch.is_inference_mode_enabled()

@@ -1,0 +1,137 @@
+"An armed model under `torch.compile` (CPU, inductor): no graph break, no recompile, and the rows of an eager armed run."
+import warnings
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+from torch.utils.checkpoint import checkpoint
+from torchember import torchEmber
+from corpus import gpt_like
+
+KEYS = ['step', 'module', 'call', 'ttype', 'tname']
+STEPS, EVERY, EVAL_AT = 30, 10, 15   # 30 steps recorded every 10; one eval call (a step of its own) after step 15
+
+
+def gpt():
+    model, make = gpt_like(layers=2, d=32, heads=4, vocab=64, seq=16, batch=2)
+    return model, lambda s: make(s)[0][0]
+
+def gpt9():   # more blocks than dynamo's recompile_limit (8): one graph must serve them all
+    model, make = gpt_like(layers=9, d=16, heads=2, vocab=32, seq=8, batch=2)
+    return model, lambda s: make(s)[0][0]
+
+def mlp():
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(4): layers += [nn.Linear(16, 16), nn.GELU()]
+    return nn.Sequential(*layers), lambda s: torch.randn(8, 16, generator=torch.Generator().manual_seed(s))
+
+def cnn():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+                          nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+    return model, lambda s: torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(s))
+
+def whole(m): return torch.compile(m, fullgraph=True)
+def method(m): m.compile(fullgraph=True); return m
+def blocks(m):
+    for b in m.blocks: b.compile(fullgraph=True)
+    return m
+def eager(m): return m
+
+def train(make, how, tmp, armed=True, steps=STEPS, every=EVERY, **kw):
+    "Train a fresh `make()` model compiled `how`; its rows, dynamo's graph count after each step, graph breaks, parameters."
+    torch._dynamo.reset(); counters.clear()
+    model, batch = make()
+    te = torchEmber(model, run='r', db=str(tmp / f'{make.__name__}-{how.__name__}-{armed}.db'), every=every, **kw) if armed else None
+    call = how(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    graphs = []
+    for s in range(steps):
+        if s == EVAL_AT:
+            model.eval()
+            with torch.no_grad(): call(batch(100))
+            model.train()
+        call(batch(s)).float().square().mean().backward()
+        opt.step(); opt.zero_grad()
+        graphs.append(counters['stats']['unique_graphs'])
+    out = dict(graphs=graphs, breaks=sum(counters['graph_break'].values()), params=[p.detach().clone() for p in model.parameters()])
+    if te is not None:
+        te.flush()
+        out['df'] = te.df().sort_values(KEYS).reset_index(drop=True)
+        te.disarm()
+    return out
+
+CASES = [(gpt, whole), (gpt9, blocks), (gpt, method), (mlp, whole), (cnn, whole)]
+
+@pytest.fixture(scope='module', params=CASES, ids=lambda c: f'{c[0].__name__}-{c[1].__name__}')
+def runs(request, tmp_path_factory):
+    make, how = request.param
+    tmp = tmp_path_factory.mktemp('compile')
+    return dict(armed=train(make, how, tmp), bare=train(make, how, tmp, armed=False), eager=train(make, eager, tmp))
+
+def test_no_graph_break_no_recompile(runs):
+    "fullgraph=True did not raise (no break); arming adds no graph, across `every` and a train/eval switch."
+    a, b = runs['armed'], runs['bare']
+    assert a['breaks'] == b['breaks'] == 0
+    assert a['graphs'] == b['graphs']
+
+def test_rows_equal_eager(runs):
+    "Every module's input and output rows, every parameter's weight and grad rows, at each recorded step: eager's."
+    c, e = runs['armed']['df'], runs['eager']['df']
+    assert sorted(set(c.step)) == sorted(set(e.step)) and len(set(c.step)) == 4   # steps 0, 10, 20 and the eval call's
+    assert set(c.ttype) == {'input', 'output', 'weight', 'weight_grad'}
+    assert c[KEYS + ['shape', 'dtype']].equals(e[KEYS + ['shape', 'dtype']])
+    for col in ['numel', 'mean', 'std', 'min', 'max', 'norm', 'nan_count', 'inf_count']:
+        np.testing.assert_allclose(c[col].to_numpy(float), e[col].to_numpy(float), rtol=1e-5, atol=1e-6, err_msg=col)
+    act = c.ttype != 'weight_grad'   # a grad exactly 0 in eager (attention's key bias) is rounding noise compiled
+    np.testing.assert_allclose(c.zero_frac[act].to_numpy(float), e.zero_frac[act].to_numpy(float), atol=1e-6)
+
+def test_training_unchanged(runs):
+    "The armed compiled model trains exactly as the bare compiled one."
+    for p, q in zip(runs['armed']['params'], runs['bare']['params']): assert torch.equal(p, q)
+
+
+class CkBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16))
+    def forward(self, x): return x + checkpoint(self.inner, x, use_reentrant=False)
+
+def checkpointed():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), CkBlock(), CkBlock(), nn.Linear(16, 2))
+    return model, lambda s: torch.randn(4, 8, generator=torch.Generator().manual_seed(s))
+
+def test_checkpoint_recorded_once(tmp_path):
+    "Activation checkpointing under compile: each call recorded once (the recomputation is not a call), as eager."
+    c = train(checkpointed, whole, tmp_path, steps=3, every=1, io_grad=True)
+    e = train(checkpointed, eager, tmp_path, steps=3, every=1, io_grad=True)
+    assert c['breaks'] == 0 and c['graphs'][-1] == c['graphs'][0]
+    cd, ed = c['df'], e['df']
+    assert not cd.duplicated(KEYS).any()
+    ed = ed[ed.ttype != 'input_grad']   # not recorded inside compiled regions
+    assert cd[KEYS].equals(ed[KEYS].reset_index(drop=True))
+    assert set(cd.ttype) >= {'input', 'output', 'output_grad'}
+    np.testing.assert_allclose(cd['norm'].to_numpy(float), ed['norm'].to_numpy(float), rtol=1e-5, atol=1e-6)
+
+def test_second_instance(tmp_path):
+    "A second instance of a compiled class, compiled then armed: its inputs and outputs are recorded too."
+    first, batch = mlp()
+    torch.compile(first)(batch(0)).sum().backward()
+    model, _ = mlp()
+    compiled = torch.compile(model)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        te = torchEmber(compiled, run='second', db=str(tmp_path / 'second.db'))
+    assert any('compiled modules before' in str(x.message) for x in w)   # the first instance's code: discarded, said
+    for s in range(2): compiled(batch(s)).sum().backward()
+    te.flush()
+    df = te.df()
+    names = {n for n, _ in model.named_modules()}
+    for step in (0, 1):
+        for ttype in ('input', 'output', 'weight', 'weight_grad'):
+            got = set(df[(df.step == step) & (df.ttype == ttype)].module)
+            assert got == (names if ttype in ('input', 'output') else {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}), (step, ttype)
+    te.disarm()
