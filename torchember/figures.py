@@ -20,14 +20,14 @@ from .tree import subtrees, visible, auto_collapse, block_of
 import warnings
 
 # %% auto #0
-__all__ = ['APPLIED_ONLY', 'BLUE', 'ORANGE', 'RED', 'BAR_LABELS', 'RANK_COLORS', 'MAP_STATS', 'EXACT_STEPS', 'LOG_TICKS',
-           'with_stats', 'stat_columns', 'combine', 'recorded_steps', 'thin', 'peaks', 'history', 'view_steps',
-           'with_kinds', 'iteration_text', 'step_name', 'step_hover', 'step_title', 'heat', 'nan_steps', 'nan_trace',
-           'history_traces', 'modules_in_order', 'latest_by_module', 'module_label', 'overview_traces', 'bars_axis',
-           'latest_times', 'heatmap_traces', 'rank_traces', 'rank_spread', 'spread_traces', 'tensor_image',
-           'tensor_figure', 'forward_order', 'module_map', 'map_width', 'module_envelope', 'envelope_traces',
-           'finite_json', 'map_labels', 'map_figure', 'fold_map', 'log_axis', 'flat_range', 'scalar_series',
-           'scalars_figure']
+__all__ = ['APPLIED_ONLY', 'BLUE', 'ORANGE', 'RED', 'LONG_PREFIXES', 'SHORT_TYPE', 'BAR_LABELS', 'RANK_COLORS', 'MAP_STATS',
+           'EXACT_STEPS', 'LOG_TICKS', 'with_stats', 'stat_columns', 'combine', 'recorded_steps', 'thin', 'peaks',
+           'history', 'view_steps', 'with_kinds', 'iteration_text', 'step_name', 'step_hover', 'step_title', 'heat',
+           'nan_steps', 'nan_trace', 'history_traces', 'modules_in_order', 'latest_by_module', 'module_label',
+           'short_type', 'overview_traces', 'bars_axis', 'latest_times', 'heatmap_traces', 'rank_traces', 'rank_spread',
+           'spread_traces', 'tensor_image', 'tensor_figure', 'forward_order', 'module_map', 'map_width',
+           'module_envelope', 'envelope_traces', 'finite_json', 'map_labels', 'map_figure', 'fold_map', 'log_axis',
+           'flat_range', 'scalar_series', 'scalars_figure']
 
 # %% ../nbs/05_figures.ipynb #f654825d
 _META = ('run', 'step', 'iteration', 'kind', 'rank', 'call', 'module', 'mtype', 'ttype', 'tname', 'shape', 'dtype')
@@ -249,6 +249,16 @@ def latest_by_module(run:Run, ttype:str='weight_grad', step:int=None, rank:int=N
 
 def module_label(name:str)->str: return name if name else '(root)'
 
+LONG_PREFIXES = ('NonDynamicallyQuantizable', 'Quantizable')   # torch's attention's out_proj: a Linear
+SHORT_TYPE = 16   # a class name under a bar is cut to this many characters: long ones would overlap their neighbours'
+
+def short_type(mtype:str)->str:
+    "A class name short enough to sit under a bar: known long prefixes dropped, then cut with '…'."
+    t = str(mtype)
+    for long in LONG_PREFIXES:
+        if t.startswith(long) and len(t) > len(long): t = t[len(long):]
+    return t if len(t) <= SHORT_TYPE else t[:SHORT_TYPE - 1] + '…'
+
 def overview_traces(o:pd.DataFrame,     # one row per module, from `latest_by_module` or `latest_times`
                     stat:str,           # the column to draw
                     selected:str=None,  # a module to draw darker and outlined
@@ -260,7 +270,7 @@ def overview_traces(o:pd.DataFrame,     # one row per module, from `latest_by_mo
     if o.empty or stat not in o: return []
     bad = set(nan_steps(o)['module'])
     colors = [RED if m in bad or m == flagged else color if m == selected else _rgba(color, .55) for m in o['module']]
-    labels = [f"{module_label(m)}<br>{t}" for m, t in zip(o['module'], o['mtype'])]
+    labels = [f"{module_label(m)}<br>{short_type(t)}" for m, t in zip(o['module'], o['mtype'])]
     bar = go.Bar(x=labels, y=_list(o[stat]), name=f'{run}: {stat}' if run else stat, customdata=o['module'].tolist(),
                  marker=dict(color=colors, line=dict(width=[2 if m == selected else 0 for m in o['module']], color='black')),
                  hovertemplate='%{x}<br>' + stat + ' %{y:.4g}<extra></extra>')
@@ -635,7 +645,7 @@ def map_labels(m:dict, run:Run)->list:
     def label(n):
         block = f" {blocks[n][0]}/{blocks[n][1]}" if n in blocks else ''
         inside = f" ({folded[n]} modules)" if n in folded else ''
-        return '\u00a0' * 2 * depth.get(n, 0) + ('▸ ' if n in folded else '') + f"{module_label(n)} · {types.get(n) or ''}{block}{inside}"
+        return '\u00a0' * 2 * depth.get(n, 0) + ('▸ ' if n in folded else '') + f"{module_label(n)} · {short_type(types.get(n) or '')}{block}{inside}"
     return [label(n) for n in m['modules']]
 
 def map_figure(m:dict,               # a `module_map`

@@ -34,8 +34,8 @@ def _at(f, iteration=None)->str:
 def finding_label(f)->str:
     "One line for finding `f` (a row of `Run.diagnose`): severity, step and its iteration, kind and the module it names."
     m, head = _module(f), f"{SEVERITY_MARKS.get(f['severity'], '')} {f['severity']} · {_at(f)} · {f['kind']}"
-    signal = f['kind'] == 'spike' and f['stat'] not in ('norm', 'rms')   # a logged scalar or the grad norm spiked; the module is the culprit
-    if signal: head += f" of {f['stat']}" + (' · first off its band:' if m is not None else '')
+    signal = f['kind'] == 'spike' and f['stat'] not in ('norm', 'rms')   # a logged scalar or the grad norm spiked; the module started it
+    if signal: head += f" of {f['stat']}" + (' · after' if m is not None else '')
     if m is None: return head
     what = f" {f['ttype']}" if isinstance(f['ttype'], str) else ''
     return f"{head}{'' if signal else ' ·'} {module_label(m)} ({f['mtype']}){what}"
@@ -49,6 +49,7 @@ def severity_counts(fs:pd.DataFrame)->str:
 def _judged(f)->str:
     "What finding `f` was judged on: 'signal' (a spike of a scalar, no culprit) or its stat (rms, zero_frac, nan_count...)."
     if f['kind'] == 'spike': return 'rms' if _module(f) is not None else 'signal'
+    if f['kind'] == 'cause': return 'rms'
     return f['stat']
 
 def step_span(run:Run, step:int, rank:int, before:int, after:int)->tuple:
@@ -63,7 +64,7 @@ def step_span(run:Run, step:int, rank:int, before:int, after:int)->tuple:
 def finding_series(run:Run, f, rank:int, lo:int, hi:int)->pd.Series:
     "The per-step values (indexed by step, steps `lo..hi`) that finding `f` was judged on."
     s, judged = stats_t.c, _judged(f)
-    spike = f['kind'] == 'spike'   # judged on training steps only, as `diagnose` judges spikes
+    spike = f['kind'] in ('spike', 'cause')   # judged on training steps only, as `diagnose` judges departures
     with engine(run.db).connect() as c:
         if judged == 'signal':
             if f['stat'] == GRAD_NORM:
@@ -110,7 +111,7 @@ def evidence(run:Run,                    # the finding's run
     v = finding_series(run, f, rank, *step_span(run, int(f['step']), rank, 2 * window + 1, max(window // 2, 10)))
     x, judged = v.to_numpy(float), _judged(f)
     lo = hi = np.full(len(x), np.nan)
-    if f['kind'] == 'spike' and len(x):
+    if f['kind'] in ('spike', 'cause') and len(x):
         lo, hi = (b[:, 0] for b in band_edges(x[:, None], window, spike, factor, min(window, MIN_BAND))[:2])
     elif judged == 'zero_frac': lo, hi = np.zeros(len(x)), np.full(len(x), dead)
     elif judged == 'update_ratio': lo, hi = np.full(len(x), update_band[0]), np.full(len(x), update_band[1])

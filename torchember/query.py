@@ -102,6 +102,7 @@ def _expand(df:pd.DataFrame)->pd.DataFrame:
     "Spread the `extra` JSON into columns; every default stat column stays (NaN where NaN), `nbytes` only where known."
     extra = df.pop('extra')
     df = df.drop(columns=['nbytes'] if df['nbytes'].isna().all() and not df.empty else [])
+    df = df.astype({c: float for c in STAT_COLS})   # a column all NULL comes as None: NaN, as a number
     if extra.notna().any():
         x = pd.DataFrame([json.loads(e) if isinstance(e, str) else {} for e in extra], index=df.index)
         x.columns = [f'stat_{c}' if c in df.columns or c in _META else c for c in x.columns]   # never hide a column

@@ -18,7 +18,7 @@ from .store import engine, rolled_steps, ROLLUP_WIDTHS
 from .stats import TTYPES
 from .query import Run, load, flow_order
 from fnmatch import fnmatchcase
-from .findings import finding_label, severity_counts, evidence, evidence_figure
+from .findings import finding_label, severity_counts, evidence, evidence_figure, SEVERITY_MARKS
 from .graphview import GraphView
 import warnings
 from .figures import (BLUE, ORANGE, recorded_steps, thin, with_stats, combine, history_traces, heatmap_traces,
@@ -27,8 +27,9 @@ from .figures import (BLUE, ORANGE, recorded_steps, thin, with_stats, combine, h
                                 iteration_text, forward_order)
 
 # %% auto #0
-__all__ = ['TOP', 'MODULES_DRAWN', 'MAP_CELLS', 'MODULE_STEPS', 'FINDINGS_DRAWN', 'LEFT_OUT_LISTED', 'nonfinite',
-           'report_modules', 'report_figures', 'report_html', 'page_figures', 'report', 'main']
+__all__ = ['TOP', 'MODULES_DRAWN', 'MAP_CELLS', 'MODULE_STEPS', 'WIDE_DECADES', 'FINDINGS_DRAWN', 'STORY_CAUSES', 'FOLDED_ROWS',
+           'LEFT_OUT_LISTED', 'nonfinite', 'report_modules', 'decades', 'report_figures', 'story_step', 'report_html',
+           'page_figures', 'report', 'main']
 
 # %% ../nbs/06_report.ipynb #6c2a1f3c
 _BAD = "(nan_count > 0 OR inf_count > 0)"
@@ -128,7 +129,7 @@ def report_modules(run:Run,
         if m in chosen or len(chosen) < MODULES_DRAWN:
             chosen.add(m)
             if f'finding: {kind}' not in why[m]: why[m].append(f'finding: {kind}')
-    opened = {m for m, w in why.items() if {'first NaN/Inf', f'grad norm top {TOP}'} & set(w)}
+    opened = {m for m, w in why.items() if {'first NaN/Inf', f'grad norm top {TOP}', 'finding: cause'} & set(w)}
     for m in dict.fromkeys(m for ms in asked.values() for m in ms):
         why[m].append('asked for'); chosen.add(m); opened.add(m)
     rows = [(m, t, norms.get(m, np.nan), tuple(why[m]), m in chosen, m in opened) for m, (t, _) in types.items()]
@@ -138,6 +139,13 @@ def report_modules(run:Run,
 _LAYOUT = dict(template='plotly_white', margin=dict(l=50, r=20, t=50, b=40))
 MAP_CELLS = 100_000   # at most this many cells in the report's map: fewer columns for a wider model, 50 at least
 MODULE_STEPS = 4_000  # steps drawn across the modules' own figures: each module gets its share, 50 to max_points
+WIDE_DECADES = 3      # an output whose values span more decades than this is drawn as its std on a log axis
+
+def decades(values)->float:
+    "How many decades the finite, non-zero magnitudes of `values` span (0 if fewer than two)."
+    v = pd.to_numeric(pd.Series(values), errors='coerce').abs()
+    v = v[np.isfinite(v) & (v > 0)]
+    return float(np.log10(v.max() / v.min())) if len(v) > 1 else 0.0
 
 def _bars(run:Run, ttype:str, stat:str, rank:int, step:int=None, kinds:pd.DataFrame=None)->go.Figure|None:
     o = latest_by_module(run, ttype, step, rank=rank)
@@ -202,8 +210,11 @@ def report_figures(run:Run,
         o, p = out[out['module'] == m], par[par['module'] == m]
         if o.empty and p.empty: continue
         h = with_kinds(combine(o, ['step']), kinds)
-        fig = make_subplots(rows=1, cols=2 if len(p) else 1, subplot_titles=('output', 'weight and grad norms')[:2 if len(p) else 1])
-        fig.add_traces(history_traces(h, ('mean',)), rows=1, cols=1)
+        wide = len(h) and decades(pd.concat([h[c].abs() for c in ('min', 'max', 'std') if c in h])) > WIDE_DECADES
+        left = 'output std (log: it spans decades)' if wide else 'output'
+        fig = make_subplots(rows=1, cols=2 if len(p) else 1, subplot_titles=(left, 'weight and grad norms')[:2 if len(p) else 1])
+        fig.add_traces(history_traces(h, ('std',) if wide else ('mean',)), rows=1, cols=1)
+        if wide: fig.update_yaxes(**log_axis(h['std']), row=1, col=1)
         for tt, color in (('weight', BLUE), ('weight_grad', ORANGE)):
             ht = with_kinds(combine(p[p['ttype'] == tt], ['step']), kinds)
             cd, at = step_hover(ht)
@@ -220,23 +231,37 @@ def report_figures(run:Run,
     return figs
 
 # %% ../nbs/06_report.ipynb #ccc50569
+def story_step(run:Run, rank:int, findings:pd.DataFrame=None)->tuple:
+    "`(step, ttype, why)` the graph is coloured at: the first cause's, else the last step before NaN/Inf, else the last."
+    causes = findings[findings['kind'] == 'cause'] if findings is not None and len(findings) else None
+    first = run.first_nonfinite(rank=rank)
+    if causes is not None and len(causes) and (first is None or causes['step'].iloc[0] < first['step']):
+        c = causes.iloc[0]
+        tt = 'output' if c['ttype'] == 'input' else c['ttype']
+        return int(c['step']), tt, f"at step {int(c['step'])}, where {module_label(c['module'])}'s {c['ttype']} began the trouble"
+    if first is not None and (s := run.last_finite_step(rank)) is not None:
+        return s, 'weight_grad', f"at step {s}, the last before NaN/Inf"
+    return None, 'weight_grad', 'at the last step'
+
 def _graph_figure(run:Run, rank:int, findings:pd.DataFrame=None)->tuple|None:
-    "The report's graph `(heading, figure, open)`: weight-grad norm at the last step, findings ringed; None if no graph."
+    "The report's graph `(heading, figure, open)`: at `story_step`, findings ringed; None if no graph."
     try:
         v = GraphView(run, rank=rank)
         if not len(v.edges): return None
-        f = v.figure('weight_grad', 'norm', findings=findings).update_layout(title=None)
+        step, tt, why = story_step(run, rank, findings)
+        f = v.figure(tt, 'norm', step=step, findings=findings).update_layout(title=None)
     except Exception as e:
         warnings.warn(f"torchember: the report draws no graph of run {run.name!r}: {type(e).__name__}: {e}", stacklevel=2)
         return None
     ringed = ', findings ringed red' if findings is not None and (findings['severity'] != 'info').any() else ''
-    return f"The model: data flow between modules, weight_grad norm at the last step{ringed}", f, True
+    return f"The model: data flow between modules, {tt} norm {why}{ringed}", f, True
 
 # %% ../nbs/06_report.ipynb #df0b628b
 _CSS = """body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2em auto;max-width:1200px;color:#222}
 h1{font-size:1.6em}h2{font-size:1.2em;margin-top:2em;border-bottom:1px solid #ddd}table{border-collapse:collapse;font-size:.9em}
 td,th{border:1px solid #ddd;padding:.25em .6em;text-align:left}.meta td:first-child{color:#666}.ok{color:#2a7}
-.error{color:#c22;font-weight:bold}.warning{color:#b60}.info{color:#666}"""
+.error{color:#c22;font-weight:bold}.warning{color:#b60}.info{color:#666}ul.story{font-size:1.05em;line-height:1.5}
+details summary{cursor:pointer;color:#1f77b4}"""
 FINDINGS_DRAWN = 8   # findings whose evidence the report draws; the others are listed only
 
 def _evidence(run:Run, fs:pd.DataFrame, rank:int, kinds:pd.DataFrame=None)->tuple:
@@ -250,6 +275,30 @@ def _evidence(run:Run, fs:pd.DataFrame, rank:int, kinds:pd.DataFrame=None)->tupl
         anchors[i] = drawn[key][2]
     figs = [(f"Finding{'s' if len(ns) > 1 else ''} {', '.join(ns)}: {label}", fig, a) for ns, fig, a, label in drawn.values()]
     return figs, anchors
+
+STORY_CAUSES = 3   # causes the story at the top of the page tells
+
+def _story(fs:pd.DataFrame, anchors:dict)->str:
+    "The story at the top of the page: each `cause` finding (the module that started an episode, what followed), linked."
+    causes = [(i, f) for i, (_, f) in enumerate(fs.iterrows()) if f['kind'] == 'cause'][:STORY_CAUSES]
+    if not causes: return ''
+    e = html.escape
+    items = [f"<li><span class='{e(f['severity'])}'>{SEVERITY_MARKS.get(f['severity'], '')} step {f['step']}</span>: {e(f['message'])}"
+             + (f' <a href="#{anchors[i]}">evidence</a>' if i in anchors else '') + '</li>' for i, f in causes]
+    return f'<h2>What happened</h2><ul class="story">{"".join(items)}</ul>'
+
+FOLDED_ROWS = 12   # rows of the NaN/Inf table shown before "show all": the first tensor of each module and ttype
+
+def _nonfinite_table(nf:pd.DataFrame)->str:
+    "The NaN/Inf table folded: its first rows, one per module and ttype, in the order trouble spread; all of it in a <details>."
+    if nf.empty: return '<p class="ok">No NaN or Inf in any output, weight or grad: nothing the model made or holds.</p>'
+    if len(nf) <= FOLDED_ROWS: return nf.to_html(index=False, border=0)
+    first = nf.drop_duplicates(['module', 'ttype'])
+    n = nf.groupby(['module', 'ttype'], sort=False).size()
+    shown = first.assign(tensors=[n[k] for k in zip(first['module'], first['ttype'])]).head(FOLDED_ROWS)
+    return (f"<p>The first {len(shown)} of the {len(first)} modules and tensor kinds that held NaN or Inf, in the order the "
+            f"trouble spread ({len(nf)} tensors in all):</p>{shown.to_html(index=False, border=0)}"
+            f"<details><summary>show all {len(nf)} tensors</summary>{nf.to_html(index=False, border=0)}</details>")
 
 def _findings_table(fs:pd.DataFrame, anchors:dict)->str:
     "The findings `fs` as an HTML table, those in `anchors` (row -> anchor) linked to their evidence."
@@ -306,10 +355,12 @@ def report_html(run:Run,
             'started': time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(run.started)) if run.started else None,
             'store': engine(run.db).url.database or str(engine(run.db).url), 'report written': time.strftime('%Y-%m-%d %H:%M:%S')}
     parts = [f"<h1>torchember report: {e(run.name)}</h1>", '<table class="meta">',
-             *[f"<tr><td>{e(k)}</td><td>{e(str(v))}</td></tr>" for k, v in meta.items()], '</table>', '<h2>Findings</h2>']
+             *[f"<tr><td>{e(k)}</td><td>{e(str(v))}</td></tr>" for k, v in meta.items()], '</table>']
     try: fs, failed = run.diagnose(rank=rank), None
     except Exception as ex: fs, failed = None, f"{type(ex).__name__}: {ex}"
     ev, anchors = ([], {}) if failed else _evidence(run, fs, rank, kinds)
+    if not failed: parts.append(_story(fs, anchors))
+    parts.append('<h2>Findings</h2>')
     parts.append(f"<p>diagnose() failed: {e(failed)}</p>" if failed else _findings_table(fs, anchors) if len(fs) else
                  '<p class="ok">diagnose() found nothing wrong: no NaN or Inf, spike, dead output, vanishing or exploding grads.</p>')
     parts.append('<h2>NaN and Inf</h2>')
@@ -322,8 +373,7 @@ def report_html(run:Run,
     nf = nf.assign(module=nf['module'].map(module_label), nan=nf['nan'].astype('Int64'), inf=nf['inf'].astype('Int64'))
     its = nf['first_step'].map(kinds.drop_duplicates('step').set_index('step')['iteration']).astype('Int64')
     if its.notna().any(): nf['first_iteration'] = its
-    parts.append(nf.to_html(index=False, border=0) if len(nf) else
-                 '<p class="ok">No NaN or Inf in any output, weight or grad: nothing the model made or holds.</p>')
+    parts.append(_nonfinite_table(nf))
     parts.append(_inputs_note(run, kinds))
     chosen = report_modules(run, modules, rank, pd.DataFrame(columns=['module', 'kind']) if failed else fs, max_points)
     parts.append(_modules_note(run, chosen))
