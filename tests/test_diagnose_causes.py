@@ -69,3 +69,36 @@ def test_nan_stays_nan(made):
     top = r.summary(step='last_finite').nlargest(5, 'grad_norm')     # "the top five by grad norm, before the NaN"
     assert len(top) == 5 and top['grad_norm'].notna().all() and (top['step'] == broke - 1).all()
     assert r.df(step='last_finite')['step'].unique().tolist() == [broke - 1]
+
+def long_run(db, steps=1600, at=900, mods=12, name='long'):
+    "A run written as a writer writes it, longer than `FULL_STEPS`, no loss logged: module '5''s output 10x from step `at` on."
+    import random
+    from torchember.store import engine, create_run, write_steps
+    eng = engine(db)
+    names = [('', 'Sequential', None)] + [(str(i), 'Linear', 0) for i in range(mods - 1)]
+    events = [('enter', 0, 0)] + [e for i in range(1, mods) for e in (('enter', i, 0), ('exit', i, 0))] + [('exit', 0, 0)]
+    rid, _ = create_run(eng, name, 'Sequential', names, {})
+    def rows(s):
+        r = random.Random(s)
+        out = []
+        for m in range(mods):
+            for tt in ('input', 'output', 'weight', 'weight_grad'):
+                v = 1.0 + 0.05 * r.random()
+                if tt == 'output' and m >= 6 and s >= at: v *= 10   # module '5' (id 6) and the ones after it
+                out.append((m, 0, tt, 'weight' if tt.startswith('weight') else tt, '[32, 64]', 'float32',
+                            2048.0, 0.1 * v, v, -v, v, 10 * v, 0.0, 0.0, 0.0, None, 8192))
+        return out
+    for lo in range(0, steps, 100):
+        write_steps(eng, rid, [dict(step=s, rows=rows(s), events=events, events_step=None if s == 0 else 0, iteration=s,
+                                    kind='train') for s in range(lo, min(lo + 100, steps))])
+    from torchember import load
+    return load(name, db)
+
+def test_a_long_run_is_judged_where_its_rollups_point(tmp_path):
+    "Past FULL_STEPS steps a run is not read whole: the rollups point to the bins that left their bands, read step by step."
+    from torchember.diagnose import FULL_STEPS
+    r = long_run(str(tmp_path/'long.db'))
+    assert r.last_step + 1 > FULL_STEPS
+    f = r.diagnose()
+    assert f.iloc[0][['kind', 'step', 'module', 'ttype']].tolist() == ['cause', 900, '5', 'output'], f[['kind', 'step', 'module']]
+    assert (f['kind'] == 'cause').sum() == 1                              # a change of scale that persists: once, at its start
