@@ -102,3 +102,9 @@ def test_a_long_run_is_judged_where_its_rollups_point(tmp_path):
     f = r.diagnose()
     assert f.iloc[0][['kind', 'step', 'module', 'ttype']].tolist() == ['cause', 900, '5', 'output'], f[['kind', 'step', 'module']]
     assert (f['kind'] == 'cause').sum() == 1                              # a change of scale that persists: once, at its start
+
+def test_diagnose_just_before_it_broke(made):
+    r = made('scaled_weight')
+    f = r.diagnose(step='last_finite')
+    assert not (f['kind'] == 'nonfinite').any()
+    assert f.iloc[0][['kind', 'module', 'step']].tolist() == ['cause', 'blocks.1.mlp.proj', 60]

@@ -559,7 +559,7 @@ def _isnum(v)->bool: return isinstance(v, (int, float, np.integer, np.floating))
 def _check_diagnose(step, window, spike, factor, lead, dead, orders, update_band):
     "Refuse a bad argument of `Run.diagnose` by its name."
     fn = 'diagnose'
-    _need(step is None or _isint(step), fn, 'step', step, 'an int (a step of the run) or None')
+    _need(step is None or _isint(step) or step == 'last_finite', fn, 'step', step, "an int (a step of the run), 'last_finite' or None")
     _need(_isint(window), fn, 'window', window, 'an int')
     _need(window >= 2, fn, 'window', window, 'an int >= 2 (a band is made of earlier steps)', ValueError)
     for name, v in (('spike', spike), ('factor', factor), ('orders', orders), ('dead', dead)):
@@ -575,7 +575,7 @@ def _check_diagnose(step, window, spike, factor, lead, dead, orders, update_band
 
 @patch
 def diagnose(self:Run,
-             step:int=None,       # the last step to look at; default the newest closed one
+             step:int=None,       # the last step to look at ('last_finite': the last before NaN); default the newest closed
              window:int=50,       # recorded steps of each trailing band, and the steps the per-module checks look back over
              spike:float=10.0,    # a spike lies this many robust sigmas (1.4826·MAD) from its median: noise rarely goes past 5
              factor:float=2.0,    # ... and is also at least this many times its median (or, for a module norm, at most 1/factor): a small MAD alone is no spike
@@ -590,6 +590,7 @@ def diagnose(self:Run,
     _check_diagnose(step, window, spike, factor, lead, dead, orders, update_band)
     quiet = _ignored(ignore)
     rank = _one_rank(self, rank)
+    if step == 'last_finite': step = self.last_finite_step(rank)   # the run as it was just before it broke
     hi = self.last_steps.get(rank) if step is None else step
     if hi is None: return findings([])
     with ThreadPoolExecutor(1) as pool:   # the one scan of the whole run (NaN, Inf) runs beside the rest
