@@ -428,3 +428,104 @@ def test_readonly_store_in_readonly_dir_can_be_read(tmp_path):
         model = _mlp()
         with pytest.raises(StoreError, match='store.db'): torchEmber(model, run='new', db=f)
         assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+# ---------------------------------------------------------------- a finished step is stored, pause or none (issue 47)
+
+PAUSING = textwrap.dedent('''
+    import sys, time
+    import torch
+    from torch import nn
+    from torchember import torchEmber
+    db, mode = sys.argv[1], sys.argv[2]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    te = torchEmber(model, run='r', db=db)
+    for step in range(10):
+        if mode == 'eval':                       # no backward due: finished as its forward ends
+            with torch.no_grad(): model(torch.randn(16, 16))
+        else:
+            loss = model(torch.randn(16, 16)).pow(2).mean()
+            loss.backward(); opt.step(); opt.zero_grad()
+            if mode == 'log': te.log(loss=loss)  # after the backward, before the pause: in its step
+        print(step, time.time(), flush=True)
+    print('pause', time.time(), flush=True)
+    time.sleep(60)                               # an evaluation, a checkpoint: killed during it
+''')
+
+@pytest.mark.parametrize('mode', ['train', 'eval', 'log'])
+def test_a_step_finished_before_a_pause_survives_kill_9(tmp_path, mode):
+    "The last step before a pause is closed by the closer thread and written: `kill -9` 1.5 s into the pause loses nothing."
+    db = tmp_path/'pause.db'
+    p = subprocess.Popen([sys.executable, script(tmp_path, PAUSING, 'pause.py'), str(db), mode], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env())
+    try:
+        for line in p.stdout:
+            if line.startswith('pause'): break
+        time.sleep(1.5)
+    finally:
+        p.kill()
+        _, err = p.communicate(timeout=60)
+    assert p.returncode == -signal.SIGKILL, err[-3000:]
+    assert sql(str(db), "SELECT step FROM steps ORDER BY step") == [(s,) for s in range(10)], "a finished step was lost"
+    if mode == 'log': assert sql(str(db), "SELECT count(*) FROM scalars WHERE name = 'loss'") == [(10,)]
+
+def _wait_written(db, run, steps, within=1.0):
+    "The steps of `run` stored once `within` s have passed (the README's bound for a finished step)."
+    time.sleep(within)
+    return [s for s in _stored_steps(db, run) if s in steps]
+
+def _stored_steps(db, run):
+    return [s for (s,) in sql(db, f"SELECT s.step FROM steps s JOIN runs r ON r.id = s.run_id WHERE r.name = '{run}' ORDER BY s.step")]
+
+def test_accumulated_grads_stay_with_the_latest_forward_and_close_it(db):
+    "Two forwards, one backward: the first step closes at the second call, the second waits for the backward's grads."
+    model = _mlp()
+    te = torchEmber(model, run='acc', db=db)
+    x = torch.randn(4, 8)
+    out = model(x) + model(x)                    # steps 0 and 1; the backward is still due
+    assert _wait_written(db, 'acc', [0, 1]) == [0], "a step was written before its backward"
+    out.sum().backward()                         # the grads are step 1's
+    assert _wait_written(db, 'acc', [0, 1]) == [0, 1], "a finished step was not written within a second"
+    df = te.df()
+    assert set(df[df.ttype == 'weight_grad'].step) == {1}
+    te.disarm()
+
+def test_grads_after_the_closer_closed_a_step_are_kept_as_late_rows(db):
+    "A second backward of a step the closer has closed: its grads come as late rows, and nothing raises."
+    model = _mlp()
+    te = torchEmber(model, run='late', db=db, io_grad=True, timing=True)
+    out = model(torch.randn(4, 8))
+    out.sum().backward(retain_graph=True)
+    assert _wait_written(db, 'late', [0]) == [0]
+    out.sum().backward()                         # its io_grad hooks are still on the tensors: they take the step back
+    te.log(after=1.0)                            # a scalar for a closed step: stored as a late row too
+    te.flush()
+    assert sql(db, "SELECT count(*) FROM scalars WHERE name = 'after'") == [(1,)]
+    model(torch.randn(4, 8)).sum().backward()    # the next step as usual
+    te.disarm()
+    assert _stored_steps(db, 'late') == [0, 1]
+    assert not out._backward_hooks, "a tensor hook of the closed step outlived disarming"
+
+
+# ---------------------------------------------------------------- a slow stat is named once (issue 47)
+
+@pytest.mark.parametrize('ttype', ['input', 'output', 'weight', 'weight_grad'])
+def test_a_slow_stat_is_named_once_whatever_its_ttype_and_the_pauses(db, ttype):
+    "A stat function taking 0.1 s a call on several tensors a step is named once, in a loop that pauses 1 s between steps."
+    def slow(t):
+        time.sleep(0.1)
+        return {'m': t.float().mean()}
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 1))   # 3+ tensors of every ttype
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter('always')
+        te = torchEmber(model, run='slow', db=db)
+        te.how_record(ttype, slow)
+        for _ in range(3):
+            model(torch.randn(4, 8)).sum().backward()
+            time.sleep(1)                        # data loading, an evaluation: not the step's time
+        te.disarm()
+    named = [m for m in tw(rec) if "stat function 'slow' took" in m]
+    assert len(named) == 1, tw(rec)
+    assert 'fewer tensors' in named[0] and '% of it' in named[0]

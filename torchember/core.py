@@ -18,9 +18,9 @@ from torch.nn.parameter import is_lazy
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 # %% auto #0
-__all__ = ['WRAPPERS', 'ENTER', 'EXIT', 'STEP_KINDS', 'KEEP_MAX', 'KEEP_BYTES', 'WATCH_BYTES', 'HELD_BYTES', 'user_class',
-           'is_wrapper', 'user_modules', 'module_tree', 'dtensor_piece', 'sharded', 'flat_params', 'module_info',
-           'named_tensors', 'arg_names', 'named_inputs', 'selector', 'Capture', 'held_cap', 'elapsed_ms',
+__all__ = ['WRAPPERS', 'ENTER', 'EXIT', 'STEP_KINDS', 'KEEP_MAX', 'KEEP_BYTES', 'WATCH_BYTES', 'HELD_BYTES', 'CLOSE_AFTER_S',
+           'user_class', 'is_wrapper', 'user_modules', 'module_tree', 'dtensor_piece', 'sharded', 'flat_params',
+           'module_info', 'named_tensors', 'arg_names', 'named_inputs', 'selector', 'Capture', 'held_cap', 'elapsed_ms',
            'sample_norms', 'attach']
 
 # %% ../nbs/00_core.ipynb #4a1aa61e
@@ -187,6 +187,7 @@ class Capture:
         self._root, self._made, self._hooked = [], None, None
         self._grads, self._times, self._tensor_hooks = None, {}, []
         self._backward_due = False   # the open step's outputs need grad and no backward has ended since: it is not finished
+        self._done_at, self._closing, self.close_after = None, False, None   # a finished step, for the closer (`close_finished`)
         self._kept, self._watched, self._eager = [], [], {}   # activations kept to be measured together (see `_keep`)
         self._keeping, self._watch_room, self._held, self._hold = True, 0, 0, WATCH_BYTES
         self.clock = time.perf_counter
@@ -515,11 +516,13 @@ def _root_post(self:Capture, mod, args, out, backward:bool=None):   # backward: 
                 self.kind = 'no_grad'
                 if (say := getattr(self.recorder, 'set_kind', None)): say('no_grad')
             if not self._backward_due and (read := getattr(self.recorder, 'read_weights', None)): read()   # no backward can follow: weights now
+            if not self._backward_due: self._finished()   # nothing of it is to come: the closer may close it
 
 # %% ../nbs/00_core.ipynb #4fa25472
 @patch
 def _pre(self:Capture, tag, mod, args, kwargs, inference:bool=False):   # tag: what compiled code records `mod` under
     if _compiling(): return None if self.compiled is None else self.compiled.pre(tag, mod, args, kwargs)
+    if self._done_at is not None: self._take()   # a module called on its own after its step finished
     if not self._open or self._skip or _graph_task() != -1: return   # not recomputation in a backward
     if (_inference_on() or _transforms_on()) and _set_aside():        # the cheap test first: this runs on every module call
         inference = _inference_on()
@@ -645,6 +648,7 @@ def _watch_grads(self:Capture, mi, c, ttype, tensors):
 
 @patch
 def _on_grad(self:Capture, mi, c, ttype, name, g):
+    if self._done_at is not None: self._take()   # a later backward of a finished step
     if not self._open or not self.armed: return
     if self.timing and (mi, c) in self._times:
         t = self._times[mi, c]
@@ -673,6 +677,7 @@ def _grad_hook(self:Capture, pi, p):
         now, mi = self.clock(), self.params[pi][0]
         for c in range(self._calls[mi]):            # every call of the module that owns `p` ends its backward no earlier
             if (t := self._times.get((mi, c))) is not None: _ended(t, now)
+    if self._done_at is not None: self._take()
     if self._grads is None:
         self._grads = {}
         torch.autograd.Variable._execution_engine.queue_callback(_Hook(self._grads_done, True))
@@ -688,11 +693,14 @@ def _grads_done(self:Capture, again:bool=False):
     for pi in grads:
         if isinstance(pi, tuple): items += self.flat_grads(pi[1])
     if items and self.step >= 0: self.recorder.params(self.step, 'weight_grad', items)
+    if self._open and not self._backward_due: self._finished()   # the backward has ended: the step is finished
 
 @patch
 def close(self:Capture):
     "Close the open step, if any, handing its events to the recorder; remove the tensor hooks it made."
-    if self._tensor_hooks:
+    if self._done_at is not None: self._take()
+    if not self._closing and (e := vars(self).pop('_late_error', None)) is not None: raise e   # the closer's, with `strict`
+    if self._tensor_hooks and not self._closing:   # the closer leaves them: a backward may be walking them
         for h in self._tensor_hooks: h.remove()
         self._tensor_hooks = []
     if not self._open: return
@@ -703,6 +711,74 @@ def close(self:Capture):
     calls = [(mi, c, *t[:5]) for (mi, c), t in self._times.items()]
     self._times = {}
     self.recorder.close(self.step, self._events, calls=calls)
+
+# %% ../nbs/00_core.ipynb #51f173cd
+CLOSE_AFTER_S = 0.25   # a finished step that nothing took back within this long is closed by the closer thread
+_CLOSER_POLL_S = 0.05  # how often the closer looks at the armed captures
+
+# `Capture._done_at`: when the open step finished (monotonic s), None if unfinished or taken back; `_closing`: the closer
+# is closing it (seen true only on the closer's thread); `close_after`: None, only the next call closes a step
+
+@patch
+def close_finished(self:Capture, after:float=CLOSE_AFTER_S):
+    "Have the closer thread close a finished step that nothing takes back within `after` seconds."
+    if not hasattr(self, '_lock'): self._lock = threading.RLock()
+    self.close_after = after
+    _closer.watch(self)
+    return self
+
+@patch
+def _finished(self:Capture):
+    "Mark the open step finished: nothing of it is under way, so the closer may close it (see `close_finished`)."
+    if self.close_after is None or not self._open or self._depth: return
+    if (say := getattr(self.recorder, 'finished', None)): say()
+    self._done_at = time.monotonic()
+
+@patch
+def _take(self:Capture)->bool:
+    "Take the open step back from the closer (waiting if it is closing it); whether it was marked finished."
+    if self._done_at is None: return False
+    with self._lock:
+        if self._closing: return False    # the closer itself, closing it: the mark stays till it is done
+        self._done_at = None
+    return True
+
+@patch
+def _close_if_finished(self:Capture, now:float):
+    "On the closer's thread: close the open step if it finished `close_after` s before `now` and nothing took it back."
+    with self._lock:
+        done = self._done_at
+        if done is None or now - done < self.close_after: return
+        self._closing = True
+        try: self.close()
+        except Exception as e: self._late_error = e   # `strict`: raised by the training thread's next close
+        finally: self._closing, self._done_at = False, None
+
+class _Closer:
+    "The thread that closes finished steps: one a process, running while a capture it watches is armed."
+    def __init__(self): self.caps, self.thread, self.lock = weakref.WeakSet(), None, threading.Lock()
+    def watch(self, cap:Capture):
+        with self.lock:
+            self.caps.add(cap)
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name='torchember-closer', daemon=True)
+                self.thread.start()
+    def _run(self):
+        while True:
+            time.sleep(_CLOSER_POLL_S)
+            with self.lock:
+                caps = [c for c in list(self.caps) if c.armed]
+                if not caps:               # nothing armed: ended (the next `watch` starts another)
+                    self.thread = None
+                    return
+            now = time.monotonic()
+            for c in caps:
+                if c._done_at is not None:
+                    try: c._close_if_finished(now)
+                    except Exception: pass   # never the end of the closer
+
+_closer = _Closer()
+if hasattr(os, 'register_at_fork'): os.register_at_fork(after_in_child=_closer.__init__)   # the parent's thread is not here
 
 # %% ../nbs/00_core.ipynb #39f3d636
 def attach(t:torch.Tensor,     # the tensor to record; returned unchanged

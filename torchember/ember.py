@@ -6,7 +6,7 @@ Docs: https://torchember.github.io/torchember/ember.html.md"""
 
 # %% ../nbs/04_ember.ipynb #ee006446
 from __future__ import annotations
-import atexit, itertools, math, os, secrets, signal, threading, time, warnings, weakref
+import atexit, itertools, math, os, secrets, signal, sys, threading, time, warnings, weakref
 from collections import deque
 from functools import partial
 import torch
@@ -18,7 +18,7 @@ from .stats import Recorder, TTYPES, VECTOR_MAX, default_stats
 from .instruments import hist_stats, Snapshots, Changes, UpdateTracker
 from .writer_process import WriterProcess, use_process
 from .store import (engine, create_run, claim, release, write_steps, Writer, db_url, keyed_by_rank, StoreError, store_busy, RETRY_S,
-                    last_iteration, ranks_t)
+                    last_iteration, ranks_t, _flush_all)
 from .query import Run
 from .graph import GraphCapture, is_compiled
 from .compiled import CompiledHooks
@@ -289,6 +289,24 @@ def _close_open_steps():
     for te in list(_armed.values()):
         try: te.flush()
         except Exception: pass
+    if _uncaught and isinstance(_uncaught[0], KeyboardInterrupt): _exit_as_interrupted()
+
+_uncaught = []   # the exception the interpreter ends with, as `sys.excepthook` was handed it (while a model is armed)
+
+def _note_uncaught(prev, tp, value, tb):
+    "`sys.excepthook` while a model is armed: note the exception the interpreter ends with, then `prev` prints it."
+    _uncaught[:] = [value]
+    return prev(tp, value, tb)
+
+def _exit_as_interrupted():
+    "Have the interpreter, ending with a `KeyboardInterrupt`, end killed by SIGINT, once torchember's writers are done."
+    # CPython ends such a process by SIGINT unless `exec` or `eval` of a string ran after the exception reached the top
+    # (it clears its note of it): SQLAlchemy's first use of a statement does that, as the writers write the last steps.
+    # So the writers are closed first (the store's own exit hook then finds nothing), and the note is made once more.
+    try: _flush_all()
+    except Exception: pass
+    try: exec('raise KeyboardInterrupt')   # what CPython notes: a string's code ending with KeyboardInterrupt
+    except KeyboardInterrupt: pass
 
 def _forked_child():
     "In a forked child every torchEmber of the parent goes inert: its steps and its writer thread are the parent's."
@@ -304,7 +322,9 @@ def _on_signal(signum, frame):
     "Write every finished step, then do what the handler torchember stands in front of would have done."
     if _changing_step(frame) and _deferred.get(signum, 0) < 100:   # a step is changing hands: let it finish, take the signal again
         _deferred[signum] = _deferred.get(signum, 0) + 1
-        return threading.Timer(0.01, os.kill, (os.getpid(), signum)).start()
+        t = threading.Timer(0.01, os.kill, (os.getpid(), signum))
+        t.daemon = True                     # never what an ending interpreter waits for
+        return t.start()
     _deferred.pop(signum, None)
     prev = _chained.get(signum, signal.SIG_DFL)
     try: _write_finished(ends=prev == signal.SIG_DFL)
@@ -319,7 +339,11 @@ def _write_finished(ends:bool):
     if ends:
         for te in list(_armed.values()):
             cap = te.capture   # a step whose forward or backward is under way, or whose backward has not yet run, is not finished
-            if not te._forked and cap._depth == 0 and cap._grads is None and not cap._backward_due: cap.close()
+            lock = getattr(cap, '_lock', None)   # held by the closer while it closes a step: closed then, or left to it
+            if te._forked or lock is None or not lock.acquire(timeout=1): continue
+            try:
+                if cap._depth == 0 and cap._grads is None and not cap._backward_due: cap.close()
+            finally: lock.release()
     end = time.monotonic() + SIGNAL_WAIT_S
     for te in list(_embers):
         if te.writer is not None: te.writer.wait(max(end - time.monotonic(), 0))
@@ -342,6 +366,7 @@ def _install_handlers():
         if cur is _on_signal or cur is None or cur == signal.SIG_IGN: continue
         _chained[sig] = cur
         signal.signal(sig, _on_signal)
+    if getattr(sys.excepthook, 'func', None) is not _note_uncaught: sys.excepthook = partial(_note_uncaught, sys.excepthook)
 
 def _restore_handlers():
     "Once no model is armed, give back the handlers `_install_handlers` stood in front of (unless the user set others)."
@@ -349,6 +374,7 @@ def _restore_handlers():
     for sig, prev in list(_chained.items()):
         if signal.getsignal(sig) is _on_signal: signal.signal(sig, prev)
         del _chained[sig]
+    if getattr(sys.excepthook, 'func', None) is _note_uncaught: sys.excepthook = sys.excepthook.args[0]
 
 @patch
 def arm(self:torchEmber):
@@ -365,7 +391,7 @@ def arm(self:torchEmber):
     _embers.add(self)
     _install_handlers()
     self._start_writer()
-    self.capture.arm()
+    self.capture.arm().close_finished()   # a finished step is written within a second, pause or none (`core`)
     self._flows.arm()
     if 'disarm' not in type(self.model).__dict__ and 'disarm' not in vars(self.model):
         self.model.__dict__['disarm'] = self._disarm_hook
@@ -495,8 +521,12 @@ def log(self:torchEmber, **scalars):
             raise TypeError(f"te.log takes numbers or one-element tensors, got {k}={type(v).__name__}")
         check_name(k, 'te.log: scalar name')   # refused here: a name the store cannot hold would fail every step carrying it
     if not self.recording: return self
-    step = max(self.capture.step, 0)
-    for k, v in scalars.items(): self.recorder.scalar(step, k, v)
+    step, cap = max(self.capture.step, 0), self.capture
+    was = cap._take()          # a finished step: the closer waits while they go in, then counts its wait afresh
+    try:
+        for k, v in scalars.items(): self.recorder.scalar(step, k, v)
+    finally:
+        if was: cap._finished()
     return self
 
 def _set_enabled(self:torchEmber, on:bool): self.capture.enabled = bool(on)

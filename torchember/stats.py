@@ -20,9 +20,9 @@ from . import native
 
 # %% auto #0
 __all__ = ['MOMENTS', 'STATS', 'TRITON_DEVICES', 'F64', 'SMALL', 'FLOATS', 'SLOW_COMPILE_S', 'VECTOR_MAX', 'ROW_FIELDS',
-           'SLOW_FRACTION', 'SLOW_S', 'SLOW_STEPS', 'LATER_MAX', 'as_real', 'moments', 'stats_of_moments',
-           'triton_moments', 'native_moments', 'fused_moments', 'default_stats', 'check_stats', 'StepRecord',
-           'Recorder', 'dtype_name', 'local_shard', 'shape_of', 'unwrapped']
+           'SLOW_FRACTION', 'SLOW_S', 'LATER_MAX', 'as_real', 'moments', 'stats_of_moments', 'triton_moments',
+           'native_moments', 'fused_moments', 'default_stats', 'check_stats', 'StepRecord', 'Recorder', 'dtype_name',
+           'local_shard', 'shape_of', 'unwrapped']
 
 # %% ../nbs/01_stats.ipynb #676c44cd
 MOMENTS = ('n', 'sum', 'sumsq', 'min', 'max', 'nonzero', 'nan', 'inf')
@@ -352,7 +352,7 @@ class Recorder:
         self.stat_fns = {tt: default_stats for tt in TTYPES}
         self.stat_fns.update(stat_fns or {})
         self._warned, self.rec, self.last = set(), None, None
-        self._slow_steps = {}      # custom stat function -> recorded steps it took most of
+        self._warmed = set()       # custom stat functions called before: a first call's time is not counted
         self.on_tensor = None      # called as `(rec, mi, call, ttype, tname, t)` for every recorded tensor (snapshots)
         self.param_extras = None   # called as `(ttype, items)`: per item a dict of more stats of weights, or None
         self._batchable = {}       # (module, ttype, name) -> seen unchanged after its hook (True), or changed (False: for good)
@@ -366,14 +366,18 @@ class Recorder:
         self._later, self._watch, self._held = [], [], 0   # activations batched for the Triton kernels (`_at_hook`)
         self._batch = os.environ.get('TORCHEMBER_LATER') != '0'   # looked up once a step
         self._nat = native.library() is not None     # looked up once a step
-        self._spent, self._t0 = {}, time.perf_counter()   # seconds per custom stat function, in a step that began at `_t0`
+        self._spent, self._t0, self._t1 = {}, time.perf_counter(), None   # seconds per custom stat function; the step's start, finish
 
     def set_kind(self, kind:str):
         "What the open step turned out to be, once its forward is over (a train-mode call that built no graph: 'no_grad')."
         if self.rec is not None: self.rec.kind = kind
 
+    def finished(self):
+        "The open step is finished (its backward has ended, or its forward, with none to come): its time ends here."
+        self._t1 = time.perf_counter()
+
 _STEP_STATE = ('rec', '_groups', '_pieces', '_nm', '_seen', '_xvals', '_weights', '_direct', '_direct_rows', '_parts',
-               '_later', '_watch', '_held', '_batch', '_nat', '_spent', '_t0')
+               '_later', '_watch', '_held', '_batch', '_nat', '_spent', '_t0', '_t1')
 
 # %% ../nbs/01_stats.ipynb #a3561aa6
 _DTYPES, _PLAIN = {}, native._PLAIN
@@ -505,7 +509,9 @@ def _custom(self, fn, t, mi, ttype, tname):
     "Run custom stat function `fn` on `t`, timed; its index in the step's extras, or -1 if it failed."
     t0 = time.perf_counter()
     try: return self._run_custom(fn, t, mi, ttype, tname)
-    finally: self._spent[fn] = self._spent.get(fn, 0.) + time.perf_counter() - t0
+    finally:
+        if fn in self._warmed: self._spent[fn] = self._spent.get(fn, 0.) + time.perf_counter() - t0
+        else: self._warmed.add(fn)   # a first call may pay once for an import or a kernel's first run: not counted
 
 @patch_to(Recorder)
 def _run_custom(self, fn, t, mi, ttype, tname):
@@ -590,18 +596,15 @@ def _launched(self, items:list):
                 for t, r in zip(ts, rows): self._default(t, copy=False, row=r)
 
 # %% ../nbs/01_stats.ipynb #ee492e67
-SLOW_FRACTION, SLOW_S, SLOW_STEPS = 0.5, 0.1, 2
+SLOW_FRACTION, SLOW_S = 0.5, 0.1
 
 @patch_to(Recorder)
 def _name_slow(self):
     "Warn once per function of a custom stat function that took most of the step now closing."
     if not self._spent: return
-    wall = time.perf_counter() - self._t0
-    slow = self._slow_steps
+    wall = (self._t1 or time.perf_counter()) - self._t0
     for fn, s in self._spent.items():
         if s > SLOW_S and s > SLOW_FRACTION * wall:
-            slow[fn] = slow.get(fn, 0) + 1
-            if slow[fn] < SLOW_STEPS: continue     # a first call that warms up (an import, a kernel's first run) is not a slow function
             name = getattr(fn, '__name__', repr(fn))
             self._warn(('slow', name), f"stat function {name!r} took {s:.2f} s of a {wall:.2f} s step ({s/wall:.0%} of it); "
                                        "give it fewer tensors (`how_record_*`), sample, or record fewer steps (`every=`)")
