@@ -40,9 +40,9 @@ def test_the_graph_is_coloured_where_it_began(blown):
 
 def test_a_module_spanning_decades_is_drawn_on_a_log_axis(blown):
     r, page = blown
-    axes = [layout.get('yaxis', {}).get('type') for traces, layout in page_figures(page)
-            if any(t.get('name') == 'std' for t in traces)]
-    assert 'log' in axes
+    axes = [layout.get('yaxis', {}).get('type') for traces, layout in page_figures(page)   # a module's figure: output on the left
+            if any(a.get('text', '').startswith('output std (log') for a in layout.get('annotations', []))]
+    assert axes and set(axes) == {'log'}
 
 def test_long_class_names_are_short_under_the_bars(blown):
     r, page = blown
