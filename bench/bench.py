@@ -430,6 +430,8 @@ def main(argv=None):
     p.add_argument('--memory-steps', type=int, default=1000)
     p.add_argument('--store', action='store_true', help="only the store: write rate and query times on 100 vs 10,000 steps")
     p.add_argument('--no-store', action='store_true', help="time the models only (by default the store figures follow them)")
+    p.add_argument('--ingest', action='store_true', help="instead: stat rows a second into SQLite and PostgreSQL, 1, 2 and 4 "
+                   "writing processes, and the steps each stored of those it ran (see bench/ingest_bench.py)")
     p.add_argument('--threads', type=int, default=2)
     p.add_argument('--keep-db', action='store_true', help="keep the scratch databases (default: removed at exit)")
     a = p.parse_args(argv)
@@ -450,6 +452,9 @@ def main(argv=None):
     _check_load()
 
     if a.memory: return memory(names, cfgs, a.memory_steps)
+    if a.ingest:
+        import ingest_bench
+        return ingest_bench.main(8 if not a.quick else 3)
     if a.store: return store_bench()
     if a.breakdown:
         if torchEmber is None: sys.exit(f"--breakdown needs torchember: {_EMBER_ERR}")

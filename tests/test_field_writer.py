@@ -263,7 +263,8 @@ def test_training_goes_on_while_the_store_is_locked(db):
     assert check_whole(db, 'locked', len(te.latest())) == list(range(101))
     te.disarm()
 
-def test_past_the_bound_the_oldest_waiting_steps_are_dropped_and_said(db, monkeypatch):
+def test_past_the_bound_waiting_steps_are_thinned_evenly_and_said(db, monkeypatch):
+    "Past the bound, waiting steps are thinned evenly (issue 47), not the oldest dropped together: the first and last stay."
     model = _mlp()
     te = torchEmber(model, run='bound', db=db)
     _steps(model, 1); te.flush()
@@ -279,7 +280,9 @@ def test_past_the_bound_the_oldest_waiting_steps_are_dropped_and_said(db, monkey
     assert any('dropped' in m for m in msgs), msgs
     stored = _stored(db, 'bound')
     assert te.dropped == 31 - len(stored) and te.dropped >= 10
-    assert stored[-10:] == list(range(21, 31)), "the newest steps are kept"
+    assert stored[0] == 0 and stored[-1] == 30, "the first and the last steps are kept"
+    assert max(b - a for a, b in zip(stored, stored[1:])) <= 4, f"thinned evenly, not a block: {stored}"
+    assert any('wait in memory' in m and 'dropped evenly' in m for m in msgs), msgs
     te.disarm()
 
 def test_flush_and_disarm_wait_a_bounded_time_for_a_locked_store(db, monkeypatch):
@@ -386,3 +389,41 @@ def test_sigint_ends_the_process_as_without_torchember_every_time(tmp_path):
         assert code == -signal.SIGINT, f"exit status {code}, not killed by SIGINT:\n{err[-3000:]}"
         assert err.strip().splitlines()[-1] == 'KeyboardInterrupt', err[-3000:]
         assert printed and set(range(max(printed) + 1)) <= set(_stored(str(db), 'r')), "a printed step is not in the store"
+
+
+# ---------------------------------------------------------------- snapshots and kill -9 (issue 47)
+
+SNAP_TRAIN = textwrap.dedent('''
+    import sys, time, warnings
+    import torch
+    from torch import nn
+    from torchember import torchEmber
+    warnings.simplefilter('always')
+    warnings.showwarning = lambda m, *a, **k: print('WARN', time.time(), m, file=sys.stderr, flush=True)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(128, 128) for _ in range(4)])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    te = torchEmber(model, run='r', db=sys.argv[1], snapshot=['*.weight', '*.output', '*.weight.grad'])
+    step = 0
+    while True:
+        model(torch.randn(32, 128)).pow(2).mean().backward(); opt.step(); opt.zero_grad()
+        print(step, time.time(), flush=True)
+        step += 1
+        time.sleep(0.02)
+''')
+
+@pytest.mark.parametrize('writer', ['thread', 'process'])
+def test_sigkill_with_snapshots_keeps_every_step_finished_more_than_a_second_before(tmp_path, writer):
+    "Snapshots of every weight, grad and output, never flushed, killed at a random moment: every step over 1 s old is stored."
+    # where the writer falls behind all the same (a loaded machine), it drops steps evenly and says so, never a block
+    script, db = tmp_path/'train.py', tmp_path/'store.db'
+    script.write_text(SNAP_TRAIN)
+    p = subprocess.Popen([sys.executable, str(script), str(db)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**env(), 'TORCHEMBER_WRITER': writer})
+    printed, sent, _, err = _run_then(p, signal.SIGKILL, random.uniform(3, 5), settled=30)
+    assert p.returncode == -signal.SIGKILL, err[-3000:]
+    old = [s for s, t in printed.items() if t < sent - 1.0 and s + 1 in printed]
+    missing = sorted(set(old) - set(_stored(str(db), 'r')))
+    if 'falls behind' not in err: assert not missing, f"{len(missing)} steps finished over 1 s before the kill are not stored: {missing[:20]}"
+    else: assert not any(b == a + 3 for a, b in zip(missing, missing[3:])), f"steps dropped in a block, not evenly: {missing[:40]}"

@@ -187,7 +187,8 @@ def _start_writer(self:torchEmber)->Writer:
     if self.writer is None:
         sink = self._sink = self._start_sink()
         self.writer = Writer(partial(self._write_steps, sink=sink), strict=self.strict, size=_rec_bytes, group=GROUP,
-                             stopped=sink.close if sink is not None else None, linger=None if sink is None else PROCESS_LINGER_S)
+                             stopped=sink.close if sink is not None else None, linger=None if sink is None else PROCESS_LINGER_S,
+                             rows=lambda rec: len(rec.keys), keep=_finding)
     return self.writer
 
 @patch
@@ -204,6 +205,11 @@ def _start_sink(self:torchEmber)->WriterProcess|None:
 def writer_process(self:torchEmber)->WriterProcess|None:
     "The child process that writes this run's store (`torchember.writer_process`); None where a thread of this process does."
     return self._sink
+
+def _finding(rec)->bool:
+    "Whether a waiting `StepRecord` holds a NaN or Inf (once its moments are on the host): the writer never thins it away."
+    m = rec.moments
+    return m is not None and len(m) > 0 and (rec.done is None or rec.done.query()) and bool(m[:, 6:8].any())
 
 def _rec_bytes(rec)->int:
     "About the memory a waiting `StepRecord` holds: its keys and stats, and its snapshots."

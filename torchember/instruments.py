@@ -8,7 +8,7 @@ Docs: https://torchember.github.io/torchember/instruments.html.md"""
 from __future__ import annotations
 import hashlib, json, math, zlib
 from fnmatch import fnmatchcase
-import torch
+import numpy as np, torch
 from .stats import default_stats, dtype_name, local_shard
 
 # %% auto #0
@@ -79,10 +79,11 @@ def tensor_key(module:str, ttype:str, tname:str)->str:
     return key + '.grad' if ttype == 'weight_grad' else key
 
 def encode_tensor(t:torch.Tensor)->tuple:
-    "`(dtype, shape JSON, compressed bytes)` of `t`, for the store."
+    "`(dtype, shape JSON, zlib bytes)` of `t`, for the store: compressed where a quarter of its bytes are zero, else stored."
     t = t.detach().contiguous().cpu()
-    raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b''
-    return dtype_name(t), json.dumps(list(t.shape)), zlib.compress(raw, 1)
+    raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b''
+    level = 1 if len(raw) and np.count_nonzero(raw) <= len(raw) * 3 // 4 else 0   # 0: zlib's stored blocks, at memory speed
+    return dtype_name(t), json.dumps(list(t.shape)), zlib.compress(raw, level)
 
 def decode_tensor(dtype:str, shape:str, data:bytes)->torch.Tensor:
     "The tensor `encode_tensor` encoded."

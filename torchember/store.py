@@ -20,12 +20,13 @@ from .kinds import merge_stats, NORM_EXTRAS, TTYPES   # not `stats`: the store, 
 # %% auto #0
 __all__ = ['SCHEMA_VERSION', 'MEMORY', 'metadata', 'STAT_COLS', 'Str', 'Size', 'meta_t', 'runs_t', 'ranks_t', 'modules_t',
            'steps_t', 'digests_t', 'events_t', 'stats_t', 'calls_t', 'scalars_t', 'shards_t', 'rollups_t',
-           'snapshots_t', 'flows_t', 'VIEWS', 'RETIRED_RUN_ID', 'ROWS_PER_INSERT', 'ROLLUP_WIDTHS', 'THINNED',
-           'KNOWN_MAX', 'LINGER_S', 'PENDING_STEPS', 'PENDING_BYTES', 'RETRY_S', 'EXIT_WAIT_S', 'default_db', 'db_url',
-           'check_name', 'escaped', 'StoreError', 'engine', 'keyed_by_rank', 'create_run', 'drop_run', 'last_iteration',
-           'claim', 'release', 'rows_digest', 'packed_sums', 'packed_digest', 'write_step', 'write_steps',
-           'merge_pieces', 'module_steps_sql', 'roll_up', 'roll_up_closed', 'rolled_steps', 'unfolded_bins',
-           'bin_spans', 'thin_steps', 'module_values', 'idle_priority', 'store_busy', 'Writer']
+           'snapshots_t', 'flows_t', 'VIEWS', 'PG_CONNECT', 'RETIRED_RUN_ID', 'ROWS_PER_INSERT', 'ROLLUP_WIDTHS',
+           'THINNED', 'KNOWN_MAX', 'LINGER_S', 'PENDING_STEPS', 'PENDING_BYTES', 'RETRY_S', 'GONE_RETRY_S', 'BEHIND_S',
+           'RATE_S', 'STUCK_S', 'GROUP_BYTES', 'GONE_SQLSTATES', 'EXIT_WAIT_S', 'default_db', 'db_url', 'check_name',
+           'escaped', 'StoreError', 'engine', 'keyed_by_rank', 'create_run', 'drop_run', 'last_iteration', 'claim',
+           'release', 'rows_digest', 'packed_sums', 'packed_digest', 'write_step', 'write_steps', 'merge_pieces',
+           'module_steps_sql', 'roll_up', 'roll_up_closed', 'rolled_steps', 'unfolded_bins', 'bin_spans', 'thin_steps',
+           'module_values', 'idle_priority', 'store_busy', 'store_gone', 'Writer']
 
 # %% ../nbs/02_store.ipynb #2b4773a6
 SCHEMA_VERSION = 2
@@ -219,7 +220,7 @@ def engine(db=None, create:bool=True)->sa.Engine:
         if path:
             if not create and not Path(path).exists(): raise StoreError(f"there is no torchember store at {path!r}")
             _prepare_file(u)
-        eng = _memory_engine() if memory else sa.create_engine(url)
+        eng = _memory_engine() if memory else sa.create_engine(url, **_server_args(u))
         if sqlite: event.listen(eng, 'connect', _sqlite_pragmas)
         try:
             _init_schema(eng)
@@ -237,6 +238,13 @@ def engine(db=None, create:bool=True)->sa.Engine:
             event.listen(eng, 'begin', partial(_same_file, *_opened[url]))
         _engines[url] = eng
         return eng
+
+PG_CONNECT = dict(connect_timeout=10, options='-c synchronous_commit=on')   # what a URL doesn't set: see "A server that goes away"
+
+def _server_args(u:sa.URL)->dict:
+    "`create_engine`'s arguments for a server's URL `u`: pooled connections checked before use, and `PG_CONNECT`."
+    if u.get_backend_name() != 'postgresql': return {}
+    return dict(pool_pre_ping=True, connect_args={k: v for k, v in PG_CONNECT.items() if k not in u.query})
 
 def _archive_engine(u:sa.URL)->sa.Engine:
     "Read a store in a folder this process cannot write (read-only media, another user's results): as an immutable file."
@@ -469,7 +477,10 @@ def release(eng, run_id:int, rank:int):
     if eng.dialect.name == 'postgresql':
         with _lock:
             conn = _claims.get(eng.url.render_as_string(hide_password=False))
-            if conn is not None and not conn.closed: conn.exec_driver_sql('SELECT pg_advisory_unlock(%(k)s)', dict(k=_pg_key(run_id, rank)))
+            try:
+                if conn is not None and not conn.closed: conn.exec_driver_sql('SELECT pg_advisory_unlock(%(k)s)', dict(k=_pg_key(run_id, rank)))
+            except sa.exc.DBAPIError:   # the session is gone (a server restart), and its locks with it
+                _claims.pop(eng.url.render_as_string(hide_password=False), None)
         return
     with eng.begin() as c:
         c.execute(update(ranks_t).where(ranks_t.c.run_id == run_id, ranks_t.c.rank == rank, ranks_t.c.pid == os.getpid(),
@@ -570,12 +581,37 @@ def _packed_layout(keys:list)->dict:
         return dict(row=row, pickled=pickle.dumps(keys, protocol=5))
     return _per_object(_PACKED, keys, make)
 
-def _insert_packed(c, head:tuple, keys:list, stats:np.ndarray):
-    "Insert a step's packed rows (`keys` and their `stats` matrix) after `head`: its layout's rows with the stats put in."
-    if not keys: return
+def _packed_rows(head:tuple, keys:list, stats:np.ndarray)->np.ndarray:
+    "The object matrix of a step's packed rows (`keys` and their `stats` matrix) after `head`: its layout's, stats put in."
     m = _packed_layout(keys)['row'].copy()
     m[:, :3], m[:, 9:9 + len(STAT_COLS)] = head, stats
-    _insert_matrix(c, stats_t, m, replace=True)
+    return m
+
+def _insert_packed(c, head:tuple, keys:list, stats:np.ndarray):
+    "Insert a step's packed rows (`keys` and their `stats` matrix) after `head`."
+    if keys: _insert_matrix(c, stats_t, _packed_rows(head, keys, stats), replace=True)
+
+def _copyable(keys:list)->bool:
+    "Whether packed keys' text encodes as it is (no lone surrogate to store escaped): their rows may go by `COPY`."
+    lay = _packed_layout(keys)
+    if 'copy' not in lay:
+        try: lay['copy'] = all(s.encode() is not None for k in keys for s in k[2:6] if isinstance(s, str))
+        except UnicodeEncodeError: lay['copy'] = False
+    return lay['copy']
+
+_PG_TYPES = {}   # (store URL, table) -> its columns' types as the store has them
+
+def _copy_rows(c, table:Table, m:np.ndarray):
+    "Insert the rows of object matrix `m` (`table`'s columns in order) into a PostgreSQL store with one binary `COPY`."
+    key = (c.engine.url, table.name)
+    if key not in _PG_TYPES:   # an older store may have other types than `metadata` says (and binary COPY takes them exactly)
+        got = dict(c.exec_driver_sql("SELECT attname, atttypid::regtype::text FROM pg_attribute WHERE attrelid = %(t)s::regclass "
+                                     "AND attnum > 0 AND NOT attisdropped", dict(t=table.name)).all())
+        _PG_TYPES[key] = [got[col.name] for col in table.columns]
+    cols = ', '.join(f'"{col.name}"' for col in table.columns)
+    with c.connection.driver_connection.cursor() as cur, cur.copy(f'COPY {table.name} ({cols}) FROM STDIN (FORMAT BINARY)') as cp:
+        cp.set_types(_PG_TYPES[key])
+        for r in m.tolist(): cp.write_row(r)
 
 def rows_digest(rows:list)->str|None:
     "A digest of a step's stat rows as written (equal rows in equal order: equal digests); None if unpicklable."
@@ -613,7 +649,7 @@ def _brings_rows(step:dict)->bool:
 def write_steps(eng, run_id:int, steps:list, rank:int=0):
     "Write several steps of `rank` (dicts of `write_step`'s arguments) in one transaction of `eng`."
     try:
-        digests, closes, pieced, in_sql = [], [], [], set()
+        digests, closes, pieced, in_sql, copied = [], [], [], set(), []
         with (nullcontext(eng) if isinstance(eng, sa.Connection) else eng.begin()) as c:
             if any(s.get('pieces') for s in steps) and c.dialect.name == 'postgresql':
                 c.exec_driver_sql('SELECT pg_advisory_xact_lock(%(k)s)', dict(k=_pg_key(run_id, -1)))   # merging ranks take turns
@@ -621,7 +657,9 @@ def write_steps(eng, run_id:int, steps:list, rank:int=0):
                 step, rows, closed, pieces = s['step'], s.get('rows') or [], s.get('closed', True), s.get('pieces') or []
                 keys, stats = s.get('packed') or (None, None)   # `StepRecord.packed`, in place of `rows`
                 head = (run_id, step, rank)
-                if keys is not None: _insert_packed(c, head, keys, stats)
+                if keys and closed and c.dialect.name == 'postgresql' and _copyable(keys):
+                    copied.append(_packed_rows(head, keys, stats))   # a step's first rows: all of them in one COPY below
+                elif keys is not None: _insert_packed(c, head, keys, stats)
                 elif rows: _insert_rows(c, stats_t, head, rows, replace=True)
                 if pieces:
                     _insert_rows(c, shards_t, head, pieces, replace=True)
@@ -643,6 +681,7 @@ def write_steps(eng, run_id:int, steps:list, rank:int=0):
                 if closed: closes.append((*head, time.time(), n, step if events_step is None else events_step,
                                           None if training is None else int(training), s.get('iteration'), s.get('kind'),
                                           s.get('iteration_after'), *sums))
+            if copied: _copy_rows(c, stats_t, np.concatenate(copied) if len(copied) > 1 else copied[0])
             if digests: _executemany(c, digests_t, digests, replace=True)
             if closes:
                 _executemany(c, steps_t, closes)
@@ -900,7 +939,7 @@ def module_values(rows:list, stats:np.ndarray=None)->tuple:
 
 def _remember(c, run_id:int, rank:int, step:int, rows, stats:np.ndarray=None):
     "Keep the module values of `step` written whole now (`rows`, or packed keys and `stats`), or forget them (`rows` None)."
-    if c.dialect.name != 'sqlite': return   # a server folds in its own process
+    if c.dialect.name != 'sqlite' and (stats is None or np.isnan(stats).any()): return   # NaN is a value on a server: its SQL folds
     steps = _known.setdefault(c.engine, {}).setdefault((run_id, rank), {})
     if rows is None or step in steps or len(steps) >= KNOWN_MAX: steps[step] = None
     else:
@@ -959,9 +998,15 @@ def _bin_rows(rid:int, rank:int, width:int, keys:tuple, bins, which:np.ndarray=N
         rows += map(tuple, m.tolist())   # SQLAlchemy's executemany takes tuples
     return rows
 
+_PG_BINS = 'SELECT * FROM unnest(' + ', '.join(f'%s::{t}[]' for t in ['integer'] * 2 + ['text'] + ['integer'] * 3 + ['float8'] * 7
+                                                + ['integer'] * 2) + ')'   # `rollups` rows, as arrays of their columns
+
 def _upsert_bins(c, rows:list, merge:bool):
     "Write `rollups` rows: a stored bin keeps the extremes of both (`merge`), or takes the new row's values."
     if not rows: return
+    if c.dialect.name == 'postgresql':   # one statement of a column array each, not a statement a row
+        c.exec_driver_sql(_upsert_rollups('postgresql', _PG_BINS, merge=merge), tuple(map(list, zip(*rows))))
+        return
     mark = '?' if c.dialect.paramstyle == 'qmark' else '%s'
     c.exec_driver_sql(_upsert_rollups(c.dialect.name, f"VALUES ({', '.join([mark] * 15)})", merge=merge), rows)
 
@@ -1022,6 +1067,11 @@ def idle_priority():
 LINGER_S = 0.25                                   # the longest a submitted item waits before the writer takes it
 PENDING_STEPS, PENDING_BYTES = 1024, 256 << 20    # the most that waits in memory while the store cannot take it
 RETRY_S = 0.1                                     # pause before writing again to a store that said it was locked
+GONE_RETRY_S = 0.5                                # ... and to a server that could not be reached
+BEHIND_S = 0.5                                    # an item waiting longer, while the store takes others: the writer thins
+RATE_S = 5                                        # the span the rates in the warnings are measured over
+STUCK_S = 2                                       # a write taking longer waits for a lock (SQLite's busy wait), maybe
+GROUP_BYTES = 4 << 20                             # the most bytes in one `write` (bar its first item): snapshots commit apace
 
 def store_busy(e:Exception)->bool:
     "Whether `e` says another writer holds the store for now (SQLite busy or locked, a PostgreSQL lock conflict)."
@@ -1029,12 +1079,36 @@ def store_busy(e:Exception)->bool:
     return (getattr(orig, 'sqlstate', None) in ('55P03', '40001', '40P01')
             or isinstance(orig, sqlite3.OperationalError) and any(m in str(orig) for m in ('locked', 'busy')))
 
+GONE_SQLSTATES = ('57P01', '57P02', '57P03')   # PostgreSQL: admin shutdown, crash shutdown, cannot connect now
+
+def store_gone(e:Exception)->bool:
+    "Whether `e` says the store's server cannot be reached for now: a connection lost or refused, a server restarting."
+    orig = getattr(e, 'orig', e)
+    if getattr(e, 'connection_invalidated', False): return True   # SQLAlchemy saw the connection die
+    state = getattr(orig, 'sqlstate', None)
+    if state: return state in GONE_SQLSTATES or state.startswith('08')   # class 08: connection exceptions
+    kind = type(orig)   # psycopg raises these without a SQLSTATE where no server answered
+    return kind.__module__.startswith('psycopg') and kind.__name__ in ('OperationalError', 'InterfaceError')
+
 def _steps(n:int)->str: return f"{n} step was" if n == 1 else f"{n} steps were"
 
 def _short(e:Exception)->str:
     "`e` in a line: the driver's error without the SQL."
     e = getattr(e, 'orig', None) or e
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+def _evenly(seq:list, free:list, need:int)->list:
+    "`need` of the positions `free` of sorted numbers `seq` to drop, each where it leaves the smallest gap (the oldest first)."
+    s, pos, out = np.array(seq, dtype=np.int64), np.array(free, dtype=np.intp), []
+    alive = np.ones(len(s), bool)
+    for _ in range(need):
+        at = np.flatnonzero(alive)
+        where = np.searchsorted(at, pos)                       # each free position among those alive
+        gap = s[at[np.minimum(where + 1, len(at) - 1)]] - s[at[np.maximum(where - 1, 0)]]   # what dropping it leaves
+        i = pos[np.argmin(gap)]
+        alive[i], out = False, out + [int(i)]
+        pos = pos[pos != i]
+    return out
 
 class Writer:
     "A background thread that writes submitted items in order, several to a transaction, each within `LINGER_S`."
@@ -1045,38 +1119,100 @@ class Writer:
                  group:int=16,       # the most items in one `write`
                  stopped=None,       # called on the writer's thread as it ends (after the last `write`)
                  linger:float=None,  # the longest an item waits to be taken (default `LINGER_S`)
+                 rows=None,          # `rows(item)`: the rows it holds, for the rates the warnings give (default 1)
+                 keep=None,          # `keep(item)`: whether an item is never thinned (a step with a finding)
                 ):
         self.write, self.strict, self.size, self.group, self.stopped = write, strict, size or (lambda item: 0), group, stopped
+        self.rows, self.keep = rows or (lambda item: 1), keep or (lambda item: False)
         self.linger = LINGER_S if linger is None else linger
-        self.max_steps, self.max_bytes = PENDING_STEPS, PENDING_BYTES
-        self.pending, self.nbytes, self.errors = deque(), 0, []   # (arrival, item, bytes), oldest first
+        self.max_steps, self.max_bytes, self.behind = PENDING_STEPS, PENDING_BYTES, BEHIND_S
+        self.pending, self.nbytes, self.errors = deque(), 0, []   # [arrival, item, bytes, rows, kept, number], oldest first
         self.dropped = self.failed = 0                            # items dropped past the bound; items whose write failed
+        self.made = self.taken = 0                                # rows submitted; rows written
         self._cv = threading.Condition(threading.RLock())         # reentrant: a signal handler may wait inside `submit`
         self._busy, self._urgent, self._stop = None, 0, False     # the batch being written; flushes waiting; closing
         self._lost, self._error, self._drops = 0, None, 0         # the current episodes: items lost and the first error; items dropped
-        self._late_said = False                                   # `flush` said that items still wait
+        self._out = None                                          # the store takes nothing: (kind, since, steps dropped before)
+        self._took = self._thinned = self._back = 0.              # when a write last succeeded; items last thinned; the store back
+        self._rates = deque([(time.monotonic(), 0, 0)])           # (time, made, taken), one every second at most
+        self._late_said, self._lagging = False, False             # `flush` said that items still wait; the writer falls behind
+        self._since, self._n, self._why = 0., 0, None             # when the batch being written was taken; items submitted; why dropped
         self._t = threading.Thread(target=self._run, name='torchember-writer', daemon=True)
         self._t.start()
         _writers.add(self)
 
     def submit(self, item):
-        "Hand `item` to the writer without waiting; past the bound the oldest waiting item is dropped."
+        "Hand `item` to the writer without waiting; past the bound, or falling behind, waiting items are thinned evenly."
         if not self._t.is_alive(): raise RuntimeError("torchember writer is closed")
-        n = self.size(item)
+        n, r = self.size(item), self.rows(item)
         with self._cv:
-            self.pending.append((time.monotonic(), item, n))
+            now = time.monotonic()
+            self.pending.append([now, item, n, r, None, self._n])
+            self._n += 1
             self.nbytes += n
-            if len(self.pending) > self.max_steps or self.nbytes > self.max_bytes: self._drop_oldest()
+            self.made += r
+            behind = self._falling_behind(now)
+            if behind or self._over(): self._thin(now, behind)
             if len(self.pending) in (1, self.group): self._cv.notify()
 
-    def _drop_oldest(self):
-        while len(self.pending) > 1 and (len(self.pending) > self.max_steps or self.nbytes > self.max_bytes):
-            self.nbytes -= self.pending.popleft()[2]
-            self.dropped += 1
-            self._drops += 1
-            if self._drops == 1:
-                self._say(StoreError(f"the store has taken nothing for a while (locked by another program?): up to {self.max_steps} "
-                                     f"steps or {self.max_bytes >> 20} MB wait in memory, and past that the oldest are dropped"))
+    def _over(self)->bool: return len(self.pending) > self.max_steps or self.nbytes > self.max_bytes
+
+    def _falling_behind(self, now:float)->bool:
+        "Whether the store takes items, but slower than they come: the oldest waits past `behind` s, after a later one was written."
+        first = self.pending[0][0]   # what waited while the store took nothing (locked, gone) is written, not thinned
+        stuck = self._busy is not None and now - self._since > STUCK_S   # a write that long waits for a lock, maybe
+        return (self._out is None and not stuck and first >= self._back and now - self._thinned > self.behind / 4
+                and (now - first > self.behind and self._took > first or self._lagging))
+
+    def rates(self, now:float=None)->tuple:
+        "`(rows a second submitted, rows a second written)` over the last `RATE_S` s."
+        now = time.monotonic() if now is None else now
+        t, made, taken = next((s for s in self._rates if now - s[0] <= RATE_S), self._rates[-1])
+        span = max(now - t, 1e-3)
+        return (self.made - made) / span, (self.taken - taken) / span
+
+    def _sample(self, now:float):
+        if now - self._rates[-1][0] >= 1: self._rates.append((now, self.made, self.taken))
+        while len(self._rates) > 1 and now - self._rates[1][0] > RATE_S: self._rates.popleft()
+
+    def _thin(self, now:float, behind:bool=False):
+        "Drop waiting items evenly (the first, the last and those `keep` keeps stay): past the bound, or `behind`."
+        # falling behind, to what the store takes in half of `behind` s, and the share of newer items it can't take
+        self._sample(now)
+        p, n, need, since = self.pending, len(self.pending), 0, self._thinned
+        made, taken = self.rates(now)
+        if behind and taken > 0:
+            rows, most = sum(e[3] for e in p), taken * self.behind / 2
+            if rows > most: need = math.ceil((rows - most) * n / rows)
+            if self._lagging and made > taken: need = max(need, round(sum(e[0] > since for e in p) * (1 - taken / made)))
+            self._lagging = True
+        if n > self.max_steps: need = max(need, n - self.max_steps + self.max_steps // 16)   # some room made at once
+        if self.nbytes > self.max_bytes: need = max(need, math.ceil((self.nbytes - self.max_bytes * 15 / 16) * n / self.nbytes))
+        self._thinned = now
+        for e in p:
+            if e[4] is None: e[4] = bool(self.keep(e[1]))
+        seq = [e[5] for e in p]
+        free = [i for i in range(1, n - 1) if not p[i][4]] or [i for i in range(n - 1)]   # all kept: the oldest go
+        gone = set(_evenly(seq, free, min(need, len(free))))
+        if not gone: return
+        self.nbytes -= sum(p[i][2] for i in gone)
+        kept = [e for i, e in enumerate(p) if i not in gone]
+        p.clear(); p.extend(kept)
+        self.dropped += len(gone)
+        self._drops += len(gone)
+        if self._drops == len(gone):
+            self._why = 'behind' if behind else 'bound'
+            self._say(StoreError(self._thinning(made, taken if behind else 0, max(2, round(n / len(gone))))))
+
+    def _thinning(self, made:float, taken:float, k:int)->str:
+        "The warning that waiting items are thinned: rows a second taken against rows a second made, or why none are taken."
+        how = f"waiting steps are dropped evenly, about one in {k} (the first, the last and those with a finding are kept)"
+        if taken > 0:
+            return (f"the store takes {taken:,.0f} rows a second and this run makes {made:,.0f}: the writer falls behind, "
+                    f"so {how}, and what is left is written within a second")
+        why = {'gone': ' (its server cannot be reached)', 'locked': ' (another program holds it locked)'}[self._out[0]] if self._out else ''
+        return (f"the store takes no steps for now{why} while this run makes {made:,.0f} rows a second: up to {self.max_steps:,} "
+                f"steps or {self.max_bytes >> 20} MB wait in memory, and past that {how}")
 
     def _say(self, e:Exception):
         "Warn about `e` (with `strict`, keep it for `flush` to raise)."
@@ -1101,42 +1237,81 @@ class Writer:
                         self._cv.wait(wait)
                     elif self._stop: return
                     else: self._cv.wait()
-                batch = self._busy = [self.pending.popleft() for _ in range(min(self.group, len(self.pending)))]
-                self.nbytes -= sum(n for *_, n in batch)
+                batch = self._busy = [self.pending.popleft()]
+                size = batch[0][2]
+                while self.pending and len(batch) < self.group and size + self.pending[0][2] <= GROUP_BYTES:
+                    batch.append(self.pending.popleft())
+                    size += batch[-1][2]
+                self._since = time.monotonic()
+                self.nbytes -= sum(e[2] for e in batch)
             try: back = self._write_batch(batch)
             except BaseException: back = []
             with self._cv:
-                if back:                                  # the store is locked: back to the front, in order
+                if back:                                  # the store is locked or gone: back to the front, in order
                     self.pending.extendleft(reversed(back))
-                    self.nbytes += sum(n for *_, n in back)
-                    self._drop_oldest()
+                    self.nbytes += sum(e[2] for e in back)
+                    if self._over(): self._thin(time.monotonic())
                 self._busy = None
                 self._cv.notify_all()
-                if back: self._cv.wait(RETRY_S)
+                if back: self._cv.wait(GONE_RETRY_S if self._out and self._out[0] == 'gone' else RETRY_S)
 
     def _write_batch(self, batch:list)->list:
-        "Write `batch` in one transaction, else item by item; the items the store was too busy to take."
+        "Write `batch` in one transaction, else item by item; the items the store could not take for now (locked, or gone)."
         try:
-            self.write([item for _, item, _ in batch])
-            return self._wrote()
+            self.write([e[1] for e in batch])
+            return self._wrote(batch)
         except Exception as e:
-            if store_busy(e): return batch
+            if self._unavailable(e): return batch
             if len(batch) == 1: return self._fail(e)
-        for i, (_, item, _) in enumerate(batch):
+        for i, entry in enumerate(batch):
             try:
-                self.write([item])
-                self._wrote()
+                self.write([entry[1]])
+                self._wrote([entry])
             except Exception as e:
-                if store_busy(e): return batch[i:]
+                if self._unavailable(e): return batch[i:]
                 self._fail(e)
         return []
 
-    def _wrote(self)->list:
-        "An item was written: say how many were lost or dropped since the last one that was."
-        with self._cv: lost, error, drops, self._lost, self._error, self._drops = self._lost, self._error, self._drops, 0, None, 0
+    def _unavailable(self, e:Exception)->bool:
+        "Whether `e` says the store cannot take items for now, locked or its server gone (said once: training goes on)."
+        kind = 'gone' if store_gone(e) else 'locked' if store_busy(e) else None
+        if kind is None: return False
+        with self._cv:
+            begins = self._out is None
+            if begins: self._out = (kind, time.monotonic(), self._drops)
+        if begins and kind == 'gone':
+            self._say(StoreError(f"the store cannot be reached ({_short(e)}); finished steps wait in memory (up to "
+                                 f"{self.max_steps:,} steps or {self.max_bytes >> 20} MB) and are written when it is back; training goes on"))
+        return True
+
+    def _wrote(self, entries:list)->list:
+        "Items were written: say what was lost, dropped or waited since the last that were."
+        now = time.monotonic()
+        with self._cv:
+            self.taken += sum(e[3] for e in entries)
+            self._sample(now)
+            out, self._out = self._out, None
+            if out or not self._took: self._back, self._rates = now, deque([(now, self.made, self.taken)])   # rates from here
+            self._took = now   # (the first write: what waited for the store to open is written, not thinned)
+            lost, error, self._lost, self._error = self._lost, self._error, 0, None
+            waited = len(self.pending) + len(self._busy or ())   # the first write after an outage: what waited for it
+            during = self._drops - out[2] if out else 0            # dropped while the store took nothing
+            self._drops -= during
+            made, taken = self.rates(now)
+            caught_up = not self.pending or made <= taken and now - self.pending[0][0] < self.behind / 2
+            drops = self._drops if caught_up else 0
+            self._lagging = self._lagging and not caught_up
+            self._drops -= drops
         if self.strict: return []
         if lost: self._say(StoreError(f"{_steps(lost)} lost while writing to the store failed ({_short(error)}); it takes steps again"))
-        if drops: self._say(StoreError(f"{_steps(drops)} dropped while the store was locked; it takes steps again"))
+        if out and out[0] == 'gone':
+            self._say(StoreError(f"the store is back after {now - out[1]:.1f} s: the {waited:,} steps that waited in memory are "
+                                 f"being written{f', and {during:,} were dropped meanwhile' if during else ''}"))
+        elif during: self._say(StoreError(f"{_steps(during)} dropped while the store was locked; it takes steps again"))
+        if drops:
+            self._say(StoreError(f"{_steps(drops)} dropped while the writer fell behind (the store took {taken:,.0f} rows a second, "
+                                 f"this run made {made:,.0f}); it keeps up again" if self._why == 'behind' else
+                                 f"{_steps(drops)} dropped while the store took no steps; it takes steps again"))
         return []
 
     def _fail(self, e:Exception)->list:
@@ -1169,7 +1344,7 @@ class Writer:
             self._late_said = True
             waited = '' if timeout is None else f" after {timeout:g} s"   # None: the thread ended with items left
             self._say(StoreError(f"{self.waiting()} step(s) still wait for the store{waited} (another program holds it "
-                                 "locked, or it is slow); they are written when it takes them, while this process lives"))
+                                 "locked, its server is gone, or it is slow); they are written when it takes them, while this process lives"))
         if self.strict and self.errors:
             first, self.errors = self.errors[0], []
             raise first
@@ -1185,7 +1360,7 @@ class Writer:
         if done: self._t.join()
         if self._lost and not self.strict: self._say(StoreError(f"{_steps(self._lost)} lost since writing to the store failed ({_short(self._error)})"))
         if not done and not self._late_said:
-            self._say(StoreError(f"{_steps(self.waiting())} not written within {timeout:g} s: the store stayed locked"))
+            self._say(StoreError(f"{_steps(self.waiting())} not written within {timeout:g} s: the store stayed locked or unreachable"))
 
 EXIT_WAIT_S = 30   # the longest the interpreter's exit waits for a locked store
 
@@ -1204,3 +1379,4 @@ def _forked_child():
     for eng in list(_engines.values()): eng.dispose(close=False)
 
 if hasattr(os, 'register_at_fork'): os.register_at_fork(after_in_child=_forked_child)
+

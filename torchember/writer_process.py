@@ -70,7 +70,7 @@ def serve(down:int, up:int):
     "The writer process: write each `(run_id, rank, steps)` read from fd `down` with `write_steps`, answer on fd `up`."
     for s in (signal.SIGINT, signal.SIGTERM): signal.signal(s, signal.SIG_IGN)
     with open(down, 'rb', buffering=0) as inp, open(up, 'wb', buffering=0) as out:
-        eng, last = engine(receive(inp).decode()), {}   # last: (run_id, rank) -> the packed keys last sent
+        url, eng, last = receive(inp).decode(), None, {}   # last: (run_id, rank) -> the packed keys last sent
         while True:
             try: msg = receive(inp)
             except EOFError: break
@@ -82,11 +82,12 @@ def serve(down:int, up:int):
                         if 'packed' not in s: continue
                         if s['packed'][0] is not None: last[run_id, rank] = s['packed'][0]
                         else: steps[i] = with_keys(s, last[run_id, rank])   # a KeyError if the parent's memory is wrong: it sends them again
+                    eng = eng or engine(url)   # opened here, so that a server down as the child starts is an answer, not its end
                     write_steps(eng, run_id, steps, rank=rank)
                     err = None
                 except Exception as e: err = e
             send(out, _answer(err, said))
-        eng.dispose()
+        if eng is not None: eng.dispose()
 
 # %% ../nbs/02a_writer_process.ipynb #7e2c12dc
 _processes = weakref.WeakSet()
