@@ -496,8 +496,11 @@ def module_map(run:Run,                  # the run to read
         at = s.step.in_(cols) if width > 1 or steps is not None else s.step.between(lo, hi)   # named steps: a seek each
         vals = c.execute(select(s.module_id, s.step, *_map_agg(stat, s), func.count(s[stat]), func.count())
                          .where(*where, at).group_by(s.step, s.module_id)).all()
-        bad = c.execute(select(s.module_id, ((s.step - lo) // width).label('col'))   # of the steps read: never every row of a long run
-                        .where(*where, at, sa.or_(s.nan_count > 0, s.inf_count > 0)).group_by(s.module_id, 'col')).all()
+        few = hi - lo + 1 <= 8 * bins   # NaN/Inf of every step in the columns: their rows where few, else the rollups' bins
+        bad = c.execute(select(s.module_id, ((s.step - lo) // width).label('col'))
+                        .where(*where, s.step.between(lo, hi) if few else at, sa.or_(s.nan_count > 0, s.inf_count > 0))
+                        .group_by(s.module_id, 'col')).all()
+        if not few and tname is None: bad += _rolled_bad(c, run, rank, ttype, lo, hi, width)
         names = dict(c.execute(select(modules_t.c.id, modules_t.c.name).where(modules_t.c.run_id == run.id)).all())
     of = {(k - lo) // width: j for j, k in enumerate(cols)}   # a span of `width` steps -> its column
     bad = [(i, of[c]) for i, c in bad if c in of]
@@ -536,6 +539,13 @@ def _unfolded_reads(c, run:Run, rank:int, lo:int, hi:int,
     if len(u) <= EXACT_STEPS: return u.tolist(), set()
     cols, first, count = np.unique(u // span, return_index=True, return_counts=True)
     return u[first].tolist(), set(cols[count > 1].tolist())
+
+def _rolled_bad(c, run:Run, rank:int, ttype:str, lo:int, hi:int, width:int)->list:
+    "`(module_id, column)` of each NaN/Inf first step the rollups hold in `lo`..`hi`, of bins at most `width` steps wide."
+    w = max(x for x in ROLLUP_WIDTHS if x <= width)
+    return [(m, (b - lo) // width) for m, b in c.exec_driver_sql(
+        f"SELECT module_id, bad_step FROM rollups WHERE run_id = {int(run.id)} AND rank = {int(rank)} AND ttype = '{ttype}' "
+        f"AND width = {w} AND bin BETWEEN {lo // w} AND {hi // w} AND bad_step BETWEEN {lo} AND {hi}").all()]
 
 def _extremes(c, run:Run, rank:int, ttype:str, stat:str, lo:int, hi:int, n:int, bins:int)->dict|None:
     "`module_map` from rollup bins, each showing its extremes, the steps they lack read (or sampled); None: a step a column."
