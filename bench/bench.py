@@ -432,6 +432,8 @@ def main(argv=None):
     p.add_argument('--no-store', action='store_true', help="time the models only (by default the store figures follow them)")
     p.add_argument('--ingest', action='store_true', help="instead: stat rows a second into SQLite and PostgreSQL, 1, 2 and 4 "
                    "writing processes, and the steps each stored of those it ran (see bench/ingest_bench.py)")
+    p.add_argument('--compile', action='store_true', help="instead: armed under torch.compile against compiled bare, whole and per block "
+                   "(models gpt2, mlp32; see bench/compile_bench.py)")
     p.add_argument('--threads', type=int, default=2)
     p.add_argument('--keep-db', action='store_true', help="keep the scratch databases (default: removed at exit)")
     a = p.parse_args(argv)
@@ -452,6 +454,10 @@ def main(argv=None):
     _check_load()
 
     if a.memory: return memory(names, cfgs, a.memory_steps)
+    if a.compile:
+        import compile_bench
+        return compile_bench.main([n for n in (names if a.models else compile_bench.MODELS) if n in compile_bench.MODELS],
+                                  a.blocks or (3 if a.quick else 5), a.steps or (10 if a.quick else 20))
     if a.ingest:
         import ingest_bench
         return ingest_bench.main(8 if not a.quick else 3)

@@ -135,3 +135,28 @@ def test_second_instance(tmp_path):
             got = set(df[(df.step == step) & (df.ttype == ttype)].module)
             assert got == (names if ttype in ('input', 'output') else {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}), (step, ttype)
     te.disarm()
+
+def test_custom_stats_and_histograms(tmp_path):
+    "`how_record_*` and `hist=` under compile: run where the op runs, so a function dynamo could not trace records too."
+    def peak(t):
+        "A stat function dynamo would not trace (a host read, `.item()`, and numpy)."
+        return {'peak': float(np.abs(t.detach().cpu().numpy()).max()), 'mean': t.float().mean().item()}
+    out = {}
+    for how in (eager, whole):
+        torch._dynamo.reset(); counters.clear()
+        model, batch = mlp()
+        te = torchEmber(model, run='custom', db=str(tmp_path / f'{how.__name__}.db'), hist=4)
+        te.how_record_out(peak)
+        call = how(model)
+        for s in range(2): call(batch(s)).square().mean().backward()
+        te.flush()
+        out[how.__name__] = te.df().sort_values(KEYS).reset_index(drop=True), sum(counters['graph_break'].values())
+        te.disarm()
+    (c, breaks), (e, _) = out['whole'], out['eager']
+    assert breaks == 0
+    assert c[KEYS].equals(e[KEYS])
+    assert c['peak'].notna().eq(c.ttype == 'output').all() and c['hist'].notna().eq(c.ttype != 'output').all()
+    for col in ['peak', 'mean', 'std', 'norm', 'hist_lo', 'hist_hi', 'hist_out']:
+        np.testing.assert_allclose(c[col].to_numpy(float), e[col].to_numpy(float), rtol=1e-5, atol=1e-6, err_msg=col)
+    for a, b in zip(c['hist'], e['hist']):
+        if isinstance(b, list): np.testing.assert_allclose(a, b)   # counts: a value on a bin's edge may move with rounding

@@ -1,0 +1,112 @@
+"""`bench.py --compile`: an armed model under torch.compile against the same model compiled bare (CPU, inductor).
+
+For each model and way of compiling (whole: `torch.compile(model)`; blocks: each block's `.compile(fullgraph=True)`),
+two fresh models of the same seed are compiled, one bare and one armed (`every=1`), and warmed up until compiled.
+Printed: the graph breaks each compile took (dynamo's counters; `fullgraph=True` raises at a break), the graphs
+compiled after the warm-up (recompiles: none should follow a change of `every` or a train/eval switch), and the time of
+a training step, in blocks of K steps cycling bare, armed every step and armed `every=10` (the same compiled armed
+model, its capture's `every` switched: the cadence is decided at run time, the graph is the same). Ratios are medians
+of each round's armed/bare.
+"""
+import statistics, tempfile, time
+from pathlib import Path
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+import corpus
+
+def gpt2():
+    "GPT-2's layout at CPU size, 6 blocks (the issue's): 256 wide, 4 heads, 128 tokens of a 4,096-token vocabulary, batch 4."
+    model, make = corpus.gpt_like(layers=6)
+    return model, make, lambda m: m.blocks
+
+def mlp32():
+    "32 x (Linear(64, 64), GELU), batch 32: the worst case of many tiny modules."
+    model, make = corpus.mlp32()
+    return model, make, None
+
+MODELS = {'gpt2': gpt2, 'mlp32': mlp32}
+
+def _compile(model, how, blocks):
+    if how == 'whole': return torch.compile(model)
+    for b in blocks(model): b.compile(fullgraph=True)
+    return model
+
+def _stepper(call, model, make):
+    "A training step of `model` through `call` (its compiled self, or it), and an eval call of it."
+    args, kwargs = make(0)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    def step():
+        corpus.loss_of(call(*args, **kwargs)).backward()
+        opt.step(); opt.zero_grad()
+    def evaluate():
+        model.eval()
+        with torch.no_grad(): call(*args, **kwargs)
+        model.train()
+    step.evaluate = evaluate
+    return step
+
+def _graphs(): return counters['stats']['unique_graphs']
+def _breaks(): return sum(counters['graph_break'].values())
+
+def _warm(step, n):
+    g0, b0 = _graphs(), _breaks()
+    for _ in range(n): step()
+    return _graphs() - g0, _breaks() - b0
+
+def _time(step, k):
+    t0 = time.perf_counter()
+    for _ in range(k): step()
+    return (time.perf_counter() - t0) / k
+
+def bench(name, how, blocks_n, k, warm):
+    "One model, one way of compiling: a dict of the figures."
+    from torchember import torchEmber
+    torch._dynamo.reset(); counters.clear()
+    make_model = MODELS[name]
+    armed_m, make, blocks = make_model()
+    if how == 'blocks' and blocks is None: return None
+    te = torchEmber(armed_m, run=f'compile-{name}-{how}', db=str(Path(tempfile.mkdtemp()) / 'compile.db'))   # armed first:
+    armed = _stepper(_compile(armed_m, how, blocks), armed_m, make)   # arming discards what was compiled before it
+    t0 = time.perf_counter()
+    armed_graphs, armed_breaks = _warm(armed, warm)
+    armed_s = time.perf_counter() - t0
+    bare_m, _, _ = make_model()
+    bare = _stepper(_compile(bare_m, how, blocks), bare_m, make)
+    t0 = time.perf_counter()
+    bare_graphs, bare_breaks = _warm(bare, warm)
+    bare_s = time.perf_counter() - t0
+    te.capture.every = 10
+    _warm(armed, 10)                      # every=10 from here: no graph may follow
+    after = _graphs()
+    times = {'bare': [], 'every1': [], 'every10': []}
+    for r in range(blocks_n):
+        order = ['bare', 'every1', 'every10'] if r % 2 == 0 else ['every10', 'every1', 'bare']
+        for c in order:
+            te.capture.every = 1 if c == 'every1' else 10
+            times[c].append(_time(bare if c == 'bare' else armed, k))
+    recompiles = _graphs() - after     # while every switched between 1 and 10
+    g = _graphs(); bare.evaluate(); bare(); eval_bare = _graphs() - g       # a train/eval switch, and back
+    g = _graphs(); armed.evaluate(); armed(); eval_armed = _graphs() - g
+    te.flush(); rows = len(te.df()); te.disarm()
+    ratio = lambda c: statistics.median(a / b for a, b in zip(times[c], times['bare']))
+    return dict(model=name, how=how, bare_ms=statistics.median(times['bare']) * 1e3,
+                every1_ms=statistics.median(times['every1']) * 1e3, every10_ms=statistics.median(times['every10']) * 1e3,
+                r1=ratio('every1'), r10=ratio('every10'), breaks=armed_breaks - bare_breaks, graphs=(bare_graphs, armed_graphs),
+                recompiles=recompiles, eval_graphs=(eval_bare, eval_armed), compile_s=(bare_s, armed_s), rows=rows)
+
+def main(models, blocks_n=5, k=20, warm=3):
+    print(__doc__.split('\n')[0])
+    print(f"{blocks_n} rounds of {k} steps each; warm-up {warm} steps (the compile); ms are medians of a step")
+    hdr = (f"{'model':<7} {'compile':<8} {'breaks+':>7} {'graphs b/a':>10} {'recompiles':>10} {'eval b/a':>8} {'bare ms':>8} {'every1 ms':>9} "
+           f"{'ratio':>6} {'every10 ms':>10} {'ratio':>6} {'compile s b/a':>14}")
+    print(hdr); print('-' * len(hdr))
+    for name in models:
+        for how in ('whole', 'blocks'):
+            r = bench(name, how, blocks_n, k, warm)
+            if r is None:
+                print(f"{name:<7} {how:<8} (no blocks: each of its modules is one torch's dynamo skips; compiled whole only)")
+                continue
+            print(f"{name:<7} {how:<8} {r['breaks']:7d} {r['graphs'][0]:>4}/{r['graphs'][1]:<5} {r['recompiles']:10d} "
+                  f"{r['eval_graphs'][0]:>3}/{r['eval_graphs'][1]:<4} {r['bare_ms']:8.2f} {r['every1_ms']:9.2f} {r['r1']:5.2f}x {r['every10_ms']:10.2f} {r['r10']:5.2f}x "
+                  f"{r['compile_s'][0]:6.1f}/{r['compile_s'][1]:<6.1f}", flush=True)
