@@ -4,7 +4,7 @@ Real processes are killed with SIGKILL mid-run, read while they write, and run s
 is locked, made read-only, and filled up (a size-capped SQLite file in-process, a tiny tmpfs where the machine
 lets us mount one).
 """
-import contextlib, json, os, shutil, signal, sqlite3, subprocess, sys, textwrap, time, warnings
+import contextlib, json, os, shutil, signal, sqlite3, subprocess, sys, textwrap, threading, time, warnings
 from collections import OrderedDict
 from pathlib import Path
 
@@ -529,3 +529,28 @@ def test_a_slow_stat_is_named_once_whatever_its_ttype_and_the_pauses(db, ttype):
     named = [m for m in tw(rec) if "stat function 'slow' took" in m]
     assert len(named) == 1, tw(rec)
     assert 'fewer tensors' in named[0] and '% of it' in named[0]
+
+def test_a_fork_while_the_closer_holds_its_lock_leaves_the_child_free(db):
+    "A DataLoader worker forked while a capture's lock is held (the closer closing a step) runs the model, never hangs."
+    model = _mlp()
+    te = torchEmber(model, run='fork', db=db)
+    model(torch.randn(4, 8)).sum().backward()    # finished: marked for the closer
+    cap, held, go = te.capture, threading.Event(), threading.Event()
+    def hold():
+        with cap._lock: held.set(); go.wait(10)
+    t = threading.Thread(target=hold)
+    t.start(); held.wait()
+    pid = os.fork()
+    if pid == 0:                                 # the child: the parent's model, inert, takes its step back first
+        try: model(torch.randn(4, 8)); os._exit(0)
+        except BaseException: os._exit(1)
+    go.set(); t.join()
+    for _ in range(200):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done: break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, signal.SIGKILL); os.waitpid(pid, 0)
+        pytest.fail("the forked child hung on a lock held at the fork")
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    te.disarm()

@@ -777,8 +777,13 @@ class _Closer:
                     try: c._close_if_finished(now)
                     except Exception: pass   # never the end of the closer
 
+    def _after_fork(self):
+        "In a forked child: no closer thread, and the locks of the parent's captures free (one may be held at the fork)."
+        for c in list(self.caps): c._lock, c._closing = threading.RLock(), False
+        self.__init__()
+
 _closer = _Closer()
-if hasattr(os, 'register_at_fork'): os.register_at_fork(after_in_child=_closer.__init__)   # the parent's thread is not here
+if hasattr(os, 'register_at_fork'): os.register_at_fork(after_in_child=_closer._after_fork)
 
 # %% ../nbs/00_core.ipynb #39f3d636
 def attach(t:torch.Tensor,     # the tensor to record; returned unchanged
