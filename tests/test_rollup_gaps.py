@@ -156,3 +156,18 @@ def test_roll_up_folds_only_the_missing_bins_then_the_views_are_exact(gaps):
     assert not [q for q in seen if re.match(r'\s*(INSERT|UPDATE|DELETE)', q)]
     assert not [q for q in seen if re.search(r'\b(FROM|JOIN) stats\b', q)]
     assert reads[0] == 0
+
+def test_the_explorer_says_where_it_sampled(gaps):
+    "Opened on such a store, the explorer's map is shaded where sampled, and its title and status line say from where."
+    import warnings
+    from torchember.explore import Explorer
+    db, _, _ = gaps
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        ex = Explorer(db, run='gaps')
+    try:
+        assert ex.map_data['sampled'].any()
+        assert f"steps {HOLE[0]}– sampled: no rollups there (run.roll_up() folds them)" in ex.status.value
+        assert 'sampled at steps' in ex.plots['map'].title
+        assert [s.name for s in ex.fig.layout.shapes].count('map:sampled') == 2   # the hole and the steps after the folded ones
+    finally: ex.close()
