@@ -50,15 +50,16 @@ def test_explorer_lists_findings_and_opens_their_evidence(scaled, store):
         assert labels and ex.findings_picker.layout.display is None
         assert labels[0] == finding_label(ex.findings.iloc[0])
         assert ex.findings_picker.value is None and not ex.plots['evidence'].shown
-        i = next(i for i, l in enumerate(labels) if l.endswith('· spike · 6 (Linear) output'))
+        i = next(i for i, l in enumerate(labels) if l.endswith('· cause · 6 (Linear) weight'))   # the module that started it
+        assert i == 0
         ex.findings_picker.value = i
         ev = ex.plots['evidence']
-        assert ev.shown and ev.title == 'spike at step 40 (it. 40): 6 (Linear), output RMS over steps'
+        assert ev.shown and ev.title == 'cause at step 40 (it. 40): 6 (Linear), weight RMS over steps'
         assert ev.yaxis.domain[1] == max(p.yaxis.domain[1] for p in ex.plots.values())   # on top of the figure
         assert [s.x0 for s in ev.shapes] == [40]
         out = next(t for t in ev.data if t.name == 'outside the band')
         assert out.x[0] == 40
-        assert (ex.module_picker.value, ex.ttype_picker.value, ex.stat_picker.value, ex._mark) == ('6', 'output', ('norm',), 40)
+        assert (ex.module_picker.value, ex.ttype_picker.value, ex.stat_picker.value, ex._mark) == ('6', 'weight', ('norm',), 40)
         assert 'step 40 marked (it. 40)' in ex.plots['history'].title
         assert "module '6' (Linear)" in ex.finding_text.value
         ex.refresh()                                                 # a redraw keeps the finding open
@@ -109,10 +110,11 @@ def test_report_lists_findings_on_top_linked_to_their_evidence(scaled):
     page = report_html(scaled)
     fs = scaled.diagnose()
     assert page.index('<h2>Findings</h2>') < page.index('<h2>NaN and Inf</h2>') < page.index('Plotly.newPlot')
-    links = re.findall(r'<a href="#(finding-\d+)">evidence</a>', page)
+    table = page.split('<h2>Findings</h2>')[1]                          # the story above it links the cause's evidence too
+    links = re.findall(r'<a href="#(finding-\d+)">evidence</a>', table)
     assert len(links) == min(len(fs), 8)
     anchors = re.findall(r'<h2 id="(finding-\d+)">', page)
-    assert set(links) == set(anchors) and len(anchors) < len(links)   # the loss's spike and layer 6's share their evidence
+    assert set(links) == set(anchors) and len(anchors) < len(links)   # the loss's spike and the grad norm's share their cause's evidence
     titles = [l.get('title', {}).get('text', '') for _, l in page_figures(page)]
-    assert 'spike at step 40 (it. 40): 6 (Linear), output RMS over steps' in titles
+    assert 'cause at step 40 (it. 40): 6 (Linear), weight RMS over steps' in titles
     assert page.count('plotly.js v') == 1

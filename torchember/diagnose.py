@@ -357,7 +357,7 @@ def root_words(e:dict, names:pd.DataFrame)->str:
     return f"module {names.loc[r['module_id'], 'module']!r} ({names.loc[r['module_id'], 'mtype']}), its {r['ttype']} RMS at step {r['onset']}"
 
 def cause_finding(e:dict, names:pd.DataFrame,
-                  after:list,   # what the episode led to: (step, words, is it NaN/Inf)
+                  after:list,   # what the episode led to: (step, words, is it NaN/Inf, its severity)
                  )->dict:
     "Episode `e` as a `cause` finding: the module that started it, when, by how much, and what followed."
     r = e['root']
@@ -370,8 +370,10 @@ def cause_finding(e:dict, names:pd.DataFrame,
     if others:
         n = len({x for x, _ in others})
         msg += f"; {len(others)} more tensor{'s' if len(others) > 1 else ''} of {n} module{'s' if n > 1 else ''} left their bands after it"
-    for s, words, _ in sorted(after): msg += f"; then {words} at step {s}, {_later(s - r['onset'])}"
-    return finding('cause', 'error' if any(bad for *_, bad in after) else 'warning', r['onset'], msg, module=m, mtype=mtype,
+    for s, words, *_ in sorted(after): msg += f"; then {words} at step {s}, {_later(s - r['onset'])}"
+    sev = ('error' if any(bad for _, _, bad, _ in after) else   # as grave as what it led to: NaN, or only what did no harm
+           'info' if after and all(s == 'info' for *_, s in after) else 'warning')
+    return finding('cause', sev, r['onset'], msg, module=m, mtype=mtype,
                    ttype=r['ttype'], stat='rms', value=r['value'], expected=_band_text(r['lo'], r['hi'], r['median']))
 
 # %% ../nbs/03a_diagnose.ipynb #174963b2
@@ -663,7 +665,7 @@ def with_causes(run:Run, rank:int, hi:int, rows:list, window:int, spike:float, f
         if e is None:
             if r['kind'] == 'spike': r['message'] += "; no module's stats left their band before it (look at the data or the loss)"
             continue
-        led[id(e)].append((r['step'], *_event_words(r)))
+        led[id(e)].append((r['step'], *_event_words(r), r['severity']))
         ahead = r['step'] - e['root']['onset']
         r['message'] += f"; it followed {root_words(e, names)}, {_later(ahead, 'before')} (the likely cause, above)"
         if r['kind'] == 'spike':   # a signal names the module that started it
