@@ -478,12 +478,14 @@ def node_of(self:GraphView, module:str)->str|None:
 def figure(self:GraphView,
            ttype:str='weight_grad',   # which tensors colour the nodes, as the heatmap's selector
            stat:str='norm',           # which stat of them (`MAP_STATS`)
-           step:int=None,             # at which step; default the newest
+           step:int=None,             # at which step; default the newest, or in a run that blew up the last before NaN/Inf
            findings:pd.DataFrame=None,  # `Run.diagnose()`'s answer: its modules' nodes get a red ring
            highlight=(),              # node names outlined (`search`'s answer)
           )->go.Figure:
     "The graph drawn now, coloured by `stat` of `ttype` at `step`, findings ringed red, blocks with instance strips."
     g, lay = self.graph(), self.layout()
+    if step is None and self.run.first_nonfinite(rank=self.rank) is not None:   # every node red says nothing
+        step = self.run.last_finite_step(self.rank)
     o = latest_by_module(self.run, ttype, step, self.rank)
     values = node_values(g, self.tree, o, stat)
     under, val = subtrees(self.tree), dict(zip(o['module'], o[stat])) if stat in o else {}
