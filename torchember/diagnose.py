@@ -250,13 +250,15 @@ def departures(wide:pd.DataFrame,  # `module_rms`: steps x (module id, ttype)
         for spell in np.split(at, np.flatnonzero(np.diff(at) > GAP) + 1):   # spells outside, gaps of up to GAP steps joined
             i = int(spell[0])
             if not jumped[i, j] and i - last <= window:   # a level a jump reached, now off the median of a full band: the same
-                if rows and rows[-1][3:5] == tuple(wide.columns[j]): rows[-1] = (*rows[-1][:2], int(steps[int(spell[-1])]), *rows[-1][3:])
+                if rows and rows[-1][3:5] == tuple(wide.columns[j]):
+                    rows[-1] = (*rows[-1][:2], int(steps[int(spell[-1])]), *rows[-1][3:])
                 last = int(spell[-1]); continue
             last = int(spell[-1])
             if start is not None and steps[i] < start: continue
             a = max(0, i - window)
             o = a + onset(logs[a:i + 1, j])
-            rows.append((int(steps[i]), int(steps[o]), int(steps[last]), *wide.columns[j], x[i, j], med[i, j], low[i, j], high[i, j]))
+            rows.append((int(steps[i]), int(steps[o]), int(steps[last]), *wide.columns[j],
+                         x[i, j], med[i, j], low[i, j], high[i, j]))
     return pd.DataFrame(rows, columns=DEPARTURE_COLUMNS)
 
 # %% ../nbs/03a_diagnose.ipynb #602e9c0f
@@ -354,7 +356,8 @@ def root_words(e:dict, names:pd.DataFrame)->str:
     "The root of episode `e` in a few words: \"module 'conv2' (Conv2d), its weight RMS at step 61\"."
     r = e['root']
     if r['ttype'] == 'input': return f"the batch (the model's input) at step {r['onset']}"
-    return f"module {names.loc[r['module_id'], 'module']!r} ({names.loc[r['module_id'], 'mtype']}), its {r['ttype']} RMS at step {r['onset']}"
+    m, mtype = names.loc[r['module_id'], 'module'], names.loc[r['module_id'], 'mtype']
+    return f"module {m!r} ({mtype}), its {r['ttype']} RMS at step {r['onset']}"
 
 def cause_finding(e:dict, names:pd.DataFrame,
                   after:list,   # what the episode led to: (step, words, is it NaN/Inf, its severity)
@@ -365,11 +368,13 @@ def cause_finding(e:dict, names:pd.DataFrame,
     who = "the batch (the model's input)" if r['ttype'] == 'input' else f"module {m!r} ({mtype})"
     began = (f"began to move at step {r['onset']} and left its band at step {r['step']}" if r['onset'] < r['step']
              else f"left its band at step {r['step']}")
-    msg = f"{who} started it: its {r['ttype']} RMS {began}, {r['value']:.4g} against a median of {r['median']:.4g} before ({_by(r['value'], r['median'])})"
+    msg = (f"{who} started it: its {r['ttype']} RMS {began}, {r['value']:.4g} against a median of {r['median']:.4g} "
+           f"before ({_by(r['value'], r['median'])})")
     others = {(x['module_id'], x['ttype']) for x in e['rows']} - {(r['module_id'], r['ttype'])}
     if others:
         n = len({x for x, _ in others})
-        msg += f"; {len(others)} more tensor{'s' if len(others) > 1 else ''} of {n} module{'s' if n > 1 else ''} left their bands after it"
+        msg += (f"; {len(others)} more tensor{'s' if len(others) > 1 else ''} of {n} module{'s' if n > 1 else ''} "
+                "left their bands after it")
     for s, words, *_ in sorted(after): msg += f"; then {words} at step {s}, {_later(s - r['onset'])}"
     sev = ('error' if any(bad for _, _, bad, _ in after) else   # as grave as what it led to: NaN, or only what did no harm
            'info' if after and all(s == 'info' for *_, s in after) else 'warning')
@@ -640,7 +645,8 @@ def _windowed(self:Run, rank, hi, window, spike, factor, lead, dead, orders, upd
 def _event_words(f:dict)->tuple:
     "Event finding `f` (a NaN, a spike of a signal, a dead output) in a few words, and whether it is NaN/Inf no run survives."
     if f['kind'] == 'nonfinite':
-        return f"the first {'NaN' if f['stat'] == 'nan_count' else 'Inf'} (the {f['ttype']} of module {f['module']!r})", f['severity'] == 'error'
+        what = 'NaN' if f['stat'] == 'nan_count' else 'Inf'
+        return f"the first {what} (the {f['ttype']} of module {f['module']!r})", f['severity'] == 'error'
     if f['kind'] == 'dead': return f"the output of module {f['module']!r} went dead", False
     return f"a spike of {'the global grad norm' if f['stat'] == GRAD_NORM else repr(f['stat'])}", False
 
@@ -669,7 +675,8 @@ def with_causes(run:Run, rank:int, hi:int, rows:list, window:int, spike:float, f
         ahead = r['step'] - e['root']['onset']
         r['message'] += f"; it followed {root_words(e, names)}, {_later(ahead, 'before')} (the likely cause, above)"
         if r['kind'] == 'spike':   # a signal names the module that started it
-            r.update(module=names.loc[e['root']['module_id'], 'module'], mtype=names.loc[e['root']['module_id'], 'mtype'], ttype=e['root']['ttype'])
+            root = names.loc[e['root']['module_id']]
+            r.update(module=root['module'], mtype=root['mtype'], ttype=e['root']['ttype'])
     told = [e for e in eps if led[id(e)]]
     told += [e for e in eps if not led[id(e)] and (followed(e, names) or e['root']['ttype'] == 'weight')][:MOST_CAUSES]
     return [cause_finding(e, names, led[id(e)]) for e in told] + rows
