@@ -391,14 +391,15 @@ def _stamp(self:Explorer):
     live = ' · live' if self.live_toggle.value else ''
     m = getattr(self, 'map_data', None) or {}
     sampled = np.asarray(m.get('sampled', ()), bool)   # the map read a step a column where the rollups lack bins
-    gaps = f" · steps {np.asarray(m['x'])[sampled].min()}– sampled: no rollups there (run.roll_up() folds them)" if sampled.any() else ''
+    gaps = (f" · steps {np.asarray(m['x'])[sampled].min()}– sampled: no rollups there (run.roll_up() folds them)"
+            if sampled.any() else '')
     self.status.value = f"last updated {self._updated} · {n} step{'s' if n != 1 else ''}{ranks}{bad}{gaps}{live}"
 
 @patch
 def _find_first_bad(self:Explorer):
     "Look for the run's first NaN/Inf in the steps not searched yet (and the newest searched one)."
     if self._first_bad is not None or not self._steps: return
-    self._first_bad = self.run.first_nonfinite(after=self._bad_after, sample=True)   # where rollups lack bins: sampled steps
+    self._first_bad = self.run.first_nonfinite(after=self._bad_after, sample=True)   # where rollups lack bins: sampled
     self._bad_after = self._steps[-2] if len(self._steps) > 1 else None
 
 @patch

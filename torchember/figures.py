@@ -496,7 +496,7 @@ def module_map(run:Run,                  # the run to read
         at = s.step.in_(cols) if width > 1 or steps is not None else s.step.between(lo, hi)   # named steps: a seek each
         vals = c.execute(select(s.module_id, s.step, *_map_agg(stat, s), func.count(s[stat]), func.count())
                          .where(*where, at).group_by(s.step, s.module_id)).all()
-        few = hi - lo + 1 <= 8 * bins   # NaN/Inf of every step in the columns: their rows where few, else the rollups' bins
+        few = hi - lo + 1 <= 8 * bins   # NaN/Inf of every step of the columns: their rows if few, else the rollups'
         bad = c.execute(select(s.module_id, ((s.step - lo) // width).label('col'))
                         .where(*where, s.step.between(lo, hi) if few else at, sa.or_(s.nan_count > 0, s.inf_count > 0))
                         .group_by(s.module_id, 'col')).all()
@@ -516,7 +516,7 @@ def module_map(run:Run,                  # the run to read
     z, nf = np.full((len(order), len(cols)), np.nan), np.zeros((len(order), len(cols)), bool)
     z[row_of[mid.astype(int)], [of[k] for k in ((step - lo) // width).astype(int)]] = v
     for i, j in bad: nf[row_of[i], j] = True
-    return dict(modules=order, x=cols, width=width, z=z, bad=nf, sampled=np.zeros(len(cols), bool))   # a step a column by design
+    return dict(modules=order, x=cols, width=width, z=z, bad=nf, sampled=np.zeros(len(cols), bool))   # by design
 
 # %% ../nbs/05_figures.ipynb #3ffed3df
 from .query import unfolded_steps
@@ -529,7 +529,7 @@ def map_width(n:int, lo:int, hi:int, bins:int)->int:
     if n <= bins: return 1
     return next((w for w in ROLLUP_WIDTHS if min(n, hi // w - lo // w + 1) <= bins), ROLLUP_WIDTHS[-1])
 
-EXACT_STEPS = 64   # steps the `rollups` lack that a view reads row by row, at most; past that, a step a column (sampled)
+EXACT_STEPS = 64   # steps the `rollups` lack that a view reads row by row, at most; past that, a step a column
 
 def _unfolded_reads(c, run:Run, rank:int, lo:int, hi:int,
                    span:int,   # steps a column of the view
@@ -541,14 +541,15 @@ def _unfolded_reads(c, run:Run, rank:int, lo:int, hi:int,
     return u[first].tolist(), set(cols[count > 1].tolist())
 
 def _rolled_bad(c, run:Run, rank:int, ttype:str, lo:int, hi:int, width:int)->list:
-    "`(module_id, column)` of each NaN/Inf first step the rollups hold in `lo`..`hi`, of bins at most `width` steps wide."
+    "`(module_id, column)` of each first NaN/Inf step the rollups hold in `lo`..`hi`, of bins at most `width` wide."
     w = max(x for x in ROLLUP_WIDTHS if x <= width)
     return [(m, (b - lo) // width) for m, b in c.exec_driver_sql(
-        f"SELECT module_id, bad_step FROM rollups WHERE run_id = {int(run.id)} AND rank = {int(rank)} AND ttype = '{ttype}' "
+        f"SELECT module_id, bad_step FROM rollups WHERE run_id = {int(run.id)} AND rank = {int(rank)} "
+        f"AND ttype = '{ttype}' "
         f"AND width = {w} AND bin BETWEEN {lo // w} AND {hi // w} AND bad_step BETWEEN {lo} AND {hi}").all()]
 
 def _extremes(c, run:Run, rank:int, ttype:str, stat:str, lo:int, hi:int, n:int, bins:int)->dict|None:
-    "`module_map` from rollup bins, each showing its extremes, the steps they lack read (or sampled); None: a step a column."
+    "`module_map` from rollup bins, each showing its extremes, the steps they lack read (or sampled); None: unbinned."
     if ttype not in TTYPES: raise ValueError(f"unknown ttype {ttype!r}")
     w = map_width(n, lo, hi, bins)
     if w == 1: return None
@@ -560,13 +561,14 @@ def _extremes(c, run:Run, rank:int, ttype:str, stat:str, lo:int, hi:int, n:int, 
     else: sql = (f"SELECT module_id, bin / {k}, {', '.join(f'{f}({col})' for col, f in zip(cols, agg))}, MIN(bad_step) "
                  f"FROM rollups WHERE {mine} AND {span} GROUP BY module_id, bin / {k}")
     rows = c.exec_driver_sql(sql).cursor.fetchall()                  # the driver's tuples: no `Row` made per row
-    reads, sampled = _unfolded_reads(c, run, rank, lo, hi, w * k)      # the steps of bins not folded: their rows, or a sample
+    reads, sampled = _unfolded_reads(c, run, rank, lo, hi, w * k)      # the bins not folded: their rows, or a sample
     if reads:
         per, at = {'mean_hi': 'mean', 'mean_lo': 'mean'}, f"{mine} AND step IN ({', '.join(map(str, reads))})"
         rows += c.exec_driver_sql(f"SELECT module_id, step / {w * k}, {', '.join(per.get(col, col) for col in cols)}, bad_step "
                                   f"FROM ({module_steps_sql(at)}) t").cursor.fetchall()
     names = dict(c.execute(select(modules_t.c.id, modules_t.c.name).where(modules_t.c.run_id == run.id)).all())
-    if not rows: return dict(modules=[], x=[], width=w * k, z=np.zeros((0, 0)), bad=np.zeros((0, 0), bool), sampled=np.zeros(0, bool))
+    if not rows: return dict(modules=[], x=[], width=w * k, z=np.zeros((0, 0)), bad=np.zeros((0, 0), bool),
+                             sampled=np.zeros(0, bool))
     a = np.array(rows, dtype=float)
     mid, col = a[:, 0].astype(int), a[:, 1].astype(int)
     have = {names[i] for i in np.unique(mid).tolist()}
@@ -595,7 +597,7 @@ _ENVELOPE = dict(norm=('MAX(norm_sq)', 'NULL', 'norm_sq', 'NULL'), std=('MAX(std
 def module_envelope(run:Run, module:str, ttype:str, rank:int=None, bins:int=500, between:tuple=None,
                     stat:str=None,   # one of `MAP_STATS`: its extremes (of the module's tensors together); None: the values' min and max
                    )->pd.DataFrame|None:
-    "Per column (a bin of 8 steps or more): first `step`, `lo`, `hi`, `bad_step`, `sampled` of `module`'s `ttype`; None if unfolded."
+    "Per column (a bin of 8 steps or more): first `step`, `lo`, `hi`, `bad_step`, `sampled` of `module`'s `ttype`."
     rank = run.ranks[0] if rank is None else rank
     r, st = rollups_t.c, steps_t.c
     with engine(run.db).connect() as c:
@@ -610,7 +612,7 @@ def module_envelope(run:Run, module:str, ttype:str, rank:int=None, bins:int=500,
         rows = c.exec_driver_sql(f"SELECT bin / {k}, {top}, {bottom}, MIN(bad_step) FROM rollups WHERE {mine} AND width = {w} "
                                  f"AND bin BETWEEN {lo // w} AND {hi // w} GROUP BY bin / {k}").cursor.fetchall()
         if not rows: return None                                       # nothing folded there: no envelope
-        reads, sampled = _unfolded_reads(c, run, rank, lo, hi, w * k)      # the steps of bins not folded: their rows, or a sample
+        reads, sampled = _unfolded_reads(c, run, rank, lo, hi, w * k)   # the bins not folded: their rows, or a sample
         if reads:
             per_step = module_steps_sql(f"{mine} AND step IN ({', '.join(map(str, reads))})")
             rows += c.exec_driver_sql(f"SELECT step / {w * k}, {top1}, {bottom1}, bad_step FROM ({per_step}) t").cursor.fetchall()
@@ -629,7 +631,8 @@ def envelope_traces(e:pd.DataFrame, color:str=BLUE)->list:
                         go.Scatter(x=x, y=_list(e['hi']), name='every step: min–max', fill='tonexty', fillcolor=_rgba(color, .08), **common)]
     else: tr = [go.Scatter(x=x, y=_list(e['hi' if hi else 'lo']), name=f"every step: {'max' if hi else 'min'}", **common)]
     if 'sampled' in e and e['sampled'].any():   # columns the rollups lack, read at one step each: the band says so
-        tr[-1].name += f" (sampled at steps {e.loc[e['sampled'], 'step'].min()}–{e.loc[e['sampled'], 'step'].max()}: no rollups)"
+        at = e.loc[e['sampled'], 'step']
+        tr[-1].name += f" (sampled at steps {at.min()}–{at.max()}: no rollups)"
     bad = e[e['bad_step'].notna()]
     at = bad['hi'].fillna(bad['lo']).fillna(e['hi'].max() if hi else e['lo'].min() if lo else 0)   # a bin whose stat is NaN: at the top
     if len(bad): tr.append(go.Scatter(x=bad['bad_step'].astype(int).tolist(), y=_list(at),
@@ -686,7 +689,7 @@ def map_figure(m:dict,               # a `module_map`
         fig.add_shape(type='rect', x0=x0, x1=x1, y0=i - 0.5, y1=i + 0.5, line=dict(color='black', width=3),
                       name='first NaN/Inf')
     span = f" · {m['width']} steps a column" if m['width'] > 1 else ''
-    if (sampled := np.asarray(m.get('sampled', ()), bool)).any():   # columns read at one step of several: shaded, and said
+    if (sampled := np.asarray(m.get('sampled', ()), bool)).any():   # columns read at one step of several: shaded, said
         xs = np.asarray(m['x'])[sampled]
         span += f" · sampled at steps {xs.min()}–{xs.max()}, a step a column (no rollups there: run.roll_up())"
         js = np.flatnonzero(sampled)

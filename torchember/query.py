@@ -385,21 +385,23 @@ ROLL_UP_STEPS = 2048   # the most steps `Run.roll_up` folds in one transaction: 
 
 @patch
 def unfolded(self:Run, rank:int=None)->list:
-    "`[(first, last)]`: the spans of steps of `rank` (default: the first) the `rollups` lack, whole bins of 8, the newest too."
+    "`[(first, last)]`: the steps of `rank` (default: the first) that `rollups` lack, whole bins of 8, the newest too."
     with engine(self.db).connect() as c: return bin_spans(unfolded_bins(c, self.id, _one_rank(self, rank)))
 
 @patch
 def roll_up(self:Run, again:bool=False)->Run:
-    "Fold into `rollups` the complete bins of this run's steps they lack (`again`: every bin), `ROLL_UP_STEPS` a transaction."
+    "Fold into `rollups` the complete bins of this run they lack (`again`: every bin), `ROLL_UP_STEPS` a transaction."
     w, st, eng, most = ROLLUP_WIDTHS[0], steps_t.c, engine(self.db), ROLL_UP_STEPS
     for k in self.ranks:
         with eng.connect() as c:
-            lo, hi = c.execute(select(func.min(st.step), func.max(st.step)).where(st.run_id == self.id, st.rank == k)).one()
+            mine = [st.run_id == self.id, st.rank == k]
+            lo, hi = c.execute(select(func.min(st.step), func.max(st.step)).where(*mine)).one()
             if lo is None: continue
-            last = hi if hi % w == w - 1 else hi // w * w - 1     # the last bin only if complete: the writer folds it when it is
-            spans = ([(max(a, lo // w * w), min(a + most - 1, last)) for a in range(lo // most * most, last + 1, most)] if again
+            last = hi if hi % w == w - 1 else hi // w * w - 1   # the last bin only if complete: the writer folds it then
+            spans = ([(max(a, lo // w * w), min(a + most - 1, last)) for a in range(lo // most * most, last + 1, most)]
+                     if again
                      else bin_spans(unfolded_bins(c, self.id, k, last=last), most))
-        for a, b in spans:   # a transaction each: a roll-up stopped half way keeps what it folded, and the next goes on from there
+        for a, b in spans:   # a transaction each: a roll-up stopped half way keeps what it folded; the next goes on
             with eng.begin() as c: store_roll_up(c, self.id, first=a, last=b, ranks=[k])
     return self
 
@@ -412,15 +414,17 @@ def unfolded_steps(c, run_id:int, rank:int, first:int=None, last:int=None)->list
     "The closed steps of `rank` (within `first`..`last`) in the bins of 8 the `rollups` lack, in order."
     spans = bin_spans(unfolded_bins(c, run_id, rank, first, last))
     if not spans: return []
-    lo, hi = max(spans[0][0], -1 if first is None else int(first)), min(spans[-1][1], spans[-1][1] if last is None else int(last))
-    steps = np.array(c.exec_driver_sql(f"SELECT step FROM steps WHERE run_id = {int(run_id)} AND rank = {int(rank)} AND step BETWEEN "
-                                       f"{lo} AND {hi} ORDER BY step").cursor.fetchall(), dtype=np.int64).reshape(-1)   # no Row each
+    lo = spans[0][0] if first is None else max(spans[0][0], int(first))
+    hi = spans[-1][1] if last is None else min(spans[-1][1], int(last))
+    got = c.exec_driver_sql(f"SELECT step FROM steps WHERE run_id = {int(run_id)} AND rank = {int(rank)} "
+                            f"AND step BETWEEN {lo} AND {hi} ORDER BY step").cursor.fetchall()   # the driver's tuples
+    steps = np.array(got, dtype=np.int64).reshape(-1)
     ends = np.array(spans, dtype=np.int64).reshape(-1, 2)
     at = np.searchsorted(ends[:, 0], steps, side='right') - 1
     return steps[(at >= 0) & (steps <= ends[np.maximum(at, 0), 1])].tolist()
 
 def _rolled_first_bad(c, run_id:int, rank:int=None, sample:bool=False)->int:
-    "The first step with NaN/Inf in `NONFINITE_KINDS`: from the widest `rollups`, and the rows of the bins they lack; -1 if none."
+    "The first step with NaN/Inf in `NONFINITE_KINDS`: from the widest `rollups`, and the rows of bins they lack; -1: none."
     r, st, s, w = rollups_t.c, steps_t.c, stats_t.c, ROLLUP_WIDTHS[-1]
     ranks = [rank] if rank is not None else c.execute(select(st.rank).where(st.run_id == run_id).distinct()).scalars().all()
     bad = [s.run_id == run_id, s.ttype.in_(NONFINITE_KINDS), sa.or_(s.nan_count > 0, s.inf_count > 0)]

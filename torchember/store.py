@@ -848,10 +848,12 @@ def unfolded_bins(c, run_id:int, rank:int,
     key = (str(c.engine.url), rid, c.exec_driver_sql(f"SELECT started FROM runs WHERE id = {rid}").scalar(), rk)
     seen, gaps = _FOLDED.get(key, (lo // w - 1, ()))
     todo = set(gaps)   # the bins unfolded when last looked at, and those of the steps closed since: one seek each
-    if hi // w > seen: todo |= set(c.exec_driver_sql(_each_sql('steps', mine, 'step', seen + 1, hi // w, w)).scalars().all())
+    if hi // w > seen:
+        todo |= set(c.exec_driver_sql(_each_sql('steps', mine, 'step', seen + 1, hi // w, w)).scalars().all())
     for t in TTYPES:   # a bin is folded for every ttype its steps hold at once: the first ttype found covers most
         if not todo: break
-        got = c.exec_driver_sql(_each_sql('rollups', f"{mine} AND ttype = '{t}' AND width = {w}", 'bin', min(todo), max(todo), 1))
+        where = f"{mine} AND ttype = '{t}' AND width = {w}"
+        got = c.exec_driver_sql(_each_sql('rollups', where, 'bin', min(todo), max(todo), 1))
         todo -= set(got.scalars().all())
     if len(_FOLDED) > 256: _FOLDED.clear()
     _FOLDED[key] = (max(seen, hi // w), tuple(sorted(todo)))
@@ -859,7 +861,7 @@ def unfolded_bins(c, run_id:int, rank:int,
     return [b for b in _FOLDED[key][1] if first // w <= b <= last // w]
 
 def bin_spans(bins:list, most:int=None)->list:
-    "`[(first step, last step)]` of `bins` of 8 steps, consecutive ones joined, cut where a multiple of `most` steps begins."
+    "`[(first step, last step)]` of `bins` of 8 steps, consecutive ones joined, cut where a multiple of `most` begins."
     w, out = ROLLUP_WIDTHS[0], []
     for b in bins:
         if out and out[-1][1] == b * w - 1 and not (most and b * w % most == 0): out[-1] = (out[-1][0], b * w + w - 1)
