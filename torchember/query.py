@@ -19,9 +19,9 @@ from .store import (engine, escaped, drop_run, runs_t, ranks_t, modules_t, steps
 from .store import roll_up as store_roll_up
 
 # %% auto #0
-__all__ = ['SUMMARY', 'FORWARD', 'BACKWARD', 'NONFINITE_KINDS', 'VIEW_STEPS', 'ROLL_UP_STEPS', 'GRAPH_ENDS', 'runs', 'delete_run',
-           'run_ranks', 'records', 'Run', 'load', 'applied_steps', 'summary', 'flow_order', 'unfolded_steps',
-           'decode_snapshot']
+__all__ = ['SUMMARY', 'FORWARD', 'BACKWARD', 'NONFINITE_KINDS', 'VIEW_STEPS', 'ROLL_UP_STEPS', 'ROLL_UP_ROWS', 'GRAPH_ENDS',
+           'runs', 'delete_run', 'run_ranks', 'records', 'Run', 'load', 'applied_steps', 'summary', 'flow_order',
+           'unfolded_steps', 'decode_snapshot']
 
 # %% ../nbs/03_query.ipynb #1536ffaf
 def runs(db=None)->pd.DataFrame:
@@ -382,6 +382,7 @@ NONFINITE_KINDS = ('output', 'attached', *BACKWARD)
 
 VIEW_STEPS = 500       # the most steps whose rows a view reads where `rollups` lack bins: a sample, evenly spaced
 ROLL_UP_STEPS = 2048   # the most steps `Run.roll_up` folds in one transaction: one bin of the widest width
+ROLL_UP_ROWS = 1 << 20   # ... and about the most stats rows: fewer steps a transaction of a wide model
 
 @patch
 def unfolded(self:Run, rank:int=None)->list:
@@ -390,14 +391,16 @@ def unfolded(self:Run, rank:int=None)->list:
 
 @patch
 def roll_up(self:Run, again:bool=False)->Run:
-    "Fold into `rollups` the complete bins of this run they lack (`again`: every bin), `ROLL_UP_STEPS` a transaction."
-    w, st, eng, most = ROLLUP_WIDTHS[0], steps_t.c, engine(self.db), ROLL_UP_STEPS
+    "Fold into `rollups` the complete bins of this run they lack (`again`: every bin), a bounded span a transaction."
+    w, st, eng = ROLLUP_WIDTHS[0], steps_t.c, engine(self.db)
     for k in self.ranks:
         with eng.connect() as c:
             mine = [st.run_id == self.id, st.rank == k]
             lo, hi = c.execute(select(func.min(st.step), func.max(st.step)).where(*mine)).one()
             if lo is None: continue
             last = hi if hi % w == w - 1 else hi // w * w - 1   # the last bin only if complete: the writer folds it then
+            rows = c.execute(select(func.max(st.n_records)).where(*mine)).scalar() or 1   # a step's rows, at most
+            most = min(ROLL_UP_STEPS, max(w, 1 << max(1, ROLL_UP_ROWS // rows).bit_length() - 1))   # steps a span: a power of 2
             spans = ([(max(a, lo // w * w), min(a + most - 1, last)) for a in range(lo // most * most, last + 1, most)]
                      if again
                      else bin_spans(unfolded_bins(c, self.id, k, last=last), most))
