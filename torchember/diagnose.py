@@ -297,7 +297,7 @@ def _exit_order(run:Run, rank:int, step:int, names:pd.DataFrame)->dict:
 # %% ../nbs/03a_diagnose.ipynb #c6f1f6cc
 FULL_STEPS = 1000   # a run of at most this many steps is judged step by step, whole; a longer one where its rollups point
 LOOK_BACK = 100     # how many steps before an event (a NaN, a spike of the loss) its cause is looked for, in a long run
-COARSE_BINS = 400   # a long run's rollups are read at the narrowest width that gives at most this many bins
+COARSE_BINS = 200   # a long run's rollups are read at the narrowest width that gives at most this many bins
 MOST_POINTED = 20   # ... and at most this many places where a bin left its band are read step by step
 
 def rolled_departures(run:Run, rank:int, lo:int, hi:int, window:int, spike:float, factor:float)->list:
@@ -310,19 +310,18 @@ def rolled_departures(run:Run, rank:int, lo:int, hi:int, window:int, spike:float
     if not rows: return []
     df = pd.DataFrame(rows, columns=['bin', 'module_id', 'ttype', 'norm_sq']).astype({'norm_sq': float})
     x = df.pivot_table(index='bin', columns=['module_id', 'ttype'], values='norm_sq', aggfunc='first') ** .5
-    n = max(2, min(MIN_BAND, window // w))
-    low, high, *_ = band_edges(x.to_numpy(float), max(n, window // w), spike, factor, n)
+    n = max(MIN_BAND, window // w)   # bins: a band of bins is judged as a band of steps, of MIN_BAND at least
+    low, high, *_ = band_edges(x.to_numpy(float), n, spike, factor, MIN_BAND)
     out = left_band(x.to_numpy(float), low, high)
     new = out & ~np.vstack([np.zeros((1, out.shape[1]), bool), out[:-1]])
     return [int(b) * w for b in x.index[new.any(1)]]
 
-def _spans(ats:list, before:int, after:int, lo:int, hi:int)->list:
-    "`[(first, last)]`: from `before` steps before each of `ats` to `after` past it, within `lo..hi`, overlaps joined."
+def _spans(ranges:list, lo:int, hi:int)->list:
+    "The `(first, last)` `ranges` cut to `lo..hi`, in order, overlapping ones joined."
     out = []
-    for a in sorted(ats):
-        s, e = max(lo, a - before), min(hi, a + after)
-        if out and s <= out[-1][1] + 1: out[-1] = (out[-1][0], max(out[-1][1], e))
-        else: out.append((s, e))
+    for a, b in sorted((max(lo, a), min(hi, b)) for a, b in ranges):
+        if out and a <= out[-1][1] + 1: out[-1] = (out[-1][0], max(out[-1][1], b))
+        elif a <= b: out.append((a, b))
     return out
 
 def run_episodes(run:Run, rank:int, first:int, hi:int, window:int, spike:float, factor:float,
@@ -333,7 +332,8 @@ def run_episodes(run:Run, rank:int, first:int, hi:int, window:int, spike:float, 
     if hi - first + 1 <= FULL_STEPS: spans = [(first, hi)]
     else:
         pointed = rolled_departures(run, rank, first, hi, window, spike, factor)[:MOST_POINTED]
-        spans = _spans([*events, *pointed, hi], LOOK_BACK + window, ROLLUP_WIDTHS[0], first, hi)
+        near = [(a - LOOK_BACK - window, a + ROLLUP_WIDTHS[0]) for a in [*events, *pointed]]
+        spans = _spans(near + [(hi - 2 * window, hi)], first, hi)   # and the run's last steps, as the other checks
     deps = [departures(module_rms(run, rank, a, b, root), window, spike, factor, start=a + window if a > first else None)
             for a, b in spans]
     deps = [d for d in deps if len(d)]
