@@ -348,9 +348,10 @@ def attach(eps:list, step:int, lead:int)->dict|None:
 def _later(n:int, word:str='later')->str: return 'at the same step' if n == 0 else f"{n} step{'s' if n != 1 else ''} {word}"
 
 def _by(value:float, median:float)->str:
-    "How far `value` is from `median`, as a factor: '1e+04x', '1/3.2'."
+    "How far `value` is from `median`, as a factor: '10,032x', '4.84x', '1/3.2'."
     r = abs(value / median) if median else math.inf
-    return f"{r:.3g}x" if r >= 1 else f"1/{1 / r:.3g}" if r > 0 else 'to 0'
+    if r >= 1e6: return f"{r:.2g}x"
+    return f"{r:,.0f}x" if r >= 100 else f"{r:.3g}x" if r >= 1 else f"1/{1 / r:.3g}" if r > 0 else 'to 0'
 
 def root_words(e:dict, names:pd.DataFrame)->str:
     "The root of episode `e` in a few words: \"module 'conv2' (Conv2d), its weight RMS at step 61\"."
