@@ -13,6 +13,7 @@ from fastcore.basics import patch, patch_to
 from .core import Capture, ENTER, EXIT, named_inputs, named_tensors
 from .stats import Recorder, default_stats, fused_moments, moments, as_real, SMALL, shape_of, dtype_name
 from . import native
+from torch._dynamo.utils import counters
 
 # %% auto #0
 __all__ = ['CompiledHooks', 'moments_row']
@@ -56,6 +57,15 @@ def _what(key:int, ttype:str, names:tuple)->int:
         _WHAT.append((ttype, names))
     return _WHATS[ttype, names]
 
+@torch._dynamo.assume_constant_result
+def _root_traced(key:int)->int:
+    "At trace time: the root's hooks are traced (the root is compiled whole); the module hooks go on before its children are."
+    hooks = CompiledHooks.of(key)
+    if hooks is not None:
+        hooks.seen = True
+        if hooks.cap.armed and hooks.cap._hooked is None: hooks.cap._install()
+    return 0
+
 # %% ../nbs/01b_compiled.ipynb #e5c0b1c3
 _HOOKS = {}              # key -> weakref to its `CompiledHooks`
 _keys = itertools.count()
@@ -80,6 +90,17 @@ class CompiledHooks:
         return None if r is None else r()
 
     def __repr__(self): return f"CompiledHooks({type(self.cap.model).__name__}, {'compiled' if self.seen else 'not compiled yet'})"
+
+def _compiled(model:nn.Module)->bool:
+    "Whether a module of `model` is compiled: `module.compile()`, or a `torch.compile` wrapper put in its place."
+    return any(getattr(m, '_compiled_call_impl', None) is not None or type(m).__name__ == 'OptimizedModule'
+               for m in model.modules())
+
+@patch
+def keeps_hooks(self:CompiledHooks)->bool:
+    "Whether the module hooks stay on through an unrecorded step: code was traced with them, or a module is compiled."
+    if not self.seen and counters['stats']['unique_graphs'] and _compiled(self.cap.model): self.seen = True
+    return self.seen
 
 # %% ../nbs/01b_compiled.ipynb #8b0e552b
 def _tap_class(token:torch.Tensor)->type:
@@ -119,6 +140,7 @@ def post(self:CompiledHooks, tag:torch.Tensor, mod:nn.Module, args:tuple, out):
 @patch
 def root_pre(self:CompiledHooks, mod:nn.Module, args:tuple, kwargs:dict):
     "The root's forward pre-hook, traced: the step opens (in Python, from the graph), then the root's inputs."
+    _root_traced(self.key)
     torch.ops.torchember.step(self.token, self.key, True, torch.is_grad_enabled(), False)
     if self.cap.selected[0]: self.pre(self.tags[0], mod, args, kwargs)
 

@@ -300,7 +300,7 @@ def _dynamo_skips(*fns):
     except (ImportError, AttributeError): return
     for f in fns: set_code_exec_strategy(f.__code__, skip)
 
-def _forget_compiled_modules()->bool:
+def _forget_compiled_modules(model:nn.Module=None)->bool:
     "Discard the code `torch.compile(module)` compiled so far (it would skip hooks put on since); whether there was any."
     if 'torch._dynamo' not in sys.modules: return False   # nothing was ever compiled
     try:
@@ -309,7 +309,10 @@ def _forget_compiled_modules()->bool:
         from torch._C._dynamo.eval_frame import reset_code
     except (ImportError, AttributeError): return False
     # the frames a compiled module's call runs in
-    codes = [c for c in (wrap_inline(_noop).__code__, nn.Module._wrapped_call_impl.__code__, nn.Module._call_impl.__code__)
+    # and the forwards of `model`'s classes: dynamo does not guard on hooks, so another instance of a class compiled
+    # before would run that code, its hooks unseen
+    forwards = {f for m in (model.modules() if model is not None else ()) if (f := getattr(type(m).forward, '__code__', None))}
+    codes = [c for c in (wrap_inline(_noop).__code__, nn.Module._wrapped_call_impl.__code__, nn.Module._call_impl.__code__, *forwards)
              if _debug_get_cache_entry_list(c)]
     for c in codes: reset_code(c)
     return bool(codes)
@@ -344,7 +347,7 @@ def arm(self:Capture):
                   root.register_forward_hook(_Hook(self._root_post), always_call=True)]
     for m in self.mods: _owners[m] = self
     _copy_bare({type(m) for m in self.mods})
-    if _forget_compiled_modules():
+    if _forget_compiled_modules(self.model):
         warnings.warn(f"torchember: torch.compile had compiled modules before {type(self.model).__name__} was armed; that code "
                       "skips hooks, so it was discarded (compiled modules recompile once). Compile after arming to avoid this; "
                       "a function compiled around the model must be compiled after arming (or call torch.compiler.reset())",
@@ -467,7 +470,7 @@ def _root_pre(self:Capture, mod, args, kwargs, inference:bool=False):
                 self.params = params
                 self.pieces = self.piece_map()
         if rec and self._hooked is None: self._install()
-        elif not rec and not getattr(self.compiled, 'seen', False): self._uninstall()   # compiled code keeps them: no recompile
+        elif not rec and not (self.compiled is not None and self.compiled.keeps_hooks()): self._uninstall()   # compiled code keeps them
         self.recording = rec
         if rec:
             self._open, self._events, self._calls, self._stack = True, [], [0]*len(self.mods), []
