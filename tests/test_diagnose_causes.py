@@ -108,3 +108,11 @@ def test_diagnose_just_before_it_broke(made):
     f = r.diagnose(step='last_finite')
     assert not (f['kind'] == 'nonfinite').any()
     assert f.iloc[0][['kind', 'module', 'step']].tolist() == ['cause', 'blocks.1.mlp.proj', 60]
+
+def test_on_either_database(store):
+    "SQLite stores a NaN norm as NULL, PostgreSQL keeps it NaN: the same cause, NaN rows and step before it on both."
+    r = CASES['scaled_weight'][0](store)
+    f = r.diagnose()
+    assert f.iloc[0][['kind', 'module', 'step', 'ttype']].tolist() == ['cause', 'blocks.1.mlp.proj', 60, 'weight']
+    broke = r.first_nonfinite()['step']
+    assert r.last_finite_step() == broke - 1 and r.summary(step=r.last_step)['grad_norm'].isna().all()
