@@ -426,6 +426,17 @@ def unfolded_steps(c, run_id:int, rank:int, first:int=None, last:int=None)->list
     at = np.searchsorted(ends[:, 0], steps, side='right') - 1
     return steps[(at >= 0) & (steps <= ends[np.maximum(at, 0), 1])].tolist()
 
+def _first_bad_at(c, run_id:int, rank:int, steps:list)->int|None:
+    "The first of `steps` at which `rank` held NaN/Inf in `NONFINITE_KINDS`: a seek of the key a step, never a scan."
+    if not steps: return None
+    kinds = ', '.join(f"'{t}'" for t in NONFINITE_KINDS)
+    one = (f"SELECT 1 FROM stats WHERE run_id = {int(run_id)} AND step = v.s AND rank = {int(rank)} AND ttype IN ({kinds}) "
+           f"AND (nan_count > 0 OR inf_count > 0)")
+    v = f"WITH v(s) AS (VALUES {', '.join(f'({int(s)})' for s in steps)}) "
+    if c.dialect.name == 'postgresql':   # a lateral subquery: its planner would rather scan the table once, all of it
+        return c.exec_driver_sql(v + f"SELECT v.s FROM v CROSS JOIN LATERAL ({one} LIMIT 1) x ORDER BY v.s LIMIT 1").scalar()
+    return c.exec_driver_sql(v + f"SELECT s FROM v WHERE EXISTS ({one}) ORDER BY s LIMIT 1").scalar()
+
 def _rolled_first_bad(c, run_id:int, rank:int=None, sample:bool=False)->int:
     "The first step with NaN/Inf in `NONFINITE_KINDS`: from the widest `rollups`, and the rows of bins they lack; -1: none."
     r, st, s, w = rollups_t.c, steps_t.c, stats_t.c, ROLLUP_WIDTHS[-1]
@@ -437,7 +448,7 @@ def _rolled_first_bad(c, run_id:int, rank:int=None, sample:bool=False)->int:
         spans = [(a, b) for a, b in bin_spans(unfolded_bins(c, run_id, k)) if first is None or a < first]   # their rows
         if sample and spans:   # a view's read: at most `VIEW_STEPS` of their steps
             at = _sampled(unfolded_steps(c, run_id, k, last=first), VIEW_STEPS)
-            more = c.execute(select(func.min(s.step)).where(*bad, s.rank == k, s.step.in_(at))).scalar() if at else None
+            more = _first_bad_at(c, run_id, k, at)
             first = min(first, more) if first is not None and more is not None else more if first is None else first
         for i in range(0, 0 if sample else len(spans), 32):   # every row of those bins, in order, until one is bad
             some = sa.or_(*[s.step.between(a, b) for a, b in spans[i:i + 32]])
