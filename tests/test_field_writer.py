@@ -3,7 +3,7 @@
 Processes are real: forked children, a DataLoader's fork workers, training scripts killed with SIGKILL, SIGTERM and
 SIGINT at a random moment. The store is locked by another connection and filled up.
 """
-import contextlib, os, random, signal, sqlite3, subprocess, sys, textwrap, threading, time, traceback, warnings
+import contextlib, itertools, os, random, re, signal, sqlite3, subprocess, sys, textwrap, threading, time, traceback, warnings
 from pathlib import Path
 
 import pytest, torch
@@ -427,3 +427,34 @@ def test_sigkill_with_snapshots_keeps_every_step_finished_more_than_a_second_bef
     missing = sorted(set(old) - set(_stored(str(db), 'r')))
     if 'falls behind' not in err: assert not missing, f"{len(missing)} steps finished over 1 s before the kill are not stored: {missing[:20]}"
     else: assert not any(b == a + 3 for a, b in zip(missing, missing[3:])), f"steps dropped in a block, not evenly: {missing[:40]}"
+
+
+# ---------------------------------------------------------------- a writer that falls behind (issue 47)
+
+def test_a_writer_that_falls_behind_thins_evenly_and_says_the_rates():
+    "A store that takes 500 items a second, given about 1,000 a second: the writer thins evenly, keeps what it must, says why."
+    from torchember.store import Writer
+    got, ages = [], []
+    def slow(items):                      # 2 ms an item: a store slower than the run
+        time.sleep(0.002 * len(items))
+        now = time.monotonic()
+        got.extend(i for i, _ in items); ages.extend(now - t for _, t in items)
+    w = Writer(slow, rows=lambda item: 100, keep=lambda item: item[0] % 50 == 7)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter('always')
+        for i in range(2000):
+            w.submit((i, time.monotonic()))
+            time.sleep(0.001)
+        w.flush()
+    w.close()
+    msgs = [str(r.message) for r in rec]
+    said = [m for m in msgs if 'falls behind' in m]
+    assert len(said) == 1 and 'rows a second' in said[0] and 'locked' not in said[0], msgs   # the rates, not a lock
+    taken, made = (float(x.replace(',', '')) for x in re.findall(r'takes ([\d,]+) rows a second and this run makes ([\d,]+)', said[0])[0])
+    assert taken < made
+    assert len(got) + w.dropped == 2000 and w.dropped > 0 and got == sorted(got)
+    assert got[0] == 0 and got[-1] == 1999 and {i for i in range(2000) if i % 50 == 7} <= set(got), "first, last and findings kept"
+    missing = sorted(set(range(2000)) - set(got))
+    run = max(sum(1 for _ in g) for _, g in itertools.groupby(enumerate(missing), lambda x: x[1] - x[0]))
+    assert run <= 3, f"dropped evenly, not in blocks ({run} in a row)"
+    assert max(ages) < 1.0, f"a kept item waited {max(ages):.2f} s: what is left is written within a second"

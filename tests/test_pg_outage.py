@@ -107,7 +107,7 @@ def test_a_server_that_goes_away_loses_nothing(server, tmp_path, mode, writer):
                          text=True, env=env)
     err = []
     threading.Thread(target=lambda: err.extend(p.stderr), daemon=True).start()
-    lines = Lines(p)
+    lines, failed = Lines(p), None
     try:
         lines.wait_for(60)
         time.sleep(1.5)   # steps finished over a second before the outage
@@ -119,12 +119,14 @@ def test_a_server_that_goes_away_loses_nothing(server, tmp_path, mode, writer):
         n = len(lines.steps)
         lines.wait_for(n + 60)   # and steps after it
         time.sleep(1)
+    except AssertionError as e: failed = e
     finally:
         stop.touch()
         try: p.wait(120)
         except subprocess.TimeoutExpired: p.kill()
         lines.t.join(10)
     said = ''.join(err)
+    assert failed is None, f"{failed}\n{said[-3000:]}"
     assert p.returncode == 0, said[-3000:]
     assert 'Traceback' not in said, said[-3000:]
     steps = lines.steps

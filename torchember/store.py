@@ -22,11 +22,11 @@ __all__ = ['SCHEMA_VERSION', 'MEMORY', 'metadata', 'STAT_COLS', 'Str', 'Size', '
            'steps_t', 'digests_t', 'events_t', 'stats_t', 'calls_t', 'scalars_t', 'shards_t', 'rollups_t',
            'snapshots_t', 'flows_t', 'VIEWS', 'PG_CONNECT', 'RETIRED_RUN_ID', 'ROWS_PER_INSERT', 'ROLLUP_WIDTHS',
            'THINNED', 'KNOWN_MAX', 'LINGER_S', 'PENDING_STEPS', 'PENDING_BYTES', 'RETRY_S', 'GONE_RETRY_S', 'BEHIND_S',
-           'RATE_S', 'STUCK_S', 'GROUP_BYTES', 'GONE_SQLSTATES', 'EXIT_WAIT_S', 'default_db', 'db_url', 'check_name',
-           'escaped', 'StoreError', 'engine', 'keyed_by_rank', 'create_run', 'drop_run', 'last_iteration', 'claim',
-           'release', 'rows_digest', 'packed_sums', 'packed_digest', 'write_step', 'write_steps', 'merge_pieces',
-           'module_steps_sql', 'roll_up', 'roll_up_closed', 'rolled_steps', 'unfolded_bins', 'bin_spans', 'thin_steps',
-           'module_values', 'idle_priority', 'store_busy', 'store_gone', 'Writer']
+           'WITHIN_S', 'RATE_S', 'STUCK_S', 'GROUP_BYTES', 'GONE_SQLSTATES', 'EXIT_WAIT_S', 'default_db', 'db_url',
+           'check_name', 'escaped', 'StoreError', 'engine', 'keyed_by_rank', 'create_run', 'drop_run', 'last_iteration',
+           'claim', 'release', 'rows_digest', 'packed_sums', 'packed_digest', 'write_step', 'write_steps',
+           'merge_pieces', 'module_steps_sql', 'roll_up', 'roll_up_closed', 'rolled_steps', 'unfolded_bins',
+           'bin_spans', 'thin_steps', 'module_values', 'idle_priority', 'store_busy', 'store_gone', 'Writer']
 
 # %% ../nbs/02_store.ipynb #2b4773a6
 SCHEMA_VERSION = 2
@@ -239,7 +239,7 @@ def engine(db=None, create:bool=True)->sa.Engine:
         _engines[url] = eng
         return eng
 
-PG_CONNECT = dict(connect_timeout=10, options='-c synchronous_commit=on')   # what a URL doesn't set: see "A server that goes away"
+PG_CONNECT = dict(connect_timeout=10, options='-c synchronous_commit=on')   # unless the URL sets them
 
 def _server_args(u:sa.URL)->dict:
     "`create_engine`'s arguments for a server's URL `u`: pooled connections checked before use, and `PG_CONNECT`."
@@ -478,7 +478,8 @@ def release(eng, run_id:int, rank:int):
         with _lock:
             conn = _claims.get(eng.url.render_as_string(hide_password=False))
             try:
-                if conn is not None and not conn.closed: conn.exec_driver_sql('SELECT pg_advisory_unlock(%(k)s)', dict(k=_pg_key(run_id, rank)))
+                if conn is not None and not conn.closed:
+                    conn.exec_driver_sql('SELECT pg_advisory_unlock(%(k)s)', dict(k=_pg_key(run_id, rank)))
             except sa.exc.DBAPIError:   # the session is gone (a server restart), and its locks with it
                 _claims.pop(eng.url.render_as_string(hide_password=False), None)
         return
@@ -582,7 +583,7 @@ def _packed_layout(keys:list)->dict:
     return _per_object(_PACKED, keys, make)
 
 def _packed_rows(head:tuple, keys:list, stats:np.ndarray)->np.ndarray:
-    "The object matrix of a step's packed rows (`keys` and their `stats` matrix) after `head`: its layout's, stats put in."
+    "The object matrix of a step's packed rows (`keys`, their `stats` matrix) after `head`: its layout's, stats put in."
     m = _packed_layout(keys)['row'].copy()
     m[:, :3], m[:, 9:9 + len(STAT_COLS)] = head, stats
     return m
@@ -604,12 +605,13 @@ _PG_TYPES = {}   # (store URL, table) -> its columns' types as the store has the
 def _copy_rows(c, table:Table, m:np.ndarray):
     "Insert the rows of object matrix `m` (`table`'s columns in order) into a PostgreSQL store with one binary `COPY`."
     key = (c.engine.url, table.name)
-    if key not in _PG_TYPES:   # an older store may have other types than `metadata` says (and binary COPY takes them exactly)
-        got = dict(c.exec_driver_sql("SELECT attname, atttypid::regtype::text FROM pg_attribute WHERE attrelid = %(t)s::regclass "
-                                     "AND attnum > 0 AND NOT attisdropped", dict(t=table.name)).all())
+    if key not in _PG_TYPES:   # an older store may have other types than `metadata` says (binary COPY takes them exactly)
+        got = dict(c.exec_driver_sql("SELECT attname, atttypid::regtype::text FROM pg_attribute WHERE attrelid = "
+                                     "%(t)s::regclass AND attnum > 0 AND NOT attisdropped", dict(t=table.name)).all())
         _PG_TYPES[key] = [got[col.name] for col in table.columns]
     cols = ', '.join(f'"{col.name}"' for col in table.columns)
-    with c.connection.driver_connection.cursor() as cur, cur.copy(f'COPY {table.name} ({cols}) FROM STDIN (FORMAT BINARY)') as cp:
+    sql = f'COPY {table.name} ({cols}) FROM STDIN (FORMAT BINARY)'
+    with c.connection.driver_connection.cursor() as cur, cur.copy(sql) as cp:
         cp.set_types(_PG_TYPES[key])
         for r in m.tolist(): cp.write_row(r)
 
@@ -658,7 +660,7 @@ def write_steps(eng, run_id:int, steps:list, rank:int=0):
                 keys, stats = s.get('packed') or (None, None)   # `StepRecord.packed`, in place of `rows`
                 head = (run_id, step, rank)
                 if keys and closed and c.dialect.name == 'postgresql' and _copyable(keys):
-                    copied.append(_packed_rows(head, keys, stats))   # a step's first rows: all of them in one COPY below
+                    copied.append(_packed_rows(head, keys, stats))   # a step's first rows: all in one COPY below
                 elif keys is not None: _insert_packed(c, head, keys, stats)
                 elif rows: _insert_rows(c, stats_t, head, rows, replace=True)
                 if pieces:
@@ -941,7 +943,7 @@ def module_values(rows:list, stats:np.ndarray=None)->tuple:
 
 def _remember(c, run_id:int, rank:int, step:int, rows, stats:np.ndarray=None):
     "Keep the module values of `step` written whole now (`rows`, or packed keys and `stats`), or forget them (`rows` None)."
-    if c.dialect.name != 'sqlite' and (stats is None or np.isnan(stats).any()): return   # NaN is a value on a server: its SQL folds
+    if c.dialect.name != 'sqlite' and (stats is None or np.isnan(stats).any()): return   # a server's NaN: its SQL folds
     steps = _known.setdefault(c.engine, {}).setdefault((run_id, rank), {})
     if rows is None or step in steps or len(steps) >= KNOWN_MAX: steps[step] = None
     else:
@@ -1000,8 +1002,8 @@ def _bin_rows(rid:int, rank:int, width:int, keys:tuple, bins, which:np.ndarray=N
         rows += map(tuple, m.tolist())   # SQLAlchemy's executemany takes tuples
     return rows
 
-_PG_BINS = 'SELECT * FROM unnest(' + ', '.join(f'%s::{t}[]' for t in ['integer'] * 2 + ['text'] + ['integer'] * 3 + ['float8'] * 7
-                                                + ['integer'] * 2) + ')'   # `rollups` rows, as arrays of their columns
+_PG_TYPES_BINS = ['integer'] * 2 + ['text'] + ['integer'] * 3 + ['float8'] * 7 + ['integer'] * 2   # `rollups` columns
+_PG_BINS = 'SELECT * FROM unnest(' + ', '.join(f'%b::{t}[]' for t in _PG_TYPES_BINS) + ')'   # its rows as arrays, in binary
 
 def _upsert_bins(c, rows:list, merge:bool):
     "Write `rollups` rows: a stored bin keeps the extremes of both (`merge`), or takes the new row's values."
@@ -1070,10 +1072,11 @@ LINGER_S = 0.25                                   # the longest a submitted item
 PENDING_STEPS, PENDING_BYTES = 1024, 256 << 20    # the most that waits in memory while the store cannot take it
 RETRY_S = 0.1                                     # pause before writing again to a store that said it was locked
 GONE_RETRY_S = 0.5                                # ... and to a server that could not be reached
-BEHIND_S = 0.5                                    # an item waiting longer, while the store takes others: the writer thins
+BEHIND_S = 0.3                                    # an item waiting longer while the store takes others: the writer thins
+WITHIN_S = 0.8                                    # ... so that each left is written within this long of its arrival
 RATE_S = 5                                        # the span the rates in the warnings are measured over
 STUCK_S = 2                                       # a write taking longer waits for a lock (SQLite's busy wait), maybe
-GROUP_BYTES = 4 << 20                             # the most bytes in one `write` (bar its first item): snapshots commit apace
+GROUP_BYTES = 4 << 20                             # the most bytes in one `write` (bar its first item)
 
 def store_busy(e:Exception)->bool:
     "Whether `e` says another writer holds the store for now (SQLite busy or locked, a PostgreSQL lock conflict)."
@@ -1100,7 +1103,7 @@ def _short(e:Exception)->str:
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 def _evenly(seq:list, free:list, need:int)->list:
-    "`need` of the positions `free` of sorted numbers `seq` to drop, each where it leaves the smallest gap (the oldest first)."
+    "`need` of positions `free` of sorted numbers `seq` to drop, each where it leaves the smallest gap (the oldest first)."
     s, pos, out = np.array(seq, dtype=np.int64), np.array(free, dtype=np.intp), []
     alive = np.ones(len(s), bool)
     for _ in range(need):
@@ -1128,23 +1131,23 @@ class Writer:
         self.rows, self.keep = rows or (lambda item: 1), keep or (lambda item: False)
         self.linger = LINGER_S if linger is None else linger
         self.max_steps, self.max_bytes, self.behind = PENDING_STEPS, PENDING_BYTES, BEHIND_S
-        self.pending, self.nbytes, self.errors = deque(), 0, []   # [arrival, item, bytes, rows, kept, number], oldest first
+        self.pending, self.nbytes, self.errors = deque(), 0, []   # [arrival, item, bytes, rows, kept, number], oldest 1st
         self.dropped = self.failed = 0                            # items dropped past the bound; items whose write failed
         self.made = self.taken = 0                                # rows submitted; rows written
         self._cv = threading.Condition(threading.RLock())         # reentrant: a signal handler may wait inside `submit`
         self._busy, self._urgent, self._stop = None, 0, False     # the batch being written; flushes waiting; closing
         self._lost, self._error, self._drops = 0, None, 0         # the current episodes: items lost and the first error; items dropped
-        self._out = None                                          # the store takes nothing: (kind, since, steps dropped before)
-        self._took = self._thinned = self._back = 0.              # when a write last succeeded; items last thinned; the store back
+        self._out = None                                          # the store takes nothing: (kind, since, drops before)
+        self._took = self._thinned = self._back = 0.              # last write; last thinning; store back
         self._rates = deque([(time.monotonic(), 0, 0)])           # (time, made, taken), one every second at most
-        self._late_said, self._lagging = False, False             # `flush` said that items still wait; the writer falls behind
-        self._since, self._n, self._why = 0., 0, None             # when the batch being written was taken; items submitted; why dropped
+        self._late_said, self._lagging = False, False             # `flush` said items still wait; falling behind
+        self._since, self._n, self._why = 0., 0, None             # batch taken at; items submitted; why dropped
         self._t = threading.Thread(target=self._run, name='torchember-writer', daemon=True)
         self._t.start()
         _writers.add(self)
 
     def submit(self, item):
-        "Hand `item` to the writer without waiting; past the bound, or falling behind, waiting items are thinned evenly."
+        "Hand `item` to the writer without waiting; past the bound, or falling behind, what waits is thinned evenly."
         if not self._t.is_alive(): raise RuntimeError("torchember writer is closed")
         n, r = self.size(item), self.rows(item)
         with self._cv:
@@ -1160,7 +1163,7 @@ class Writer:
     def _over(self)->bool: return len(self.pending) > self.max_steps or self.nbytes > self.max_bytes
 
     def _falling_behind(self, now:float)->bool:
-        "Whether the store takes items, but slower than they come: the oldest waits past `behind` s, after a later one was written."
+        "Whether the store takes items slower than they come: the oldest waited `behind` s, though a later one was written."
         first = self.pending[0][0]   # what waited while the store took nothing (locked, gone) is written, not thinned
         stuck = self._busy is not None and now - self._since > STUCK_S   # a write that long waits for a lock, maybe
         return (self._out is None and not stuck and first >= self._back and now - self._thinned > self.behind / 4
@@ -1179,17 +1182,19 @@ class Writer:
 
     def _thin(self, now:float, behind:bool=False):
         "Drop waiting items evenly (the first, the last and those `keep` keeps stay): past the bound, or `behind`."
-        # falling behind, to what the store takes in half of `behind` s, and the share of newer items it can't take
+        # falling behind: to what the store takes before the oldest has waited `WITHIN_S`, and the share of new ones it can't
         self._sample(now)
         p, n, need, since = self.pending, len(self.pending), 0, self._thinned
         made, taken = self.rates(now)
-        if behind and taken > 0:
-            rows, most = sum(e[3] for e in p), taken * self.behind / 2
+        steady = now - self._rates[0][0] >= 1   # rates over a second at least: a slow moment is no trend
+        if behind and steady and 0 < taken * 1.05 < made:   # (taking what comes, it catches up: a backlog drains)
+            rows, most = sum(e[3] for e in p), taken * max(0.1, WITHIN_S - (now - p[0][0]))   # the oldest written in time
             if rows > most: need = math.ceil((rows - most) * n / rows)
-            if self._lagging and made > taken: need = max(need, round(sum(e[0] > since for e in p) * (1 - taken / made)))
+            if self._lagging: need = max(need, round(sum(e[0] > since for e in p) * (1 - taken / made)))
             self._lagging = True
         if n > self.max_steps: need = max(need, n - self.max_steps + self.max_steps // 16)   # some room made at once
-        if self.nbytes > self.max_bytes: need = max(need, math.ceil((self.nbytes - self.max_bytes * 15 / 16) * n / self.nbytes))
+        if self.nbytes > self.max_bytes:
+            need = max(need, math.ceil((self.nbytes - self.max_bytes * 15 / 16) * n / self.nbytes))
         self._thinned = now
         for e in p:
             if e[4] is None: e[4] = bool(self.keep(e[1]))
@@ -1204,15 +1209,17 @@ class Writer:
         self._drops += len(gone)
         if self._drops == len(gone):
             self._why = 'behind' if behind else 'bound'
-            self._say(StoreError(self._thinning(made, taken if behind else 0, max(2, round(n / len(gone))))))
+            k = made / (made - taken) if behind and 0 < taken < made else n / len(gone)   # the rates' share, else this
+            self._say(StoreError(self._thinning(made, taken if behind else 0, max(2, round(k)))))
 
     def _thinning(self, made:float, taken:float, k:int)->str:
-        "The warning that waiting items are thinned: rows a second taken against rows a second made, or why none are taken."
-        how = f"waiting steps are dropped evenly, about one in {k} (the first, the last and those with a finding are kept)"
+        "The warning that waiting items are thinned: rows a second taken against rows a second made, or why none are."
+        how = f"waiting steps are dropped evenly, about one in {k} (the first, the last and any with a finding kept)"
         if taken > 0:
             return (f"the store takes {taken:,.0f} rows a second and this run makes {made:,.0f}: the writer falls behind, "
                     f"so {how}, and what is left is written within a second")
-        why = {'gone': ' (its server cannot be reached)', 'locked': ' (another program holds it locked)'}[self._out[0]] if self._out else ''
+        why = {'gone': ' (its server cannot be reached)', 'locked': ' (another program holds it locked)'}
+        why = why[self._out[0]] if self._out else ''
         return (f"the store takes no steps for now{why} while this run makes {made:,.0f} rows a second: up to {self.max_steps:,} "
                 f"steps or {self.max_bytes >> 20} MB wait in memory, and past that {how}")
 
@@ -1258,7 +1265,7 @@ class Writer:
                 if back: self._cv.wait(GONE_RETRY_S if self._out and self._out[0] == 'gone' else RETRY_S)
 
     def _write_batch(self, batch:list)->list:
-        "Write `batch` in one transaction, else item by item; the items the store could not take for now (locked, or gone)."
+        "Write `batch` in one transaction, else item by item; the items the store could not take for now (locked, gone)."
         try:
             self.write([e[1] for e in batch])
             return self._wrote(batch)
@@ -1283,7 +1290,8 @@ class Writer:
             if begins: self._out = (kind, time.monotonic(), self._drops)
         if begins and kind == 'gone':
             self._say(StoreError(f"the store cannot be reached ({_short(e)}); finished steps wait in memory (up to "
-                                 f"{self.max_steps:,} steps or {self.max_bytes >> 20} MB) and are written when it is back; training goes on"))
+                                 f"{self.max_steps:,} steps or {self.max_bytes >> 20} MB) and are written when it is back; "
+                                 "training goes on"))
         return True
 
     def _wrote(self, entries:list)->list:
@@ -1293,7 +1301,7 @@ class Writer:
             self.taken += sum(e[3] for e in entries)
             self._sample(now)
             out, self._out = self._out, None
-            if out or not self._took: self._back, self._rates = now, deque([(now, self.made, self.taken)])   # rates from here
+            if out or not self._took: self._back, self._rates = now, deque([(now, self.made, self.taken)])   # rates anew
             self._took = now   # (the first write: what waited for the store to open is written, not thinned)
             lost, error, self._lost, self._error = self._lost, self._error, 0, None
             waited = len(self.pending) + len(self._busy or ())   # the first write after an outage: what waited for it
@@ -1346,7 +1354,8 @@ class Writer:
             self._late_said = True
             waited = '' if timeout is None else f" after {timeout:g} s"   # None: the thread ended with items left
             self._say(StoreError(f"{self.waiting()} step(s) still wait for the store{waited} (another program holds it "
-                                 "locked, its server is gone, or it is slow); they are written when it takes them, while this process lives"))
+                                 "locked, its server is gone, or it is slow); they are written when it takes them, while this "
+                                 "process lives"))
         if self.strict and self.errors:
             first, self.errors = self.errors[0], []
             raise first
@@ -1362,7 +1371,8 @@ class Writer:
         if done: self._t.join()
         if self._lost and not self.strict: self._say(StoreError(f"{_steps(self._lost)} lost since writing to the store failed ({_short(self._error)})"))
         if not done and not self._late_said:
-            self._say(StoreError(f"{_steps(self.waiting())} not written within {timeout:g} s: the store stayed locked or unreachable"))
+            self._say(StoreError(f"{_steps(self.waiting())} not written within {timeout:g} s: the store stayed locked or "
+                                 "unreachable"))
 
 EXIT_WAIT_S = 30   # the longest the interpreter's exit waits for a locked store
 
