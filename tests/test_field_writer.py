@@ -114,6 +114,8 @@ TRAIN = textwrap.dedent('''
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     more = dict(snapshot='*.weight', hist=8, sample_n=50) if mode == 'snap' else {}   # the writer's first statements at exit
     te = torchEmber(model, run='r', db=db, **more)
+    if mode == 'inside':                         # SIGINT inside the first forward (a hook of the user's), before any write
+        model[0].register_forward_hook(lambda m, a, o: step == 0 and (print('inside', flush=True), time.sleep(30)))
     if mode == 'user-after': signal.signal(signal.SIGTERM, lambda s, f: (print('user handler', flush=True), sys.exit(4)))
     if mode == 'opening':                        # SIGTERM the moment step 5 is opened, before its forward runs
         opened = te.recorder.open
@@ -371,24 +373,30 @@ def test_how_record_refuses_what_is_not_a_function(db, fn):
 # ---------------------------------------------------------------- SIGINT, many times (issue 47)
 
 def _interrupted(tmp_path, i:int):
-    "Training process `i` (every second one with snapshots and histograms) sent SIGINT at a random moment."
+    "Training process `i` sent SIGINT: one in four inside its first forward, the others at random (half with snapshots)."
     d = tmp_path/f'run{i}'
     d.mkdir()
+    if i % 4 == 0:                               # inside the first forward: the first write comes at exit
+        db, p = _train(d, 'inside')
+        p.stdout.readline()
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+        return db, {}, p.returncode, err
     db, p = _train(d, 'snap' if i % 2 else 'plain')
-    after = 0 if i % 3 == 0 else random.uniform(0.05, 2)   # a third at their first step, before the writer's first write
-    printed, _, _, err = _run_then(p, signal.SIGINT, after, settled=-1)   # no step need be 1.2 s old
+    printed, _, _, err = _run_then(p, signal.SIGINT, random.uniform(0, 2), settled=-1)   # no step need be 1.2 s old
     return db, printed, p.returncode, err
 
 def test_sigint_ends_the_process_as_without_torchember_every_time(tmp_path):
-    "20 processes interrupted at random moments: each killed by SIGINT after its `KeyboardInterrupt` traceback, every printed step stored."
-    # CPython ends by SIGINT unless an `exec` of a string ran after the exception reached the top: SQLAlchemy's first use
-    # of a statement, as the writer wrote the last steps at exit, made it exit with status 1 (one run in two, with snapshots)
+    "20 processes sent SIGINT: each killed by it after its `KeyboardInterrupt` traceback, every printed step stored."
+    # CPython ends by SIGINT unless an `exec` of a string ran after the exception reached the top: SQLAlchemy's first
+    # use of a statement, as the writer wrote the steps left at exit, made every run interrupted in its first forward
+    # exit with status 1
     from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(2) as pool: runs = list(pool.map(lambda i: _interrupted(tmp_path, i), range(20)))
     for db, printed, code, err in runs:
         assert code == -signal.SIGINT, f"exit status {code}, not killed by SIGINT:\n{err[-3000:]}"
         assert err.strip().splitlines()[-1] == 'KeyboardInterrupt', err[-3000:]
-        assert printed and set(range(max(printed) + 1)) <= set(_stored(str(db), 'r')), "a printed step is not in the store"
+        assert set(range(max(printed, default=-1) + 1)) <= set(_stored(str(db), 'r')), "a printed step is not stored"
 
 
 # ---------------------------------------------------------------- snapshots and kill -9 (issue 47)
