@@ -20,13 +20,14 @@ from .kinds import merge_stats, NORM_EXTRAS, TTYPES   # not `stats`: the store, 
 # %% auto #0
 __all__ = ['SCHEMA_VERSION', 'MEMORY', 'metadata', 'STAT_COLS', 'Str', 'Size', 'meta_t', 'runs_t', 'ranks_t', 'modules_t',
            'steps_t', 'digests_t', 'events_t', 'stats_t', 'calls_t', 'scalars_t', 'shards_t', 'rollups_t',
-           'snapshots_t', 'flows_t', 'VIEWS', 'PG_CONNECT', 'RETIRED_RUN_ID', 'ROWS_PER_INSERT', 'ROLLUP_WIDTHS',
-           'THINNED', 'KNOWN_MAX', 'LINGER_S', 'PENDING_STEPS', 'PENDING_BYTES', 'RETRY_S', 'GONE_RETRY_S', 'BEHIND_S',
-           'WITHIN_S', 'RATE_S', 'STUCK_S', 'GROUP_BYTES', 'GONE_SQLSTATES', 'EXIT_WAIT_S', 'default_db', 'db_url',
-           'check_name', 'escaped', 'StoreError', 'engine', 'keyed_by_rank', 'create_run', 'drop_run', 'last_iteration',
-           'claim', 'release', 'rows_digest', 'packed_sums', 'packed_digest', 'write_step', 'write_steps',
-           'merge_pieces', 'module_steps_sql', 'roll_up', 'roll_up_closed', 'rolled_steps', 'unfolded_bins',
-           'bin_spans', 'thin_steps', 'module_values', 'idle_priority', 'store_busy', 'store_gone', 'Writer']
+           'snapshots_t', 'flows_t', 'VIEWS', 'PG_CONNECT', 'PG_SESSION', 'RETIRED_RUN_ID', 'ROWS_PER_INSERT',
+           'ROLLUP_WIDTHS', 'THINNED', 'KNOWN_MAX', 'LINGER_S', 'PENDING_STEPS', 'PENDING_BYTES', 'RETRY_S',
+           'GONE_RETRY_S', 'BEHIND_S', 'WITHIN_S', 'RATE_S', 'STUCK_S', 'GROUP_BYTES', 'GONE_SQLSTATES', 'EXIT_WAIT_S',
+           'default_db', 'db_url', 'check_name', 'escaped', 'StoreError', 'engine', 'keyed_by_rank', 'create_run',
+           'drop_run', 'last_iteration', 'claim', 'release', 'rows_digest', 'packed_sums', 'packed_digest',
+           'write_step', 'write_steps', 'merge_pieces', 'module_steps_sql', 'roll_up', 'roll_up_closed', 'rolled_steps',
+           'unfolded_bins', 'bin_spans', 'thin_steps', 'module_values', 'idle_priority', 'store_busy', 'store_gone',
+           'Writer']
 
 # %% ../nbs/02_store.ipynb #2b4773a6
 SCHEMA_VERSION = 2
@@ -222,6 +223,7 @@ def engine(db=None, create:bool=True)->sa.Engine:
             _prepare_file(u)
         eng = _memory_engine() if memory else sa.create_engine(url, **_server_args(u))
         if sqlite: event.listen(eng, 'connect', _sqlite_pragmas)
+        elif u.get_backend_name() == 'postgresql': event.listen(eng, 'connect', _pg_session)
         try:
             _init_schema(eng)
             if path: _wal(eng)
@@ -239,12 +241,18 @@ def engine(db=None, create:bool=True)->sa.Engine:
         _engines[url] = eng
         return eng
 
-PG_CONNECT = dict(connect_timeout=10, options='-c synchronous_commit=on')   # unless the URL sets them
+PG_CONNECT = dict(connect_timeout=10)        # unless the URL sets them
+PG_SESSION = 'SET synchronous_commit = on'   # each connection's: a commit said is a commit kept, a server crash too
 
 def _server_args(u:sa.URL)->dict:
     "`create_engine`'s arguments for a server's URL `u`: pooled connections checked before use, and `PG_CONNECT`."
     if u.get_backend_name() != 'postgresql': return {}
     return dict(pool_pre_ping=True, connect_args={k: v for k, v in PG_CONNECT.items() if k not in u.query})
+
+def _pg_session(dbapi_conn, _):
+    "Set a new PostgreSQL connection's `PG_SESSION`, committed (a pool's rollback would undo it)."
+    with dbapi_conn.cursor() as cur: cur.execute(PG_SESSION)
+    dbapi_conn.commit()
 
 def _archive_engine(u:sa.URL)->sa.Engine:
     "Read a store in a folder this process cannot write (read-only media, another user's results): as an immutable file."
