@@ -769,16 +769,18 @@ class _Closer:
     def _run(self):
         while True:
             time.sleep(_CLOSER_POLL_S)
-            with self.lock:
-                caps = [c for c in list(self.caps) if c.armed]
-                if not caps:               # nothing armed: ended (the next `watch` starts another)
-                    self.thread = None
-                    return
-            now = time.monotonic()
-            for c in caps:
-                if c._done_at is not None:
-                    try: c._close_if_finished(now)
-                    except Exception: pass   # never the end of the closer
+            if not self._look(): return    # nothing armed: ended (the next `watch` starts another)
+    def _look(self)->bool:
+        "Close the finished steps of the armed captures; whether any is armed (it holds none once it returns)."
+        with self.lock:
+            caps = [c for c in list(self.caps) if c.armed]
+            if not caps: self.thread = None
+        now = time.monotonic()
+        for c in caps:
+            if c._done_at is not None:
+                try: c._close_if_finished(now)
+                except Exception: pass   # never the end of the closer
+        return bool(caps)
 
     def _after_fork(self):
         "In a forked child: no closer thread, and the locks of the parent's captures free (one may be held at the fork)."
