@@ -171,3 +171,21 @@ def test_custom_stats_and_histograms(tmp_path):
         np.testing.assert_allclose(c[col].to_numpy(float), e[col].to_numpy(float), rtol=1e-5, atol=1e-6, err_msg=col)
     for a, b in zip(c['hist'], e['hist']):
         if isinstance(b, list): np.testing.assert_allclose(a, b)   # counts: a value on a bin's edge may move with rounding
+
+def test_bare_instance_compiled_beside(tmp_path):
+    "A bare instance of the armed model's class, compiled after it, runs its own code, and the armed one goes on recording."
+    torch._dynamo.reset()
+    armed, batch = mlp()
+    te = torchEmber(armed, run='beside', db=str(tmp_path / 'beside.db'))
+    run_armed = torch.compile(armed)
+    run_armed(batch(0)).sum().backward()
+    bare, _ = mlp()
+    run_bare = torch.compile(bare)
+    for s in range(2):
+        run_bare(batch(s)).sum().backward()
+        run_armed(batch(s)).sum().backward()
+    te.flush()
+    df = te.df()
+    assert sorted(set(df.step)) == [0, 1, 2]
+    assert (df[df.ttype == 'output'].groupby('step').size() == len(list(armed.modules()))).all()
+    te.disarm()

@@ -82,6 +82,7 @@ class CompiledHooks:
         self._grads, self._tap = (None, {}), _tap_class(self.grad_token)
         _HOOKS[self.key] = weakref.ref(self)
         cap.compiled = self
+        torch._dynamo.config.skip_nnmodule_hook_guards = False   # code compiled without the hooks is not theirs (below)
 
     @staticmethod
     def of(key:int)->CompiledHooks|None:
