@@ -484,7 +484,7 @@ def _diff(a, b, db, rtol)->pd.DataFrame:
     return d
 
 @call_parse(pos=['command', 'run', 'other'])
-def main(command:Annotated[str, "report: write RUN's HTML report; ls: list the store's runs; rm: delete RUN; doctor: RUN's findings (exit 1 on an error); diff: where RUN and OTHER part", {'choices': ['report', 'ls', 'rm', 'doctor', 'diff']}]=None,
+def main(command:Annotated[str, "report: write RUN's HTML report; ls: list the store's runs; rm: delete RUN; doctor: RUN's findings (exit 1 on an error); diff: where RUN and OTHER part; serve: the explorer in a browser", {'choices': ['report', 'ls', 'rm', 'doctor', 'diff', 'serve']}]=None,
          run:str=None,                # the run's name (report, rm, doctor, diff)
          other:str=None,              # diff: the run to compare RUN with
          rtol:float=0.0,              # diff: relative tolerance (0: bit for bit)
@@ -496,9 +496,12 @@ def main(command:Annotated[str, "report: write RUN's HTML report; ls: list the s
          window:int=50,               # doctor: recorded steps of each trailing band, and the steps the per-module checks look back over
          step:int=None,               # doctor: the last step to look at (default: the newest closed one)
          ignore:str=None,             # doctor: findings judged harmless, comma-separated 'kind' or 'kind:glob' (e.g. 'spike:(grad norm)')
+         port:int=8866,               # serve: the port to serve on
+         host:str='127.0.0.1',        # serve: the address to listen on (another needs --token)
+         token:str=None,              # serve: the token a browser must give ('auto': a random one)
          version:Annotated[str, "print torchember's version", {'action': 'version'}]=f'torchember {__version__}',
         ):
-    "torchember's command line: `report RUN -o FILE`, `ls`, `rm RUN`, `doctor RUN` (findings), `diff A B` (where runs part)."
+    "torchember's command line: `report RUN -o FILE`, `ls`, `rm RUN`, `doctor RUN` (findings), `diff A B` (where runs part), `serve` (the explorer in a browser)."
     if command is None: _fail("torchember: give a command: report RUN, ls, rm RUN, doctor RUN or diff A B (torchember --help says more)")
     if command in ('report', 'rm', 'doctor', 'diff') and not run: _fail(f"torchember {command}: give the run's name (torchember ls lists them)")
     if command == 'diff' and not other: _fail("torchember diff: give two runs: diff A B")
@@ -507,6 +510,9 @@ def main(command:Annotated[str, "report: write RUN's HTML report; ls: list the s
         if command == 'rm': return _rm(run, db)
         if command == 'doctor': return _doctor(run, db, rank, window, step, ignore)
         if command == 'diff': return _diff(run, other, db, rtol)
+        if command == 'serve':
+            from torchember.serve import serve   # Voilà's server: loaded only to serve
+            return serve(db, port=port, host=host, token=token)
         p = report(run, path=Output, db=db, max_points=max_points, rank=rank, modules=modules)
     except (KeyError, ValueError, TypeError, StoreError, OSError, sa.exc.SQLAlchemyError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else getattr(e, 'orig', None) or e
