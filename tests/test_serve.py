@@ -161,7 +161,8 @@ def test_serve_in_a_browser(store, tmp_path):
             pick_run(page, XSS_RUN)
             page.wait_for_function("(m) => [...document.querySelectorAll('.widget-select select option')].some(o => o.textContent.replace(/\u00a0/g, ' ').includes(m))",
                                    arg=XSS_MODULE, timeout=60_000)
-            page.wait_for_timeout(1000)
+            page.wait_for_function(f"() => {TITLES}.some(t => t.includes('{XSS_RUN}: log10'))", timeout=60_000)
+            page.wait_for_timeout(3000)
             assert page.locator('img[src="x"], img[src="y"]').count() == 0
             assert dialogs == []
             assert XSS_RUN in page.locator('.widget-dropdown:has(label:text-is("run")) select').inner_text().replace('\xa0', ' ')
