@@ -258,3 +258,25 @@ def test_serve_with_a_token(tmp_path):
             assert e.value.code in (302, 401, 403), e.value.code
             assert 'login' in (e.value.headers.get('Location') or 'login')
     finally: stop(server)
+
+@pytest.mark.skipif(not os.environ.get('TORCHEMBER_PG_URL'), reason="TORCHEMBER_PG_URL is not set (bash .ci/postgres start DIR prints one)")
+def test_serve_reads_postgres_read_only():
+    "On a PostgreSQL store, a viewer's engine reads the runs and cannot write: its transactions are read-only."
+    import uuid, torch, sqlalchemy as sa
+    from torch import nn
+    from torchember import torchEmber
+    from torchember.serve import read_only_engine, app
+    url, run = os.environ['TORCHEMBER_PG_URL'], f'serve-{uuid.uuid4().hex[:8]}'
+    m = nn.Linear(2, 2)
+    with torchEmber(m, run=run, db=url):
+        for _ in range(3): m(torch.randn(2, 2)).sum().backward()
+    ro = read_only_engine(url)
+    with ro.connect() as c: assert run in c.execute(sa.text('SELECT name FROM runs')).scalars().all()
+    with pytest.raises(sa.exc.DBAPIError, match='read-only transaction'):
+        with ro.begin() as c: c.execute(sa.text('DELETE FROM runs'))
+    from torchember import store
+    try:
+        ex = app(url, wait=0.1)   # routes this process's reads of `url` through a read-only engine
+        assert run in [v for _, v in ex.run_picker.options]
+        ex.stop()
+    finally: store._engines.pop(store.db_url(url), None)   # later tests of this process write there
