@@ -400,3 +400,25 @@ def test_weights_that_become_a_tensor_subclass_are_not_read_as_plain_memory(tmp_
     p = subprocess.run([sys.executable, str(script), str(tmp_path/'w.db')], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.strip().splitlines()[-1] == '[0, 1] 4 True', p.stdout   # both steps, the same values (nothing trained)
+
+def test_a_store_in_a_new_folder_is_said_once(tmp_path):
+    "A typo in a store's folder would make a new store silently: the folder made for it is said, an existing one is not."
+    import warnings, torch
+    from torchember import torchEmber
+    db = tmp_path/'typo'/'nested'/'store.db'
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter('always')
+        te = torchEmber(torch.nn.Linear(2, 2), run='new-folder', db=str(db))
+        te.disarm()
+        te2 = torchEmber(torch.nn.Linear(2, 2), run='same-folder', db=str(db))
+        te2.disarm()
+    said = [str(w.message) for w in rec if 'in a folder made for it' in str(w.message)]
+    assert len(said) == 1 and str(db) in said[0]
+
+def test_a_taken_run_name_names_both_ways_out(tmp_path):
+    import torch, pytest
+    from torchember import torchEmber
+    db = str(tmp_path/'s.db')
+    torchEmber(torch.nn.Linear(2, 2), run='taken', db=db).disarm()
+    with pytest.raises(ValueError, match='resume=True.*overwrite=True'):
+        torchEmber(torch.nn.Linear(2, 2), run='taken', db=db)

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from fastcore.basics import patch
+from fastcore.docments import docments
 from .core import Capture, module_tree, module_info, user_class, is_wrapper, flat_params, WRAPPERS, _Inert, _Hook
 from .stats import Recorder, TTYPES, VECTOR_MAX, default_stats
 from .instruments import hist_stats, Snapshots, Changes, UpdateTracker
@@ -132,6 +133,14 @@ def _check_args(run, db, every, hist, sample_n, outliers, snapshot, snapshot_fn,
     need(snapshot is None or isinstance(pats, (list, tuple)) and all(isinstance(p, str) for p in pats), 'snapshot', snapshot,
          "a glob str such as 'layers.3.output', a list of them, or None")
     need(snapshot_fn is None or callable(snapshot_fn), 'snapshot_fn', snapshot_fn, 'callable or None')
+
+# %% ../nbs/04_ember.ipynb #fff5f6fb
+def _with_params(cls, f)->str:
+    "`cls`'s docstring followed by each parameter of `f` and its docments comment."
+    doc = docments(f)
+    return cls.__doc__ + '\n\nParameters:\n' + '\n'.join(f"  {k}: {v}" for k, v in doc.items() if v and k != 'return')
+
+torchEmber.__doc__ = _with_params(torchEmber, torchEmber.__init__)
 
 # %% ../nbs/04_ember.ipynb #34287e9d
 def unwrap(model:nn.Module)->nn.Module:
