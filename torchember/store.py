@@ -200,6 +200,8 @@ def _prepare_file(url:sa.URL):
     "Create a SQLite file's directory (0700, and so every missing parent) and the file (0600)."
     p = Path(url.database)
     try:
+        if not p.parent.exists():   # a typo in a path would otherwise go unnoticed
+            warnings.warn(f"torchember: a new store {str(p)!r}, in a folder made for it", stacklevel=4)
         _private_dirs(p.parent)
         if not p.exists(): os.close(os.open(p, os.O_CREAT | os.O_WRONLY, 0o600))
     except OSError as e: raise StoreError(f"cannot create torchember store {str(p)!r}: {e.strerror or e}") from None
@@ -377,7 +379,8 @@ def _create_run(eng, name, model, modules, tree, config, resume, rank, world_siz
         joined = c.execute(select(ranks_t.c.rank).where(ranks_t.c.run_id == row.id, ranks_t.c.rank == rank)).first() is not None
         fellow = not joined and world_size > 1 and row.world_size == world_size
         if not (resume or fellow):
-            raise ValueError(f"a run named {name!r} already exists in this store; pick another name or pass resume=True")
+            raise ValueError(f"a run named {name!r} already exists in this store; pick another name, pass resume=True to continue it, "
+                             "or overwrite=True to replace it")
         stored = c.execute(select(modules_t.c.name, modules_t.c.mtype).where(modules_t.c.run_id == row.id)
                            .order_by(modules_t.c.id)).all()
         if [tuple(r) for r in stored] != [tuple(m[:2]) for m in modules]:
