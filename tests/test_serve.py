@@ -124,6 +124,7 @@ STATUS = "[...document.querySelectorAll('.widget-label')].map(l => l.textContent
 TITLES = "[...document.querySelectorAll('.js-plotly-plot .gtitle, .js-plotly-plot .annotation-text')].map(t => t.textContent)"
 RUN_OPTIONS = ("[...([...document.querySelectorAll('.widget-dropdown')].find(d => (d.querySelector('label') || {}).textContent == 'run')"
                "?.querySelectorAll('select option') || [])].map(o => o.textContent)")
+TO_TOP = "() => { window.scrollTo(0, 0); document.querySelectorAll('*').forEach(e => { if (e.scrollTop) e.scrollTop = 0; }); }"
 N_STEPS = f"(() => {{ const m = /· (\\d+) steps?/.exec({STATUS}); return m ? +m[1] : 0; }})()"
 
 def pick_run(page, name:str):
@@ -186,16 +187,24 @@ def test_serve_in_a_browser(store, tmp_path):
                                    ".map(o => o.textContent.replace(/\\u00a0/g, ' ').trim())")
             assert any(title.startswith(m.split(':')[0] + ' · ') for m in picked), (title, picked)   # the cell's module, picked
             page.wait_for_timeout(500)
-            page.evaluate("() => window.scrollTo(0, 0)")
+            page.evaluate(TO_TOP)
             page.screenshot(path=str(ARTIFACTS/'serve-map-click.png'), full_page=True)
 
-            # new steps arrive without a reload: the status line's count grows, and so does the map
-            n0 = page.evaluate(N_STEPS)
-            assert n0 > 0
+            # a second viewer at once, in a kernel of its own: it shows the training run too
+            other = browser.new_page(viewport={'width': 1500, 'height': 1000})
+            other.on('pageerror', lambda e: errors.append(str(e)))
+            other.goto(url, timeout=WAIT_MS)
+            other.wait_for_function("() => document.querySelectorAll('.js-plotly-plot .heatmaplayer image').length > 0"
+                                    f" && {STATUS}.includes(' · live')", timeout=WAIT_MS)
+
+            # new steps arrive without a reload, on both pages: the status line's count grows
+            n0, m0 = page.evaluate(N_STEPS), other.evaluate(N_STEPS)
+            assert n0 > 0 and m0 > 0
             page.wait_for_function(f"() => {N_STEPS} > {n0}", timeout=60_000)
             page.wait_for_function(f"() => {N_STEPS} > {n0} + 3", timeout=60_000)
+            other.wait_for_function(f"() => {N_STEPS} > {m0} + 3", timeout=60_000)
             assert steps_in(store, 'mlp') >= page.evaluate(N_STEPS)
-            page.evaluate("() => window.scrollTo(0, 0)")
+            page.evaluate(TO_TOP)
             page.screenshot(path=str(ARTIFACTS/'serve-live.png'), full_page=True)
             assert errors == [], errors
             browser.close()
