@@ -209,8 +209,10 @@ def test_serve_in_a_browser(store, tmp_path):
             assert errors == [], errors
             browser.close()
     except BaseException:
-        try: page.screenshot(path=str(ARTIFACTS/'serve-failed.png'), full_page=True)
-        except Exception: pass
+        for name in ('page', 'other'):   # what the viewers showed when it failed
+            try: locals()[name].screenshot(path=str(ARTIFACTS/f'serve-failed-{name}.png'), timeout=10_000)
+            except Exception: pass
+        print(log.read_text()[-3000:])
         raise
     finally: stop(server)
     assert 'readonly' not in log.read_text()
