@@ -111,10 +111,20 @@ def test_checkpoint_recorded_once(tmp_path):
     assert c['breaks'] == 0 and c['graphs'][-1] == c['graphs'][0]
     cd, ed = c['df'], e['df']
     assert not cd.duplicated(KEYS).any()
-    ed = ed[ed.ttype != 'input_grad']   # not recorded inside compiled regions
     assert cd[KEYS].equals(ed[KEYS].reset_index(drop=True))
     assert set(cd.ttype) >= {'input', 'output', 'output_grad'}
     np.testing.assert_allclose(cd['norm'].to_numpy(float), ed['norm'].to_numpy(float), rtol=1e-5, atol=1e-6)
+
+def test_input_grads_equal_eager(tmp_path):
+    "`io_grad=True` under whole-model inductor: the input_grad rows of an eager armed run; training as the bare compiled."
+    c = train(mlp, whole, tmp_path, steps=3, every=1, io_grad=True)
+    e = train(mlp, eager, tmp_path, steps=3, every=1, io_grad=True)
+    b = train(mlp, whole, tmp_path, armed=False, steps=3)
+    assert c['breaks'] == 0 and c['graphs'] == b['graphs']
+    cg, eg = (d[d.ttype == 'input_grad'].reset_index(drop=True) for d in (c['df'], e['df']))
+    assert len(eg) == 3 * 7 and cg[KEYS + ['shape']].equals(eg[KEYS + ['shape']])   # every module but the first, each step
+    np.testing.assert_allclose(cg['norm'].to_numpy(float), eg['norm'].to_numpy(float), rtol=1e-5, atol=1e-6)
+    for p, q in zip(c['params'], b['params']): assert torch.equal(p, q)
 
 def test_second_instance(tmp_path):
     "A second instance of a compiled class, compiled then armed: its inputs and outputs are recorded too."

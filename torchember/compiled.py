@@ -7,6 +7,7 @@ Docs: https://torchember.github.io/torchember/compiled.html.md"""
 # %% ../nbs/01b_compiled.ipynb #5028b8f8
 from __future__ import annotations
 import itertools, warnings, weakref
+from functools import partial
 import torch
 from torch import nn
 from fastcore.basics import patch, patch_to
@@ -126,6 +127,16 @@ def pre(self:CompiledHooks, tag:torch.Tensor, mod:nn.Module, args:tuple, kwargs:
     named = named_inputs(args, kwargs, self.sigs[type(mod)])
     what = _what(self.key, 'input', tuple(n for n, _ in named))
     torch.ops.torchember.record([t.detach() for _, t in named], self.token, tag, self.key, what)
+    if self.cap.io_grad and torch.is_grad_enabled():
+        for name, t in named:
+            if t.requires_grad:
+                what = _what(self.key, 'input_grad', (name,))
+                t.register_hook(partial(_record_grad, self.grad_token, tag, self.key, what))
+
+def _record_grad(token:torch.Tensor, tag:torch.Tensor, key:int, what:int, g:torch.Tensor):
+    "A tensor hook, traced into the backward: record the per-sample norms of grad `g`, mutating `token`."
+    rows = g.reshape(g.shape[0], -1) if g.dim() and g.shape[0] else g.reshape(1, -1)
+    torch.ops.torchember.record([torch.linalg.vector_norm(rows, dim=1)], token, tag, key, what)
 
 @patch
 def post(self:CompiledHooks, tag:torch.Tensor, mod:nn.Module, args:tuple, out):
@@ -178,17 +189,17 @@ def take(self:CompiledHooks, tag:torch.Tensor, what:int, ts:list):
         elif ttype == 'output':
             c = cap._stack.pop()[1] if cap._stack and cap._stack[-1][0] == mi else max(cap._calls[mi] - 1, 0)
             cap._events.append((EXIT, mi, c))
-        else: c = self._grad_call(mi)
+        else: c = self._grad_call(mi, what)
         for name, t in zip(names, ts): cap.recorder.measure_now(mi, c, ttype, name, t)
     except Exception as e: cap.recorder._failed("recording inside a compiled region", e)
 
 @patch
-def _grad_call(self:CompiledHooks, mi:int)->int:
-    "The call of module `mi` that an output grad arriving now belongs to: the latest one whose grad has not come."
+def _grad_call(self:CompiledHooks, mi:int, what:int)->int:
+    "The call of module `mi` that a grad (`what`: its ttype and name) arriving now is of: the latest one without it."
     step, seen = self._grads
     if step != self.cap.step: self._grads = step, seen = self.cap.step, {}
-    n = seen.get(mi, 0)
-    seen[mi] = n + 1
+    n = seen.get((mi, what), 0)
+    seen[mi, what] = n + 1
     return max(self.cap._calls[mi] - 1 - n, 0)
 
 @patch_to(Recorder)
