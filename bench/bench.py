@@ -252,7 +252,13 @@ def _off(obj, *names):
 def _no_writer(h): _off(h.recorder, 'emit')               # records dropped before they reach the writer thread
 def _no_activations(h): _off(h.recorder, 'tensor', 'tensors')   # inputs and outputs not measured
 def _no_params(h): _off(h.recorder, 'params')             # weights and grads not measured
-def _empty_hooks(h): _off(h.capture, '_pre', '_post')     # module hooks called, doing nothing
+def _empty_hooks(h):
+    "Module hooks called, doing nothing (the hooks are built at arming: disarmed and armed again around the switch)."
+    cap = h.capture
+    cap.disarm()
+    _off(cap, '_pre', '_post')
+    cap._made = None
+    cap.arm()
 
 PARTS = [  # (variant, what it switches off on top of the variant before, the part the difference between them measures)
     ('armed', None, None),

@@ -34,7 +34,12 @@ def thread_cpu()->dict:
         out[int(tid)] = (s[s.index('(') + 1:s.rindex(')')], (int(f[11]) + int(f[12])) / HZ)
     return out
 
-def _no_param_hooks(te): te.capture.current_params = lambda: []; te.capture.params = []
+def _no_param_hooks(te):
+    "No parameter hooks (weights and grads unrecorded): the hooks are put on at arming, so disarmed and armed again."
+    cap = te.capture
+    cap.disarm()
+    cap.current_params, cap.params, cap._made = (lambda: []), [], None
+    cap.arm()
 def _writer_at_flush(te): w = te._start_writer(); w.linger, w.group = 1e9, 10**9
 
 VARIANTS = {  # name -> switches applied to a fresh torchEmber (None: bare)

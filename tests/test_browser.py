@@ -230,13 +230,14 @@ def test_explorer_renders_in_jupyterlab(lab):
             page.wait_for_function(f"() => !{TITLES}.some(t => t.includes('double-click for all'))", timeout=20_000)
 
             # a click on a finding in the list: its evidence on top, its module's history below with its step marked
-            option = page.locator('.widget-select select option', has_text='· spike · 2 (Linear) output')
+            # (diagnose names the cause first: the weight of `2` that its output's spike followed)
+            option = page.locator('.widget-select select option', has_text='· cause · 2 (Linear) weight')
             assert option.count() == 1, page.evaluate("() => [...document.querySelectorAll('.widget-select select option')].map(o => o.textContent)")
             for attempt in range(3):
                 option.click()
                 try:
-                    page.wait_for_function(f"() => {TITLES}.some(t => t.includes('spike at step 15 (it. 15): 2 (Linear), output RMS over steps'))"
-                                           f" && {TITLES}.some(t => t.includes('2 · output over steps · step 15 marked (it. 15)'))", timeout=20_000)
+                    page.wait_for_function(f"() => {TITLES}.some(t => t.includes('cause at step 15 (it. 15): 2 (Linear)'))"
+                                           f" && {TITLES}.some(t => /^2 · .* over steps · step 15 marked \\(it\\. 15\\)/.test(t))", timeout=20_000)
                     break
                 except Exception:
                     if attempt == 2: raise

@@ -6,7 +6,7 @@ Docs: https://torchember.github.io/torchember/compiled.html.md"""
 
 # %% ../nbs/01b_compiled.ipynb #5028b8f8
 from __future__ import annotations
-import itertools, warnings, weakref
+import itertools, sys, warnings, weakref
 from functools import partial
 import torch
 from torch import nn
@@ -14,7 +14,6 @@ from fastcore.basics import patch, patch_to
 from .core import Capture, ENTER, EXIT, named_inputs, named_tensors
 from .stats import Recorder, default_stats, fused_moments, moments, as_real, SMALL, shape_of, dtype_name
 from . import native
-from torch._dynamo.utils import counters
 
 # %% auto #0
 __all__ = ['CompiledHooks', 'moments_row']
@@ -48,20 +47,32 @@ def _register():
 _LIB = _register()
 
 # %% ../nbs/01b_compiled.ipynb #574745c9
-@torch._dynamo.assume_constant_result
+def _constant(fn):
+    "`torch._dynamo.assume_constant_result`, without importing dynamo (a second of import, and Triton) where none compiles."
+    fn._dynamo_marked_constant = True
+    return fn
+
+def _hook_guards():
+    "Have dynamo guard on module hooks (code compiled without the hooks is not theirs); a no-op until dynamo is imported."
+    dynamo = sys.modules.get('torch._dynamo')
+    if dynamo is not None: dynamo.config.skip_nnmodule_hook_guards = False
+
+@_constant
 def _what(key:int, ttype:str, names:tuple)->int:
     "At trace time: the number of `(ttype, names)` (and the hooks of `key` learn that their model is compiled)."
     hooks = CompiledHooks.of(key)
     if hooks is not None: hooks.seen = True
+    _hook_guards()
     if (ttype, names) not in _WHATS:
         _WHATS[ttype, names] = len(_WHAT)
         _WHAT.append((ttype, names))
     return _WHATS[ttype, names]
 
-@torch._dynamo.assume_constant_result
+@_constant
 def _root_traced(key:int)->int:
     "At trace time: the root's hooks are traced (the root is compiled whole); the module hooks go on before its children are."
     hooks = CompiledHooks.of(key)
+    _hook_guards()
     if hooks is not None:
         hooks.seen = True
         if hooks.cap.armed and hooks.cap._hooked is None: hooks.cap._install()
@@ -83,7 +94,7 @@ class CompiledHooks:
         self._grads, self._tap = (None, {}), _tap_class(self.grad_token)
         _HOOKS[self.key] = weakref.ref(self)
         cap.compiled = self
-        torch._dynamo.config.skip_nnmodule_hook_guards = False   # code compiled without the hooks is not theirs (below)
+        _hook_guards()   # here if dynamo is imported, else as the hooks are first traced
 
     @staticmethod
     def of(key:int)->CompiledHooks|None:
@@ -101,7 +112,8 @@ def _compiled(model:nn.Module)->bool:
 @patch
 def keeps_hooks(self:CompiledHooks)->bool:
     "Whether the module hooks stay on through an unrecorded step: code was traced with them, or a module is compiled."
-    if not self.seen and counters['stats']['unique_graphs'] and _compiled(self.cap.model): self.seen = True
+    dynamo = sys.modules.get('torch._dynamo')   # not imported: nothing compiled
+    if not self.seen and dynamo is not None and dynamo.utils.counters['stats']['unique_graphs'] and _compiled(self.cap.model): self.seen = True
     return self.seen
 
 # %% ../nbs/01b_compiled.ipynb #8b0e552b
