@@ -416,6 +416,7 @@ def disarm(self:Capture):
     _copy_as_usual()
     self.armed = self.recording = False
     self._depth = 0
+    _closer.settle()   # the closer holds this capture no longer (nothing keeps a disarmed model's torchEmber alive)
     return self
 
 # %% ../nbs/00_core.ipynb #bfdbd434
@@ -759,7 +760,7 @@ def _close_if_finished(self:Capture, now:float):
 
 class _Closer:
     "The thread that closes finished steps: one a process, running while a capture it watches is armed."
-    def __init__(self): self.caps, self.thread, self.lock = weakref.WeakSet(), None, threading.Lock()
+    def __init__(self): self.caps, self.thread, self.lock = weakref.WeakSet(), None, threading.RLock()
     def watch(self, cap:Capture):
         with self.lock:
             self.caps.add(cap)
@@ -772,15 +773,21 @@ class _Closer:
             if not self._look(): return    # nothing armed: ended (the next `watch` starts another)
     def _look(self)->bool:
         "Close the finished steps of the armed captures; whether any is armed (it holds none once it returns)."
-        with self.lock:
+        with self.lock:   # held throughout, so `settle` waits until no capture is held here
             caps = [c for c in list(self.caps) if c.armed]
             if not caps: self.thread = None
-        now = time.monotonic()
-        for c in caps:
-            if c._done_at is not None:
-                try: c._close_if_finished(now)
-                except Exception: pass   # never the end of the closer
-        return bool(caps)
+            now, armed = time.monotonic(), bool(caps)
+            while caps:
+                c = caps.pop()
+                if c._done_at is not None:
+                    try: c._close_if_finished(now)
+                    except Exception: pass   # never the end of the closer
+                del c
+        return armed
+
+    def settle(self):
+        "Wait until the closer holds no capture (it is between looks)."
+        with self.lock: pass
 
     def _after_fork(self):
         "In a forked child: no closer thread, and the locks of the parent's captures free (one may be held at the fork)."
