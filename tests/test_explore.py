@@ -308,3 +308,20 @@ def test_cli(store, tmp_path):
     res = subprocess.run([sys.executable, '-m', 'torchember.cli', 'report', 'nope', '--db', store],
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert res.returncode == 2 and "no run named 'nope'" in res.stderr
+
+def test_a_run_with_fewer_scalars_leaves_none_of_the_last_runs(tmp_path):
+    "Switching from a run that logged three scalars to one that logged one: no trace of the first stays in the figure."
+    db = str(tmp_path/'s.db')
+    for run, names in (('many', ('loss', 'lr', 'acc')), ('few', ('loss',))):
+        model = nn.Sequential(nn.Linear(3, 3))
+        te = torchEmber(model, run=run, db=db)
+        for i in range(4):
+            model(torch.randn(2, 3)).sum().backward()
+            te.log(**{n: float(i) for n in names})
+        te.disarm()
+    ex = Explorer(db, run='many')
+    ex.run_picker.value = 'few'
+    refs = {t.yaxis or 'y' for t in ex.fig.data}
+    owned = set().union(*(p.refs for p in ex.plots.values()))
+    assert refs <= owned, (refs - owned)
+    assert not [t for t in ex.plots['scalars'].data if t.name in ('lr', 'acc')]

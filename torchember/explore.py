@@ -326,12 +326,13 @@ def _draw(self:Explorer,
          ):
     "Show figure `f` as plot `name` of the explorer's figure; traces update in place where names, types and axes match."
     p = self.plots[name]
+    old = p.data   # before the scalars' axes change: a run with fewer scalars leaves none of the last run's behind
     if f is not None and name == 'scalars':   # its subplots take the axes after the other plots'
         n = sum(1 for k in f.layout.to_plotly_json() if re.fullmatch(r'xaxis\d*', k))
         p.axes = list(range(len(PLOTS) + 1, len(PLOTS) + 1 + max(n, 1)))
         self._n_axes = max(self._n_axes, p.axes[-1])
     p.src, p.height = (finite_json(f.layout.to_plotly_json()), (f.layout.height or 300) - 70) if f is not None else ({}, 0)
-    new, old = _traces(p, f) if f is not None else [], p.data
+    new = _traces(p, f) if f is not None else []
     self._drawing = True   # the layout set here is no zoom of the user's
     try: self._redraw(p, new, old)
     finally: self._drawing = False
