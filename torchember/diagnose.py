@@ -40,7 +40,7 @@ def finding(kind:str, severity:str, step:int, message:str, module:str=None, mtyp
                 stat=stat, value=float(value), expected=expected, message=message)
 
 def findings(rows:list)->pd.DataFrame:
-    "`rows` as `diagnose` returns them: errors first, then warnings, then info; within each, by step, then kind (causes first)."
+    "`rows` in `diagnose`'s order: errors, warnings, then info; within each, by step, then kind (causes first)."
     df = pd.DataFrame(rows, columns=COLUMNS)
     key = df['severity'].map(SEVERITIES.index) * 1e12 + df['step'] * 10 + df['kind'].map(KINDS.index)
     df = df.iloc[np.argsort(key.to_numpy(), kind='stable')].reset_index(drop=True)
@@ -196,7 +196,7 @@ def _band_text(lo, hi, med): return f"{lo:.4g} to {hi:.4g} (around the median {m
 def onset(y:np.ndarray,   # one series' values, in log10, up to and with its departure (the last)
           least:int=5,    # the level before a drift is made of this many values at least
          )->int:          # the index at which the series began to move: the last one for a jump
-    "Where a series that left its band began to move: a drift's start (a level, then a straight line in log), else its last step."
+    "Where a series that left its band began to move: a drift's start (a level, then a line in log), else its last step."
     ok = np.isfinite(y)
     if ok.sum() < least + 3 or not ok[-1]: return len(y) - 1
     t, y = np.arange(len(y))[ok], y[ok]
@@ -265,7 +265,7 @@ def departures(wide:pd.DataFrame,  # `module_rms`: steps x (module id, ttype)
 SLACK = 2   # a drift's start is fitted: within this many steps of it, the tensor computed first is the root
 
 def causal_key(ttype:str, module_id:int, pos:dict)->tuple:
-    "Where a tensor comes in a step: weights first, then the forward as calls returned (`pos`), then grads from the output back."
+    "Where a tensor comes in a step: weights, then the forward as calls returned (`pos`), then grads from the output back."
     p = pos.get(module_id, math.inf)
     return (ORDER.index(ttype), -p if ttype == 'weight_grad' else p)
 
@@ -652,7 +652,7 @@ def _event_words(f:dict)->tuple:
     return f"a spike of {'the global grad norm' if f['stat'] == GRAD_NORM else repr(f['stat'])}", False
 
 def followed(e:dict, names:pd.DataFrame)->bool:
-    "Whether another module left its band in episode `e` after its root: not one that holds the root (its output is the root's)."
+    "Whether another module left its band in episode `e` after its root (not one holding the root: its output is the root's)."
     m = names.loc[e['root']['module_id'], 'module']
     holds = lambda n: n == m or n == '' or m.startswith(n + '.')
     return any(not holds(names.loc[r['module_id'], 'module']) for r in e['rows'][1:])

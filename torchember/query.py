@@ -155,7 +155,7 @@ from fastcore.basics import patch
 
 @patch
 def df(self:Run, step=None, module=None, ttype=None, tname=None, steps:tuple=None, rank=None)->pd.DataFrame:
-    "Records of this run, filtered by step(s) (or 'last_finite'), a `(first, last)` range, module(s), ttype(s), tname(s), rank(s)."
+    "Records of this run, filtered by step(s) (or 'last_finite'), a `(first, last)` range, module, ttype, tname or rank."
     step = _named_step(self, step, rank)
     return records(self.db, self.id, self.name, step=step, module=module, ttype=ttype, tname=tname, steps=steps, rank=rank)
 

@@ -290,7 +290,7 @@ def _story(fs:pd.DataFrame, anchors:dict)->str:
 FOLDED_ROWS = 12   # rows of the NaN/Inf table shown before "show all": the first tensor of each module and ttype
 
 def _nonfinite_table(nf:pd.DataFrame)->str:
-    "The NaN/Inf table folded: its first rows, one per module and ttype, in the order trouble spread; all of it in a <details>."
+    "The NaN/Inf table folded: a first row per module and ttype, in the order trouble spread; all of it in a <details>."
     if nf.empty: return '<p class="ok">No NaN or Inf in any output, weight or grad: nothing the model made or holds.</p>'
     if len(nf) <= FOLDED_ROWS: return nf.to_html(index=False, border=0)
     first = nf.drop_duplicates(['module', 'ttype'])
@@ -501,7 +501,7 @@ def main(command:Annotated[str, "report: write RUN's HTML report; ls: list the s
          token:str=None,              # serve: the token a browser must give ('auto': a random one)
          version:Annotated[str, "print torchember's version", {'action': 'version'}]=f'torchember {__version__}',
         ):
-    "torchember's command line: `report RUN -o FILE`, `ls`, `rm RUN`, `doctor RUN` (findings), `diff A B` (where runs part), `serve` (the explorer in a browser)."
+    "torchember's command line: `report`, `ls`, `rm`, `doctor`, `diff` and `serve` (the explorer in a browser)."
     if command is None: _fail("torchember: give a command: report RUN, ls, rm RUN, doctor RUN or diff A B (torchember --help says more)")
     if command in ('report', 'rm', 'doctor', 'diff') and not run: _fail(f"torchember {command}: give the run's name (torchember ls lists them)")
     if command == 'diff' and not other: _fail("torchember diff: give two runs: diff A B")

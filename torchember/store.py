@@ -842,7 +842,7 @@ def rolled_steps(c, run_id:int, rank:int)->tuple|None:
     return min(firsts) * w, (max(lasts) + 1) * w - 1
 
 def _each_sql(table:str, where:str, expr:str, lo:int, hi:int, step:int)->str:
-    "SQL of each value of `expr // step` in `lo`..`hi` over the rows `where` selects, by one seek of the key each (a skip scan)."
+    "SQL of each value of `expr // step` in `lo`..`hi` over the rows `where` selects, a seek of the key each (a skip scan)."
     first = lambda at: f"(SELECT MIN({expr}) / {step} FROM {table} WHERE {where} AND {expr} BETWEEN {at} AND {hi * step + step - 1})"
     return (f"WITH RECURSIVE b(x) AS (SELECT {first(lo * step)} UNION ALL SELECT {first('(b.x + 1) * ' + str(step))} "
             f"FROM b WHERE b.x IS NOT NULL) SELECT x FROM b WHERE x IS NOT NULL")
