@@ -114,14 +114,7 @@ def store(tmp_path):
         yield db
     finally: stop(trainer)
 
-MAP_CELL = """([j, i]) => {
-  const gd = [...document.querySelectorAll('.js-plotly-plot')].find(g => (g.layout.annotations || []).some(a => (a.text || '').includes('every module')));
-  gd.scrollIntoView({block: 'center'});
-  const L = gd._fullLayout, tr = gd._fullData[0], r = gd.getBoundingClientRect();
-  return [r.left + L.xaxis._offset + L.xaxis.l2p(tr.x[j]), r.top + L.yaxis._offset + L.yaxis.l2p(i), tr.y[i]];
-}"""
-STATUS = "[...document.querySelectorAll('.widget-label')].map(l => l.textContent).join('|')"
-TITLES = "[...document.querySelectorAll('.js-plotly-plot .gtitle, .js-plotly-plot .annotation-text')].map(t => t.textContent)"
+from test_browser import MAP_CELL, STATUS, TITLES   # the explorer's page probes, shared with the Jupyter test
 RUN_OPTIONS = ("[...([...document.querySelectorAll('.widget-dropdown')].find(d => (d.querySelector('label') || {}).textContent == 'run')"
                "?.querySelectorAll('select option') || [])].map(o => o.textContent)")
 TO_TOP = "() => { window.scrollTo(0, 0); document.querySelectorAll('*').forEach(e => { if (e.scrollTop) e.scrollTop = 0; }); }"
