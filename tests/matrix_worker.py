@@ -5,6 +5,8 @@
 `MODE` is `run` (train until a signal ends it), `pause` (train `PAUSE_AFTER` steps, then sleep: killed in the pause) or
 `first` (the first forward prints `inside` and sleeps in a hook of the user's: interrupted there, before any write).
 Each step prints `step time` after its backward and optimizer step, so a printed step has finished by the time printed.
+`OPTIONS_JSON` may hold `"compile": true`: the armed model is then compiled whole with `torch.compile` (inductor,
+`fullgraph=True` but in `first` mode, whose hook of the user's breaks the graph itself), as users compile.
 `TE_MATRIX_BREAK` breaks a promise on purpose, to show that the matrix sees it: `linger` makes the writer wait 5 s
 before it takes a step, `closer` leaves a finished step open until the next call.
 """
@@ -25,14 +27,16 @@ def main(db:str, options:dict, mode:str):
     torch.manual_seed(0)
     model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(32, 32), nn.ReLU())], nn.Linear(32, 1))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    compiled = options.pop('compile', False)
     te = torchEmber(model, run='r', db=db, **options)
     if mode == 'first':
         def slow_once(m, args, out):
             if step == 0: print('inside', time.monotonic(), flush=True); time.sleep(30)
         model[0].register_forward_hook(slow_once)
+    call = torch.compile(model, fullgraph=mode != 'first') if compiled else model   # arm, then compile
     step = 0
     while True:
-        loss = model(torch.randn(16, 32)).pow(2).mean()
+        loss = call(torch.randn(16, 32)).pow(2).mean()
         loss.backward(); opt.step(); opt.zero_grad()
         print(step, time.monotonic(), flush=True)   # one clock for every process of the machine
         step += 1

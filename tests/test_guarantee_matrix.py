@@ -20,6 +20,9 @@ share code are run once.
 - `timing=True`, `io_grad=True`, `track_updates=True` (`hooks`): tensor hooks that fire in the backward and live till
   the step closes, a clock, and extra stats of the weights: the step's end and its close take other paths;
 - `every=3` (`every`): hooks removed and put back between steps, and steps that are not recorded at all;
+- `torch.compile` (`compiled`; `compiled_hooks` adds `every=3`, `io_grad=True` and `track_updates=True`): the armed
+  model compiled whole with `fullgraph=True` (inductor), so inputs and outputs are recorded by the op in the graph
+  (`torchember.compiled`), the step opened and closed from the graph, and unrecorded steps keep their hooks;
 - the writer thread and the child-process writer (`TORCHEMBER_WRITER`), SQLite and PostgreSQL (the `store` fixture;
   PostgreSQL cells skip without `$TORCHEMBER_PG_URL`).
 
@@ -52,8 +55,16 @@ import test_postgres
 
 WORKER = str(Path(__file__).parent/'matrix_worker.py')
 OPTIONS = {'plain': {}, 'snapshot': dict(snapshot=['*.weight', '*.output', '*.weight.grad'], hist=16, sample_n=64),
-           'hooks': dict(timing=True, io_grad=True, track_updates=True), 'every': dict(every=3)}
+           'hooks': dict(timing=True, io_grad=True, track_updates=True), 'every': dict(every=3),
+           'compiled': dict(compile=True), 'compiled_hooks': dict(compile=True, every=3, io_grad=True, track_updates=True)}
 EVERY = {k: v.get('every', 1) for k, v in OPTIONS.items()}
+
+def _arm(model:nn.Module, run:str, db:str, options:dict):
+    "Arm `model` with `options`, then compile it whole if they say `compile` (inductor, `fullgraph=True`): what to call, and the torchEmber."
+    options = dict(options)
+    compiled = options.pop('compile', False)
+    te = torchEmber(model, run=run, db=db, **options)
+    return (torch.compile(model, fullgraph=True) if compiled else model), te
 
 
 # ---------------------------------------------------------------- the cells run in processes
@@ -77,7 +88,9 @@ CELLS = ([Cell('kill9', o, w, 'sqlite') for o in OPTIONS for w in ('thread', 'pr
             Cell('sigterm', 'snapshot', 'process', 'postgresql')]
          + [Cell('sigint', 'plain', 'thread', 'sqlite', after=-1), Cell('sigint', 'hooks', 'process', 'sqlite'),
             Cell('sigint', 'snapshot', 'thread', 'sqlite', after=0),
-            Cell('sigint', 'snapshot', 'thread', 'postgresql', after=0)])
+            Cell('sigint', 'snapshot', 'thread', 'postgresql', after=0)]
+         + [Cell('pause', 'compiled', 'thread', 'sqlite'), Cell('sigterm', 'compiled_hooks', 'process', 'sqlite'),
+            Cell('sigint', 'compiled', 'thread', 'sqlite', after=-1), Cell('sigint', 'compiled_hooks', 'process', 'sqlite')])
 
 def _mark(cell:Cell):
     "The store-side work of issue 47 that a cell waits on (the `store` helper's), as an xfail that says so; else none."
@@ -232,8 +245,7 @@ def test_nothing_is_lost_while_another_program_holds_the_store(store, monkeypatc
         for writer in ('thread', 'process'):
             monkeypatch.setenv('TORCHEMBER_WRITER', writer)
             for o, kw in OPTIONS.items():
-                model = _model()
-                tes[o, writer] = (model, torchEmber(model, run=f'{o}-{writer}', db=store, **kw))
+                tes[o, writer] = _arm(_model(), f'{o}-{writer}', store, kw)
         x = torch.randn(4, 8)
         for model, te in tes.values():
             for _ in range(2): model(x).sum().backward()
@@ -249,7 +261,7 @@ def test_nothing_is_lost_while_another_program_holds_the_store(store, monkeypatc
             go.set(); holder.join()
         for model, te in tes.values(): te.flush()
         for model, te in tes.values(): te.disarm()
-    said = [m for m in tw(rec) if 'lost' in m or 'dropped' in m or 'failed' in m]
+    said = [m for m in map(lambda m: m.replace(store, ''), tw(rec)) if 'lost' in m or 'dropped' in m or 'failed' in m]
     assert not said, said
     eng = sa.create_engine(store if '://' in store else f'sqlite:///{store}', poolclass=sa.pool.NullPool)
     with eng.connect() as c:
@@ -280,12 +292,15 @@ def _train(model, steps=4, seed=1):
         opt.step(); opt.zero_grad()
     return outs, grads, torch.get_rng_state()
 
-@pytest.mark.parametrize('option', [*OPTIONS, 'all'])
+@pytest.mark.parametrize('option', [*OPTIONS, 'all', 'all_compiled'])
 def test_training_and_the_rng_are_unchanged(db, option):
-    bare = _train(_model(dropout=True))
-    model = _model(dropout=True)
-    te = torchEmber(model, run=option, db=db, **(ALL_ON if option == 'all' else OPTIONS[option]))
-    armed = _train(model)
+    "Outputs, grads and the RNG of the armed model equal the bare one's; compiled: the bare model compiled the same way."
+    kw = {'all': ALL_ON, 'all_compiled': {**ALL_ON, 'compile': True}}.get(option) or OPTIONS[option]
+    if kw.get('compile'): torch._dynamo.reset()
+    bare = _model(dropout=True)
+    bare = _train(torch.compile(bare, fullgraph=True) if kw.get('compile') else bare)
+    call, te = _arm(_model(dropout=True), option, db, kw)
+    armed = _train(call)
     te.disarm()
     assert all(torch.equal(a, b) for a, b in zip(bare[0], armed[0])), "an output differs from the bare model's"
     assert all(torch.equal(a, b) for ga, gb in zip(bare[1], armed[1]) for a, b in zip(ga, gb)), "a grad differs"
@@ -301,15 +316,15 @@ def _slow(t):
 def _bad(t): raise ValueError("no stat today")
 
 @pytest.mark.parametrize('fn', [_slow, _bad], ids=['slow', 'failing'])
-@pytest.mark.parametrize('option', ['plain', 'snapshot'])
+@pytest.mark.parametrize('option', ['plain', 'snapshot', 'compiled'])
 @pytest.mark.parametrize('ttype', ['input', 'output', 'weight', 'weight_grad'])
 def test_a_slow_or_failing_stat_is_named_once(db, ttype, option, fn):
     "A slow stat is named in one warning; a failing one once per tensor it fails on, never again; the steps are stored."
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 1))
-    step = lambda: model(torch.randn(4, 8)).sum().backward()
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter('always')
-        te = torchEmber(model, run='stat', db=db, **OPTIONS[option])
+        call, te = _arm(model, 'stat', db, OPTIONS[option])
+        step = lambda: call(torch.randn(4, 8)).sum().backward()
         te.how_record(ttype, fn)
         step(); step(); te.flush()
         first = [m for m in tw(rec) if f"'{fn.__name__}'" in m]
