@@ -23,11 +23,12 @@ from .store import (engine, create_run, claim, release, write_steps, Writer, db_
 from .query import Run
 from .graph import GraphCapture, is_compiled
 from .compiled import CompiledHooks
+from .watch import Watch, Finding, StepView, check_kinds
 from sqlalchemy import select, func
 
 # %% auto #0
 __all__ = ['GROUP', 'PROCESS_LINGER_S', 'LONE_WRITES', 'SIGNAL_WAIT_S', 'FLUSH_WAIT_S', 'torchEmber', 'unwrap', 'process_rank',
-           'agree_run_name', 'rank_selector', 'on_accelerator']
+           'agree_run_name', 'rank_selector', 'on_accelerator', 'TrainingStopped']
 
 # %% ../nbs/04_ember.ipynb #654a6fa8
 class torchEmber:
@@ -51,12 +52,15 @@ class torchEmber:
                  snapshot_fn=None,      # applied to a tensor before it is saved
                  track_updates:bool=False, # update_norm and init_dist of every weight (keeps two copies of the weights)
                  ranks=None,            # which ranks of a distributed job record: a list of ranks or a predicate `rank -> bool`; default all
+                 stop_on=None,          # kinds of finding that stop training at the next step: 'nonfinite', 'spike', 'dead'
                 ):
-        _check_args(run, db, every, hist, sample_n, outliers, snapshot, snapshot_fn, resume=resume, strict=strict,
+        _check_args(run, db, every, hist, sample_n, outliers, snapshot, snapshot_fn, stop_on, resume=resume, strict=strict,
                     record_eval=record_eval, timing=timing, io_grad=io_grad, track_updates=track_updates, overwrite=overwrite)
+        self.stop_on = check_kinds(stop_on)   # a kind no detector makes is refused here, not never met
         if not isinstance(model, nn.Module):
             raise TypeError(f"torchEmber arms an nn.Module, not {type(model).__name__}")
         flats = flat_params(model)       # FSDP1's root holds some, outside the model it wraps
+        self._outer = model              # what the user calls: `stop_on` stops it before any wrapper runs
         compiled = is_compiled(model)    # a TorchFunctionMode would make dynamo recompile it: no graph capture
         model = unwrap(model)
         pick = rank_selector(ranks)
@@ -83,6 +87,8 @@ class torchEmber:
         if snapshot is not None: self.recorder.on_tensor = Snapshots(snapshot, self.capture.names, snapshot_fn)
         if track_updates: self.recorder.param_extras = UpdateTracker()
         self._changes = Changes()
+        self._watch = Watch(self.capture.names, self.capture.mtypes)   # the live detectors (`torchember.watch`)
+        self._finding_fns, self._step_fns, self.live_findings, self._stopping, self._stop_hook = [], [], [], None, None
         self._flows = GraphCapture(self.capture, off=compiled)   # the model's graph, on its first recorded step
         self.writer, self._sink, self._disarm_hook, self._last_events = None, None, _Hook(self.disarm), (None, None)
         self._by_process = self.recording and use_process(db, torch.get_num_threads(), on_accelerator(model))   # see `_start_sink`
@@ -112,7 +118,7 @@ class torchEmber:
         store = self.engine.url.database or self.engine.url if self.engine is not None else self.db
         return f"torchEmber(run={self.run_name!r}, model={type(self.model).__name__}, step={self.capture.step}{where}, store={store}, {state})"
 
-def _check_args(run, db, every, hist, sample_n, outliers, snapshot, snapshot_fn, **flags):
+def _check_args(run, db, every, hist, sample_n, outliers, snapshot, snapshot_fn, stop_on=None, **flags):
     "Refuse a bad argument of `torchEmber` by its name: `TypeError` for a wrong type, `ValueError` for a bad value."
     def need(ok, name, v, what, exc=TypeError):
         if not ok: raise exc(f"torchEmber's {name}= must be {what}, not {v!r}")
@@ -133,6 +139,8 @@ def _check_args(run, db, every, hist, sample_n, outliers, snapshot, snapshot_fn,
     need(snapshot is None or isinstance(pats, (list, tuple)) and all(isinstance(p, str) for p in pats), 'snapshot', snapshot,
          "a glob str such as 'layers.3.output', a list of them, or None")
     need(snapshot_fn is None or callable(snapshot_fn), 'snapshot_fn', snapshot_fn, 'callable or None')
+    need(stop_on is None or isinstance(stop_on, (str, list, tuple, set)), 'stop_on', stop_on,
+         "a kind of finding ('nonfinite', 'spike', 'dead'), a list of them, or None")
 
 # %% ../nbs/04_ember.ipynb #fff5f6fb
 def _with_params(cls, f)->str:
@@ -235,6 +243,7 @@ def _write_steps(self:torchEmber, recs:list, sink=None):
     except BaseException:
         self._put_back(kept)
         raise
+    self._watched(args)
     if self._piece_writes >= 0 and any(a['pieces'] for a in args): self._lone_rank()
 
 LONE_WRITES = 3   # writes with pieces after which a sharded run that not every rank joined is said to be missing pieces
@@ -408,6 +417,8 @@ def arm(self:torchEmber):
     self._start_writer()
     self.capture.arm().close_finished()   # a finished step is written within a second, pause or none (`core`)
     self._flows.arm()
+    if self.stop_on and self._stop_hook is None:   # in front of every hook: no step opens before it stops
+        self._stop_hook = self._outer.register_forward_pre_hook(_Hook(self._check_stop), prepend=True)
     if 'disarm' not in type(self.model).__dict__ and 'disarm' not in vars(self.model):
         self.model.__dict__['disarm'] = self._disarm_hook
     return self
@@ -428,6 +439,7 @@ def disarm(self:torchEmber):
     "Close the open step, write everything, and remove every hook and attribute arming added."
     self.capture.disarm()
     self._flows.disarm()
+    if self._stop_hook is not None: self._stop_hook.remove(); self._stop_hook = None
     if vars(self.model).get('disarm') is self._disarm_hook: del self.model.__dict__['disarm']
     if _armed.get(self.model) is self: del _armed[self.model]
     _restore_handlers()
@@ -559,3 +571,65 @@ def enable(self:torchEmber): self.enabled = True; return self
 
 @patch
 def disable(self:torchEmber): self.enabled = False; return self
+
+# %% ../nbs/04_ember.ipynb #a1a2e5ba
+class TrainingStopped(RuntimeError):
+    "Raised at the start of a step after the writer found something of a kind `stop_on` names."
+    def __init__(self, finding:Finding, where:str=''):
+        self.finding = f = finding
+        it = '' if f.iteration is None else f", iteration {f.iteration}"
+        mod = '' if f.module is None else f", module {f.module!r}"
+        super().__init__(f"torchember stopped training ({f.kind} at step {f.step}{it}{mod}): {f.message}. Every step "
+                         f"recorded so far is in the store; {where}")
+
+@patch
+def on_finding(self:torchEmber, fn):
+    "Call `fn(finding)` on the writer's thread with each `Finding` the live detectors make; a decorator too."
+    if not callable(fn): raise TypeError(f"on_finding takes a callable, not {type(fn).__name__}")
+    self._finding_fns.append(fn)
+    return fn
+
+@patch
+def on_step(self:torchEmber, fn):
+    "Call `fn(view)` on the writer's thread with the `StepView` of each step written; a decorator too."
+    if not callable(fn): raise TypeError(f"on_step takes a callable, not {type(fn).__name__}")
+    self._step_fns.append(fn)
+    return fn
+
+def _call_user(fn, x, what:str):
+    "`fn(x)`, an exception of which is warned, never raised (it runs on the writer's thread, beside training)."
+    try: fn(x)
+    except Exception as e:
+        warnings.warn(f"torchember: the {what} function {getattr(fn, '__name__', fn)!r} raised {type(e).__name__}: {e}; "
+                      "training goes on", RuntimeWarning)
+
+@patch
+def _watched(self:torchEmber, args:list):
+    "Judge the steps just written (`write_steps`' dicts): note what stops training, then hand on views and findings."
+    for a in args:
+        try:
+            v = self._watch.view(a)
+            found = self._watch.step(v)
+        except Exception as e:           # a detector's fault is never the step's: said once, then the watch stops
+            warnings.warn(f"torchember: the live detectors failed ({type(e).__name__}: {e}); none run from now on", RuntimeWarning)
+            self._watch.detectors = {}
+            continue
+        for f in found:
+            f.run = self.run_name
+            self.live_findings.append(f)
+            if f.kind in self.stop_on and self._stopping is None: self._stopping = f
+        for fn in list(self._step_fns): _call_user(fn, v, 'on_step')
+        for f in found:
+            for fn in list(self._finding_fns): _call_user(fn, f, 'on_finding')
+
+@patch
+def _check_stop(self:torchEmber, mod, args):
+    "The forward pre-hook `stop_on` puts in front of the model: raise `TrainingStopped` once a finding stops training."
+    f = self._stopping
+    if f is None or torch.compiler.is_compiling(): return
+    self._stopping = None                # said once: training that goes on after catching it is not stopped again by it
+    try: self.flush()
+    except Exception: pass
+    db = self.engine.url.render_as_string(hide_password=True) if self.engine is not None else self.db
+    raise TrainingStopped(f, f"look with `torchember doctor {self.run_name} --db {db}` (or `te.run.diagnose()`), or in the "
+                             f"explorer (`torchember serve --db {db}`)")

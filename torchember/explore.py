@@ -676,11 +676,13 @@ def _diagnosed(run, rank:int|None, key:tuple, force:bool=False)->pd.DataFrame:
 
 @patch
 def refresh_findings(self:Explorer, force:bool=False):
-    "List what `diagnose` finds in the run and rank shown, once per new step (live: every `DIAGNOSE_EVERY` s at most)."
+    "List what `diagnose` finds in the run and rank shown, once per new step (live: every `DIAGNOSE_EVERY` s at most, a new NaN at once)."
     with self._lock:
         if self.run is None: return self
-        key = (self.run.id, self._rank(), len(self._steps), self._steps[-1] if self._steps else None)
-        if not force and (key == self._diag_key or self.live_toggle.value and time.monotonic() - self._diag_at < DIAGNOSE_EVERY): return self
+        key = (self.run.id, self._rank(), len(self._steps), self._steps[-1] if self._steps else None, self._first_bad is not None)
+        news = self._diag_key is None or key[-1] != self._diag_key[-1]   # a first NaN/Inf just came: listed at once, even live
+        if not force and (key == self._diag_key or not news and self.live_toggle.value and time.monotonic() - self._diag_at < DIAGNOSE_EVERY):
+            return self
         self._diag_at, self._diag_key = time.monotonic(), key
         was = finding_label(self.findings.iloc[self._finding]) if self._finding is not None else None
         try: self.findings, failed = _diagnosed(self.run, self._rank(), key, force), None
