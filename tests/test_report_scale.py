@@ -6,8 +6,9 @@ from torch import nn
 from torchember.ember import torchEmber
 from torchember.instruments import hist_stats
 from torchember.figures import combine, with_stats
-from torchember.report import (report_html, report_modules, page_figures, main, TOP, MODULES_DRAWN, LEFT_OUT_LISTED,
+from torchember.report import (report_html, report_modules, page_figures, TOP, MODULES_DRAWN, LEFT_OUT_LISTED,
                                FINDINGS_DRAWN)
+from torchember.cli import main
 
 pytestmark = pytest.mark.filterwarnings('ignore:torchember. stat function')   # histograms of 800 modules take time
 PAIRS = 400   # Linear + ReLU pairs: 801 modules with the model itself

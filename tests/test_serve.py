@@ -217,7 +217,7 @@ def test_serve_refuses_in_one_line(tmp_path):
     from torch import nn
     from fastcore.script import CliError
     from torchember import torchEmber
-    from torchember.report import main
+    from torchember.cli import main
     db = tmp_path/'store.db'
     m = nn.Linear(2, 2)
     with torchEmber(m, run='a', db=db): m(torch.randn(3, 2)).sum().backward()

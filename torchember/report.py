@@ -1,4 +1,4 @@
-"""One self-contained HTML file per run, with the explorer's plots, to open in any browser or attach to an issue; and the `torchember report` command that writes it.
+"""One self-contained HTML file per run, with the explorer's plots, to open in any browser or attach to an issue (`torchember report` writes one from a shell).
 
 Docs: https://torchember.github.io/torchember/report.html.md"""
 
@@ -29,7 +29,7 @@ from .figures import (BLUE, ORANGE, recorded_steps, thin, with_stats, combine, h
 # %% auto #0
 __all__ = ['TOP', 'MODULES_DRAWN', 'MAP_CELLS', 'MODULE_STEPS', 'WIDE_DECADES', 'FINDINGS_DRAWN', 'STORY_CAUSES', 'FOLDED_ROWS',
            'LEFT_OUT_LISTED', 'nonfinite', 'report_modules', 'decades', 'report_figures', 'story_step', 'report_html',
-           'page_figures', 'report', 'main']
+           'page_figures', 'report']
 
 # %% ../nbs/06_report.ipynb #6c2a1f3c
 _BAD = "(nan_count > 0 OR inf_count > 0)"
@@ -429,93 +429,3 @@ def report(run,                  # a run name, or a `Run`
 def report(self:Run, path='report.html', max_points:int=500, rank:int=None, modules=None)->Path:
     "Write this run's self-contained HTML report to `path` (of `rank`, in a run of several; `modules` drawn as well)."
     return report(self, path=path, max_points=max_points, rank=rank, modules=modules)
-
-# %% ../nbs/06_report.ipynb #266641d5
-import sys
-from typing import Annotated
-import sqlalchemy as sa
-from fastcore.script import call_parse, is_cli, CliError
-from . import __version__
-from .store import StoreError
-from .query import runs, delete_run
-from .diagnose import diff
-
-# %% ../nbs/06_report.ipynb #f4fa2d59
-def _fail(msg:str):
-    "Stop the command: one line on stderr and exit status 2 from a shell, a `CliError` from Python."
-    if not is_cli(main): raise CliError(msg)   # is_cli(main): not another command (nbdev-test) running this one
-    print(msg, file=sys.stderr)
-    raise SystemExit(2)
-
-def _ls(db)->pd.DataFrame:
-    rs = runs(db)
-    if is_cli(main):
-        where = engine(db).url.database or engine(db).url.render_as_string(hide_password=True)
-        shown = rs.assign(started=rs['started'].dt.strftime('%Y-%m-%d %H:%M'), last_step=rs['last_step'].astype('Int64'))
-        print(shown[['name', 'model', 'steps', 'last_step', 'started']].to_string(index=False) if len(rs) else f"no runs in {where}")
-    return rs
-
-def _rm(run, db)->dict:
-    gone = delete_run(run, db)
-    if is_cli(main): print(f"deleted run {run!r}: {gone.get('steps', 0)} step rows, {sum(gone.values())} rows in all")
-    return gone
-
-def _findings_text(run:str, f:pd.DataFrame)->str:
-    "Findings `f` as lines a terminal shows well: severity, kind, step, iteration and module in columns, then the message."
-    if not len(f): return f"run {run!r}: no findings"
-    head = f"run {run!r}: {len(f)} finding{'s' if len(f) > 1 else ''} ({severity_counts(f)})"
-    it = {'iteration': [('' if pd.isna(v) else str(int(v))) for v in f['iteration']]} if 'iteration' in f else {}
-    cols = pd.DataFrame({'severity': f['severity'], 'kind': f['kind'], 'step': f['step'].astype(str), **it,
-                         'module': f['module'].fillna('').astype(str)})
-    w = {k: max(len(k), cols[k].str.len().max()) for k in cols}
-    line = lambda r, msg: '  '.join(str(r[k]).ljust(w[k]) for k in cols) + '  ' + msg
-    return '\n'.join([head, line({k: k for k in cols}, 'message'), *(line(r, m) for (_, r), m in zip(cols.iterrows(), f['message']))])
-
-def _doctor(run, db, rank, window, step, ignore=None)->pd.DataFrame:
-    f = load(run, db).diagnose(step=step, window=window, rank=rank, ignore=[i.strip() for i in ignore.split(',')] if ignore else None)
-    if is_cli(main):
-        print(_findings_text(run, f))
-        if (f['severity'] == 'error').any(): raise SystemExit(1)   # a CI gate: errors fail it
-    return f
-
-def _diff(a, b, db, rtol)->pd.DataFrame:
-    d = diff(a, b, db=db, rtol=rtol)
-    if is_cli(main): print(d.head(20).to_string(index=False) if len(d) else f"runs {a!r} and {b!r} agree" + (f" within rtol={rtol:g}" if rtol else " bit for bit"))
-    return d
-
-@call_parse(pos=['command', 'run', 'other'])
-def main(command:Annotated[str, "report: write RUN's HTML report; ls: list the store's runs; rm: delete RUN; doctor: RUN's findings (exit 1 on an error); diff: where RUN and OTHER part; serve: the explorer in a browser", {'choices': ['report', 'ls', 'rm', 'doctor', 'diff', 'serve']}]=None,
-         run:str=None,                # the run's name (report, rm, doctor, diff)
-         other:str=None,              # diff: the run to compare RUN with
-         rtol:float=0.0,              # diff: relative tolerance (0: bit for bit)
-         db:str=None,                 # store path or URL (default: ~/.torchember/torchember.db or $TORCHEMBER_DB)
-         Output:str='report.html',    # the HTML file to write, or a folder for RUN.html
-         max_points:int=500,          # at most this many steps per line
-         rank:int=None,               # in a run of several ranks, the one to draw or diagnose (default: the first)
-         modules:str=None,            # report: draw these modules too, comma-separated globs (e.g. 'layers.3.*,head')
-         window:int=50,               # doctor: recorded steps of each trailing band, and the steps the per-module checks look back over
-         step:int=None,               # doctor: the last step to look at (default: the newest closed one)
-         ignore:str=None,             # doctor: findings judged harmless, comma-separated 'kind' or 'kind:glob' (e.g. 'spike:(grad norm)')
-         port:int=8866,               # serve: the port to serve on
-         host:str='127.0.0.1',        # serve: the address to listen on (another needs --token)
-         token:str=None,              # serve: the token a browser must give ('auto': a random one)
-         version:Annotated[str, "print torchember's version", {'action': 'version'}]=f'torchember {__version__}',
-        ):
-    "torchember's command line: `report`, `ls`, `rm`, `doctor`, `diff` and `serve` (the explorer in a browser)."
-    if command is None: _fail("torchember: give a command: report RUN, ls, rm RUN, doctor RUN or diff A B (torchember --help says more)")
-    if command in ('report', 'rm', 'doctor', 'diff') and not run: _fail(f"torchember {command}: give the run's name (torchember ls lists them)")
-    if command == 'diff' and not other: _fail("torchember diff: give two runs: diff A B")
-    try:
-        if command == 'ls': return _ls(db)
-        if command == 'rm': return _rm(run, db)
-        if command == 'doctor': return _doctor(run, db, rank, window, step, ignore)
-        if command == 'diff': return _diff(run, other, db, rtol)
-        if command == 'serve':
-            from torchember.serve import serve   # Voilà's server: loaded only to serve
-            return serve(db, port=port, host=host, token=token)
-        p = report(run, path=Output, db=db, max_points=max_points, rank=rank, modules=modules)
-    except (KeyError, ValueError, TypeError, StoreError, OSError, sa.exc.SQLAlchemyError) as e:
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else getattr(e, 'orig', None) or e
-        _fail(f"torchember {command}: {str(msg).strip().splitlines()[0]}")
-    if is_cli(main): print(p)
-    return p
