@@ -21,12 +21,12 @@ def free_port()->int:
         s.bind(('127.0.0.1', 0))
         return s.getsockname()[1]
 
-def run_job(db:str, out:Path, setups=SETUPS)->list:
-    "Run the two ranks of `sharded_worker.py` over `setups` into store `db`; each rank's results."
+def run_job(db:str, out:Path, setups=SETUPS, worker:Path=WORKER)->list:
+    "Run the two ranks of `worker` (`sharded_worker.py`) over `setups` into store `db`; each rank's results."
     env = {**os.environ, 'MASTER_ADDR': '127.0.0.1', 'MASTER_PORT': str(free_port()), 'WORLD_SIZE': '2',
            'TORCHEMBER_COMPILE': '0', 'OMP_NUM_THREADS': '1'}
     if sys.platform == 'linux': env.setdefault('GLOO_SOCKET_IFNAME', 'lo')
-    ps = [subprocess.Popen([sys.executable, str(WORKER), db, str(out), ','.join(setups)], env={**env, 'RANK': str(r)},
+    ps = [subprocess.Popen([sys.executable, str(worker), db, str(out), ','.join(setups)], env={**env, 'RANK': str(r)},
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     failed = []
     try:

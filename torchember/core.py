@@ -20,8 +20,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 # %% auto #0
 __all__ = ['WRAPPERS', 'ENTER', 'EXIT', 'STEP_KINDS', 'KEEP_MAX', 'KEEP_BYTES', 'WATCH_BYTES', 'HELD_BYTES', 'CLOSE_AFTER_S',
            'user_class', 'is_wrapper', 'user_modules', 'module_tree', 'dtensor_piece', 'sharded', 'flat_params',
-           'module_info', 'named_tensors', 'arg_names', 'named_inputs', 'selector', 'Capture', 'held_cap', 'elapsed_ms',
-           'sample_norms', 'attach']
+           'fsdp2_params', 'module_info', 'named_tensors', 'arg_names', 'named_inputs', 'selector', 'Capture',
+           'held_cap', 'elapsed_ms', 'sample_norms', 'attach']
 
 # %% ../nbs/00_core.ipynb #4a1aa61e
 def user_class(m:nn.Module)->type:
@@ -83,6 +83,19 @@ def flat_params(model:nn.Module)->list:
             else: piece, off, n = 'none', 0, 0
             es.append((info.module, info.param_name, piece, str(list(shape)), off, n))
         out.append((fp, es))
+    return out
+
+def fsdp2_params(model:nn.Module)->dict:
+    "FSDP2's sharded parameter for each `(id(module), name)` it manages (the module holds the unsharded one in its passes)."
+    out = {}
+    for m in model.modules():
+        state = getattr(m, '_get_fsdp_state', None)
+        try: group = state()._fsdp_param_group if state is not None else None
+        except Exception: group = None
+        for fp in getattr(group, 'fsdp_params', None) or ():
+            info = fp._module_info
+            for mod, pn in [(info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names)]:
+                out[id(mod), pn] = fp.sharded_param
     return out
 
 # %% ../nbs/00_core.ipynb #76d528bd
@@ -198,10 +211,12 @@ class Capture:
     def current_params(self)->list:
         "`(mi, name, parameter)` for every parameter, each under the first module that owns it."
         seen, out, away, slots = set(), [], [], []
+        fsdp2 = fsdp2_params(self.model)   # armed before `fully_shard`, a root's pre-hook runs after FSDP2 unshards
         for mi, m in enumerate(self.mods):
             if not self.selected[mi]: continue
             slots.append((m._parameters, [(pn, p, type(p), hasattr(p, 'ds_numel')) for pn, p in m._parameters.items()]))
             for pn, p in m._parameters.items():
+                p = fsdp2.get((id(m), pn), p)
                 if p is None or is_lazy(p) or id(p) in seen or id(p) in self._flat_ids or (id(m), pn) in self._in_flats: continue   # a lazy one: once it has a shape
                 seen.add(id(p))
                 if p.numel() == 0 or hasattr(p, 'ds_numel'): away.append(f"{self.names[mi]}.{pn}".lstrip('.'))

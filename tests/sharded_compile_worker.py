@@ -1,0 +1,49 @@
+"""One rank of `test_sharded_compile.py`: FSDP2 per block armed first, in torchtitan's order (arm, compile, shard).
+
+Run as `python sharded_compile_worker.py STORE OUT` with torch.distributed's environment variables set (2 ranks, gloo,
+CPU). Per setup, trained bare and armed: `arm_shard` (armed, then each block and the root `fully_shard`ed, eager) and
+`arm_compile_shard` (armed, each block `.compile(fullgraph=True)`, then sharded). It writes `OUT.r.json` for rank `r`:
+the losses bare and armed, dynamo's graph breaks and graphs, and per step the default stats of every whole parameter
+and grad, gathered with `full_tensor()`: what the store must hold, merged from the ranks' pieces.
+"""
+import json, os, sys
+import torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torchember import torchEmber
+from sharded_worker import Net, dtensor_full, stats_of, D
+
+SETUPS = ('arm_shard', 'arm_compile_shard')
+
+def train(setup:str, db=None, steps:int=3):
+    "Train `setup` bare (`db` None) or armed into `db`: losses, whole-parameter stats per step, breaks and graphs."
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset(); counters.clear()
+    torch.manual_seed(0)
+    model = Net()
+    te = torchEmber(model, run=setup, db=db) if db else None   # armed first: before compiling and sharding
+    if 'compile' in setup:
+        for b in model.blocks: b.compile(fullgraph=True)
+    for b in model.blocks: fully_shard(b)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    g = torch.Generator().manual_seed(100 + dist.get_rank())
+    losses, ref = [], []
+    for _ in range(steps):
+        w = stats_of(dtensor_full(model, False)) if te else None
+        loss = model(torch.randn(8, 3, generator=g)).pow(2).mean()
+        loss.backward()
+        if te: ref.append(dict(weight=w, weight_grad=stats_of(dtensor_full(model, True))))
+        opt.step(); opt.zero_grad()
+        losses.append(loss.item())
+    if te: te.disarm()
+    return dict(losses=losses, ref=ref, breaks=sum(counters['graph_break'].values()), graphs=counters['stats']['unique_graphs'])
+
+if __name__ == '__main__':
+    db, out = sys.argv[1], sys.argv[2]
+    dist.init_process_group('gloo')
+    res = {s: dict(bare=train(s), armed=train(s, db)) for s in SETUPS}
+    with open(f'{out}.{dist.get_rank()}.json', 'w') as f: json.dump(res, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush(); sys.stderr.flush()
+    os._exit(0)      # gloo's threads can abort a finishing interpreter now and then (SIGABRT, torch's, not ours)
