@@ -52,11 +52,13 @@ def test_stop_on_nonfinite_names_step_iteration_and_module(db, writer):
     f = e.value.finding
     assert (f.kind, f.step, f.iteration, f.module, f.ttype) == ('nonfinite', NAN_AT, NAN_AT, 'bomb', 'output')
     msg = str(e.value)
-    for words in (f"nonfinite at step {NAN_AT}", f"iteration {NAN_AT}", "module 'bomb'", "torchember doctor nan", "torchember serve"):
+    said = (f"nonfinite at step {NAN_AT}", f"iteration {NAN_AT}", "module 'bomb'",
+            "torchember doctor nan", "torchember serve")
+    for words in said:
         assert words in msg, (words, msg)
     assert stopped_at > NAN_AT
     assert [(s.kind, s.step, s.module) for s in seen][:1] == [('nonfinite', NAN_AT, 'bomb')]
-    r = load('nan', db)                      # every step recorded before the exception is in the store, before it is raised
+    r = load('nan', db)                      # each step recorded before the exception was stored as it was raised
     assert r.steps()['step'].tolist() == list(range(stopped_at + 1))
     assert r.first_nonfinite()['module'] == 'bomb' and r.first_nonfinite()['step'] == NAN_AT
     te.disarm()
@@ -113,11 +115,12 @@ def test_spike_and_dead_layer_found_live(db, writer):
     kinds = {(f.kind, f.step, f.module) for f in seen}
     assert ('spike', 25, None) in kinds, seen
     assert ('dead', 30, 'act') in kinds, seen
-    assert not any(f.module in ('', 'fc2') and f.kind == 'dead' for f in seen)   # the container and the layer after: not it
+    assert not any(f.module in ('', 'fc2') and f.kind == 'dead' for f in seen)   # the container, the layer after
 
 def test_unknown_kind_is_refused_at_construction(db):
     model = make_model()
-    with pytest.raises(ValueError, match=r"stop_on= takes kinds of finding among 'nonfinite', 'spike', 'dead', not 'nan'"):
+    said = r"stop_on= takes kinds of finding among 'nonfinite', 'spike', 'dead', not 'nan'"
+    with pytest.raises(ValueError, match=said):
         torchEmber(model, db=db, stop_on=['nonfinite', 'nan'])
     with pytest.raises(TypeError, match="stop_on= must be"): torchEmber(model, db=db, stop_on=3)
     assert model._forward_pre_hooks == {}
@@ -135,7 +138,8 @@ def test_explorer_lists_a_new_nan_as_it_arrives(db, thread_writer):
     train(model, 10)
     te.flush()
     deadline = time.monotonic() + 15
-    while not any('nonfinite' in str(o) for o in ex.findings_picker.options) and time.monotonic() < deadline: time.sleep(0.1)
+    listed = lambda: any('nonfinite' in str(o) for o in ex.findings_picker.options)
+    while not listed() and time.monotonic() < deadline: time.sleep(0.1)
     labels = [str(o[0]) for o in ex.findings_picker.options]
     assert any('nonfinite' in l and f'step {NAN_AT}' in l and 'bomb' in l for l in labels), labels
     ex.stop(); ex.close()

@@ -1,4 +1,4 @@
-"Sinks: a run's global norms, top grad-norm modules and findings, read back from TensorBoard's event files and wandb's offline run."
+"Sinks: a run's global norms, top grad-norm modules and findings, read back from TensorBoard and wandb's offline run."
 import glob, json, math, struct
 from collections import OrderedDict
 import pytest
@@ -31,9 +31,10 @@ def train(m, te, sink, steps=16):
 def expected(db, run, step):
     "The global weight and grad norms, and the 5 largest module grad norms, of `step`, from the store."
     df = load(run, db).df(step=step)
-    g = df[df.ttype == 'weight_grad'].groupby('module')['norm'].apply(lambda s: (s ** 2).sum() ** .5).sort_values(ascending=False)
-    return ((df[df.ttype == 'weight']['norm'] ** 2).sum() ** .5, (df[df.ttype == 'weight_grad']['norm'] ** 2).sum() ** .5,
-            list(g.index[:5]), list(g.values[:5]))
+    root = lambda s: (s ** 2).sum() ** .5
+    grads = df[df.ttype == 'weight_grad']
+    g = grads.groupby('module')['norm'].apply(root).sort_values(ascending=False)
+    return root(df[df.ttype == 'weight']['norm']), root(grads['norm']), list(g.index[:5]), list(g.values[:5])
 
 def test_tensorboard_sink(db, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -45,14 +46,16 @@ def test_tensorboard_sink(db, tmp_path):
     ea = EventAccumulator(str(tmp_path/'tb'), size_guidance={'scalars': 0, 'tensors': 0})
     ea.Reload()
     tags = set(ea.Tags()['scalars'])
-    assert tags == {'torchember/weight_norm', 'torchember/grad_norm', *(f'torchember/top_grad/{i}' for i in range(1, 6))}
+    assert tags == {'torchember/weight_norm', 'torchember/grad_norm',
+                    *(f'torchember/top_grad/{i}' for i in range(1, 6))}
     s = lambda tag: {e.step: e.value for e in ea.Scalars(tag)}
     assert sorted(s('torchember/grad_norm')) == list(range(16))
     w, g, names, tops = expected(db, 'tb', 3)
     assert s('torchember/weight_norm')[3] == pytest.approx(w, rel=1e-6)
     assert s('torchember/grad_norm')[3] == pytest.approx(g, rel=1e-6)
     assert [s(f'torchember/top_grad/{i}')[3] for i in range(1, 6)] == pytest.approx(tops, rel=1e-6)
-    texts = {t: [(e.step, make_ndarray(e.tensor_proto).item().decode()) for e in ea.Tensors(t)] for t in ea.Tags()['tensors']}
+    text = lambda e: (e.step, make_ndarray(e.tensor_proto).item().decode())
+    texts = {t: [text(e) for e in ea.Tensors(t)] for t in ea.Tags()['tensors']}
     named = texts['torchember/top_grad_modules/text_summary']
     at3 = [t for st, t in named if st <= 3][-1]     # the last names said by step 3
     assert at3 == ', '.join(f'{i}: {n}' for i, n in enumerate(names, 1))
@@ -106,8 +109,9 @@ def test_wandb_sink_offline(db, tmp_path, monkeypatch):
     assert [by_step[3][f'torchember/top_grad/{i}'] for i in range(1, 6)] == pytest.approx(tops, rel=1e-6)
     assert f'nonfinite at step {NAN_AT}' in by_step[NAN_AT]['torchember/findings']
     published = {k for r in rows for k in r if k.startswith('torchember/')}
-    assert published == {'torchember/step', 'torchember/weight_norm', 'torchember/grad_norm', 'torchember/top_grad_modules',
-                         'torchember/findings', *(f'torchember/top_grad/{i}' for i in range(1, 6))}
+    assert published == {'torchember/step', 'torchember/weight_norm', 'torchember/grad_norm',
+                         'torchember/top_grad_modules', 'torchember/findings',
+                         *(f'torchember/top_grad/{i}' for i in range(1, 6))}
     assert sum('loss' in r for r in rows) == 3
 
 def test_wandb_sink_without_a_run_says_so(monkeypatch):

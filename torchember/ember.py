@@ -52,10 +52,11 @@ class torchEmber:
                  snapshot_fn=None,      # applied to a tensor before it is saved
                  track_updates:bool=False, # update_norm and init_dist of every weight (keeps two copies of the weights)
                  ranks=None,            # which ranks of a distributed job record: a list of ranks or a predicate `rank -> bool`; default all
-                 stop_on=None,          # kinds of finding that stop training at the next step: 'nonfinite', 'spike', 'dead'
+                 stop_on=None,          # kinds of finding that stop training at the next step: nonfinite, spike, dead
                 ):
-        _check_args(run, db, every, hist, sample_n, outliers, snapshot, snapshot_fn, stop_on, resume=resume, strict=strict,
-                    record_eval=record_eval, timing=timing, io_grad=io_grad, track_updates=track_updates, overwrite=overwrite)
+        _check_args(run, db, every, hist, sample_n, outliers, snapshot, snapshot_fn, stop_on, resume=resume,
+                    strict=strict, record_eval=record_eval, timing=timing, io_grad=io_grad, track_updates=track_updates,
+                    overwrite=overwrite)
         self.stop_on = check_kinds(stop_on)   # a kind no detector makes is refused here, not never met
         if not isinstance(model, nn.Module):
             raise TypeError(f"torchEmber arms an nn.Module, not {type(model).__name__}")
@@ -600,8 +601,8 @@ def _call_user(fn, x, what:str):
     "`fn(x)`, an exception of which is warned, never raised (it runs on the writer's thread, beside training)."
     try: fn(x)
     except Exception as e:
-        warnings.warn(f"torchember: the {what} function {getattr(fn, '__name__', fn)!r} raised {type(e).__name__}: {e}; "
-                      "training goes on", RuntimeWarning)
+        name = getattr(fn, '__name__', fn)
+        warnings.warn(f"torchember: the {what} function {name!r} raised {type(e).__name__}: {e}; training goes on", RuntimeWarning)
 
 @patch
 def _watched(self:torchEmber, args:list):
@@ -611,7 +612,8 @@ def _watched(self:torchEmber, args:list):
             v = self._watch.view(a)
             found = self._watch.step(v)
         except Exception as e:           # a detector's fault is never the step's: said once, then the watch stops
-            warnings.warn(f"torchember: the live detectors failed ({type(e).__name__}: {e}); none run from now on", RuntimeWarning)
+            warnings.warn(f"torchember: the live detectors failed ({type(e).__name__}: {e}); none run from now on",
+                          RuntimeWarning)
             self._watch.detectors = {}
             continue
         for f in found:
@@ -631,5 +633,5 @@ def _check_stop(self:torchEmber, mod, args):
     try: self.flush()
     except Exception: pass
     db = self.engine.url.render_as_string(hide_password=True) if self.engine is not None else self.db
-    raise TrainingStopped(f, f"look with `torchember doctor {self.run_name} --db {db}` (or `te.run.diagnose()`), or in the "
-                             f"explorer (`torchember serve --db {db}`)")
+    raise TrainingStopped(f, f"look with `torchember doctor {self.run_name} --db {db}` (or `te.run.diagnose()`), "
+                             f"or in the explorer (`torchember serve --db {db}`)")
