@@ -36,7 +36,9 @@ without snapshots.
 
 The processes (one training script, `matrix_worker.py`) run two at a time in a pool, started together when the first
 cell needs them; each is short (a few seconds of training). On a 2-core Xeon shared with other work (load average
-about 14), the module's 46 tests took 6.5 minutes, 5.8 of them the 23 processes (PostgreSQL included). `TE_MATRIX_BREAK=linger` (the writer waits 5 s before it takes a step)
+about 14), the module's 46 tests took 6.5 minutes, 5.8 of them the 23 processes (PostgreSQL included); the compiled
+crossings add 19 tests and 8 processes (about 10 s of compile each): on a 2-core EPYC at load 5-10, the 8 compiled
+processes and the two locked-store tests took 2.6 minutes together. `TE_MATRIX_BREAK=linger` (the writer waits 5 s before it takes a step)
 or `TE_MATRIX_BREAK=closer` (a finished step waits for the next call) breaks a promise on purpose: the durability
 cells then fail.
 """
