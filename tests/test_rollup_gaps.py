@@ -171,3 +171,76 @@ def test_the_explorer_says_where_it_sampled(gaps):
         assert 'sampled at steps' in ex.plots['map'].title
         assert [s.name for s in ex.fig.layout.shapes].count('map:sampled') == 2   # the hole and the steps after the folded ones
     finally: ex.close()
+
+def plant(db, run, step:int, module_id:int, ttype:str):
+    "Make the rows of `ttype` of module `module_id` at `step` NaN (a NaN count, the mean unknown), and return that module's name."
+    with engine(db).begin() as c:
+        c.exec_driver_sql(f"UPDATE stats SET nan_count = 3, mean = NULL WHERE run_id = {int(run.id)} AND step = {step} "
+                          f"AND module_id = {module_id} AND ttype = '{ttype}'")
+        return c.exec_driver_sql(f"SELECT name FROM modules WHERE run_id = {int(run.id)} AND id = {module_id}").scalar()
+
+def test_the_first_nan_is_exact_and_found_without_reading_the_unfolded_rows(gaps):
+    "A NaN between the steps a sample reads, far into the unfolded steps: both searches name it, reading a few rows."
+    from torchember.query import unfolded_steps, _sampled, VIEW_STEPS
+    from torchember.diagnose import nonfinite_finding
+    db, _, nan = gaps
+    run = load('gaps', db)
+    with engine(db).connect() as c: sampled = set(_sampled(unfolded_steps(c, run.id, 0), VIEW_STEPS))
+    at = next(s for s in range(nan - 4001, 0, -1) if s not in sampled and s > FOLDED)   # where a sample does not look
+    name = plant(db, run, at, 7, 'output')
+    n, full = unfolded_rows(db, run)
+    for sample in (False, True):
+        with stats_reads(db) as seen: f = run.first_nonfinite(sample=sample)
+        assert (f['step'], f['module'], f['ttype'], f['nan_count']) == (at, name, 'output', 3), (sample, f)
+        assert seen[0] < full / 100, (sample, seen[0], full)
+    assert run.first_nonfinite(after=at)['step'] == nan                     # the next one, as the explorer asks
+    with stats_reads(db) as seen: got = nonfinite_finding(run, 0, STEPS)   # diagnose's NaN finding
+    assert [(x['kind'], x['step'], x['module']) for x in got] == [('nonfinite', at, name)]
+    assert seen[0] < full / 100, (seen[0], full)
+
+def test_the_report_nan_table_is_exact_where_rollups_lack_bins_and_reads_a_few_rows(gaps):
+    "Each tensor's first NaN step and count of steps, in the hole, after the folded steps and in them; a few rows read."
+    from torchember.report import nonfinite
+    db, _, nan = gaps
+    run = load('gaps', db)
+    planted = [(HOLE[0] + 953, 7, 'weight'), (HOLE[0] + 1201, 7, 'weight'), (FOLDED + 77, 9, 'output')]
+    names = [plant(db, run, s, m, t) for s, m, t in planted]
+    with engine(db).connect() as c:   # the truth, from every row
+        want = c.exec_driver_sql(f"SELECT m.name, s.ttype, MIN(s.step), COUNT(DISTINCT s.step) FROM stats s JOIN modules m "
+                                 f"ON m.run_id = s.run_id AND m.id = s.module_id WHERE s.run_id = {int(run.id)} AND s.ttype <> 'input' "
+                                 f"AND (s.nan_count > 0 OR s.inf_count > 0) GROUP BY m.name, s.ttype").all()
+    assert {(names[0], 'weight', HOLE[0] + 953, 2), (names[2], 'output', FOLDED + 77, 1)} <= {tuple(r) for r in want}
+    n, full = unfolded_rows(db, run)
+    with stats_reads(db) as seen: nf = nonfinite(run)
+    got = set(map(tuple, nf[['module', 'ttype', 'first_step', 'steps']].values.tolist()))   # a row a tensor: weight, bias
+    assert got == set(map(tuple, want)), (got, want)
+    assert sorted(nf[nf['module'] == names[0]]['tname']) == ['bias', 'weight']
+    assert seen[0] < full / 100, (seen[0], full)
+    run.roll_up()   # folded, the same table, from the rollups
+    assert set(map(tuple, nonfinite(run)[['module', 'ttype', 'first_step', 'steps']].values.tolist())) == set(map(tuple, want))
+
+def test_an_older_store_gets_the_index_once_and_a_read_only_one_is_searched_as_before(tmp_path):
+    "A store without the NaN/Inf index (an older torchember's) gains it when next opened, said once; read-only, exact all the same."
+    import warnings
+    from torchember import store as st
+    from torchember.serve import use_read_only
+    db = str(tmp_path/'old.db')
+    build(db, modules=11, steps=600, record=20, name='old', folded=64)   # a NaN planted at step 400
+    with engine(db).begin() as c: c.exec_driver_sql('DROP INDEX stats_nonfinite')
+    def reopen():
+        url = st.db_url(db)
+        st._engines.pop(url).dispose(); st._opened.pop(url, None)
+    reopen()
+    want = 2 * 600 // 3
+    ro = use_read_only(db)   # serve's: it cannot write, so no index; the rows are searched
+    assert 'stats_nonfinite' not in {i['name'] for i in sa.inspect(ro).get_indexes('stats')}
+    assert load('old', db).first_nonfinite()['step'] == want
+    reopen()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        engine(db)
+        reopen()
+        engine(db)   # indexed now: nothing said
+    assert [str(x.message) for x in w if 'indexing the NaN/Inf rows' in str(x.message)].__len__() == 1
+    assert 'stats_nonfinite' in {i['name'] for i in sa.inspect(engine(db)).get_indexes('stats')}
+    assert load('old', db).first_nonfinite()['step'] == want

@@ -13,9 +13,10 @@ import pandas as pd
 import sqlalchemy as sa
 from sqlalchemy import select, func, Float
 from fastcore.basics import patch
-from .store import engine, db_url, modules_t, stats_t, steps_t, digests_t, scalars_t, rollups_t, STAT_COLS, ROLLUP_WIDTHS
+from .store import (engine, db_url, modules_t, stats_t, steps_t, digests_t, scalars_t, rollups_t, STAT_COLS,
+                              ROLLUP_WIDTHS, NONFINITE_ROWS)
 from fnmatch import fnmatchcase
-from .query import Run, flow_order, _one_rank, applied_steps
+from .query import Run, flow_order, _one_rank, applied_steps, nonfinite_from
 
 # %% auto #0
 __all__ = ['COLUMNS', 'SEVERITIES', 'KINDS', 'MAD_SIGMA', 'BEYOND', 'RANGE', 'WATCHED', 'GRAD_NORM', 'MIN_BAND', 'ORDER', 'GAP',
@@ -538,11 +539,12 @@ GRADS = ('weight_grad', 'output_grad', 'input_grad')
 
 def _grads_only(run:Run, rank:int, hi:int)->int|None:
     "How many steps up to `hi` had NaN/Inf grads, if no other tensor (input, output, weight) ever held one; else None."
-    s = stats_t.c
-    bad = [s.run_id == run.id, s.rank == rank, s.step <= hi, sa.or_(s.nan_count > 0, s.inf_count > 0)]
-    with engine(run.db).connect() as c:
-        if c.execute(select(s.step).where(*bad, s.ttype.notin_(GRADS)).limit(1)).first() is not None: return None
-        return c.execute(select(func.count(sa.distinct(s.step))).where(*bad, s.ttype.in_(GRADS))).scalar()
+    grads = ', '.join(f"'{t}'" for t in GRADS)
+    with engine(run.db).connect() as c:   # the NaN/Inf rows only, through their index
+        bad = (f"FROM {nonfinite_from(c) or 'stats'} WHERE run_id = {int(run.id)} AND rank = {int(rank)} "
+               f"AND step <= {int(hi)} AND ({NONFINITE_ROWS})")
+        if c.exec_driver_sql(f"SELECT 1 {bad} AND ttype NOT IN ({grads}) LIMIT 1").first() is not None: return None
+        return c.exec_driver_sql(f"SELECT COUNT(DISTINCT step) {bad} AND ttype IN ({grads})").scalar()
 
 def nonfinite_finding(run:Run, rank:int, hi:int)->list:
     "The run's first NaN or Inf up to step `hi` as a finding: an error, unless only grads ever held one (a skipped step)."
@@ -684,7 +686,7 @@ def with_causes(run:Run, rank:int, hi:int, rows:list, window:int, spike:float, f
 
 # %% ../nbs/03a_diagnose.ipynb #c9801c05
 DIFF_COLUMNS = ['step', 'iteration', 'module', 'mtype', 'ttype', 'tname', 'stat', 'a', 'b']
-COMPARED = STAT_COLS   # every default stat column: numel, mean, std, min, max, norm, zero_frac, nan_count, inf_count
+COMPARED = STAT_COLS   # every declared stat's column (`kinds.STATS_REGISTRY`)
 _KEY = ['step', 'rank', 'module', 'call', 'ttype', 'tname']
 
 def _as_run(run, db)->Run: return run if isinstance(run, Run) else Run(run, db)
@@ -916,10 +918,10 @@ def thin(self:Run,
     "Delete the rows of all but one step in `every` before `before`, but those with findings or NaN/Inf; rollups, steps stay."
     _need(_isint(every) and every >= 1, 'thin', 'every', every, 'an int >= 1', ValueError)
     _need(before is None or _isint(before), 'thin', 'before', before, 'an int or None')
-    s = stats_t.c
     with engine(self.db).connect() as c:
         steps = c.execute(select(steps_t.c.step).where(steps_t.c.run_id == self.id).distinct()).scalars().all()
-        bad = c.execute(select(s.step).where(s.run_id == self.id, (s.nan_count > 0) | (s.inf_count > 0)).distinct()).scalars().all()
+        bad = c.exec_driver_sql(f"SELECT DISTINCT step FROM {nonfinite_from(c) or 'stats'} "   # the NaN/Inf rows only
+                                f"WHERE run_id = {int(self.id)} AND ({NONFINITE_ROWS})").scalars().all()
     fs = self.diagnose() if self.last_step is not None else None
     kept = set(keep) | set(bad) | (set(fs['step'].dropna().astype(int)) if fs is not None and len(fs) else set())
     gone = sorted(k for k in steps if (before is None or k < before) and k % every and k not in kept)

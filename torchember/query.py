@@ -6,7 +6,7 @@ Docs: https://torchember.github.io/torchember/query.html.md"""
 
 # %% ../nbs/03_query.ipynb #f8c73f73
 from __future__ import annotations
-import json, math, zlib
+import json, math, weakref, zlib
 from pathlib import Path
 import numpy as np
 import pandas as pd
@@ -15,13 +15,13 @@ import torch
 from sqlalchemy import select, func
 from .store import (engine, escaped, drop_run, runs_t, ranks_t, modules_t, steps_t, events_t, stats_t, calls_t, scalars_t,
                               snapshots_t, rollups_t, STAT_COLS, ROLLUP_WIDTHS, rolled_steps,
-                              unfolded_bins, bin_spans)
+                              unfolded_bins, bin_spans, nonfinite_ix, NONFINITE_ROWS)
 from .store import roll_up as store_roll_up
 
 # %% auto #0
 __all__ = ['SUMMARY', 'FORWARD', 'BACKWARD', 'NONFINITE_KINDS', 'VIEW_STEPS', 'ROLL_UP_STEPS', 'ROLL_UP_ROWS', 'GRAPH_ENDS',
            'runs', 'delete_run', 'run_ranks', 'records', 'Run', 'load', 'applied_steps', 'summary', 'flow_order',
-           'unfolded_steps', 'decode_snapshot']
+           'unfolded_steps', 'nonfinite_from', 'nonfinite_spans', 'decode_snapshot']
 
 # %% ../nbs/03_query.ipynb #1536ffaf
 def runs(db=None)->pd.DataFrame:
@@ -437,8 +437,27 @@ def _first_bad_at(c, run_id:int, rank:int, steps:list)->int|None:
         return c.exec_driver_sql(v + f"SELECT v.s FROM v CROSS JOIN LATERAL ({one} LIMIT 1) x ORDER BY v.s LIMIT 1").scalar()
     return c.exec_driver_sql(v + f"SELECT s FROM v WHERE EXISTS ({one}) ORDER BY s LIMIT 1").scalar()
 
+_INDEXED = weakref.WeakSet()   # the engines whose store was seen to hold `nonfinite_ix`
+
+def nonfinite_from(c)->str|None:
+    "SQL's `FROM` of the stats rows that held NaN/Inf through the store's partial index (those alone); None without it."
+    if c.engine not in _INDEXED:
+        if nonfinite_ix.name not in {i['name'] for i in sa.inspect(c).get_indexes('stats')}:
+            return None   # an older store this process may only read
+        _INDEXED.add(c.engine)
+    return f'stats INDEXED BY {nonfinite_ix.name}' if c.dialect.name == 'sqlite' else 'stats'   # else SQLite may not
+
+def _kinds(ttypes)->str: return f"ttype IN ({', '.join(repr(str(t)) for t in ttypes)})"   # our names, never a user's
+
+def _first_bad(c, run_id:int, rank:int=None, after:int=None)->int|None:
+    "The first step (after `after`) with NaN/Inf in `NONFINITE_KINDS`, of `rank` or any: a seek of the index, or None."
+    where = (f"run_id = {int(run_id)} AND {_kinds(NONFINITE_KINDS)} AND ({NONFINITE_ROWS})"
+             + (f" AND rank = {int(rank)}" if rank is not None else '')
+             + (f" AND step > {int(after)}" if after is not None else ''))
+    return c.exec_driver_sql(f"SELECT MIN(step) FROM {nonfinite_from(c) or 'stats'} WHERE {where}").scalar()
+
 def _rolled_first_bad(c, run_id:int, rank:int=None, sample:bool=False)->int:
-    "The first step with NaN/Inf in `NONFINITE_KINDS`: from the widest `rollups`, and the rows of bins they lack; -1: none."
+    "Without `nonfinite_ix`: the first step with NaN/Inf in `NONFINITE_KINDS`, from rollups and rows they lack, or -1."
     r, st, s, w = rollups_t.c, steps_t.c, stats_t.c, ROLLUP_WIDTHS[-1]
     ranks = [rank] if rank is not None else c.execute(select(st.rank).where(st.run_id == run_id).distinct()).scalars().all()
     bad = [s.run_id == run_id, s.ttype.in_(NONFINITE_KINDS), sa.or_(s.nan_count > 0, s.inf_count > 0)]
@@ -463,18 +482,18 @@ def first_nonfinite(self:Run,
                     step:int=None,   # the step to look in; default the first step that had NaN or Inf
                     after:int=None,  # with no `step`: search only the steps after this one
                     rank:int=None,   # look in this rank's records only; default every rank's
-                    sample:bool=False,  # where `rollups` lack bins, look at `VIEW_STEPS` of their steps, not every row
+                    sample:bool=False,  # no `nonfinite_ix`: where rollups lack bins, read `VIEW_STEPS` of their steps
                    )->dict|None:     # step, rank, module, mtype, ttype, tname, call, nan_count, inf_count; None if clean
     "The first module call whose output, attached tensor or grad held NaN or Inf, in the order its step computed them."
     s, m = stats_t.c, modules_t
     where = [s.run_id == self.id, s.ttype.in_(NONFINITE_KINDS), sa.or_(s.nan_count > 0, s.inf_count > 0)]
     if rank is not None: where.append(s.rank == rank)
     with engine(self.db).connect() as c:
-        if step is None and after is None:
-            step = _rolled_first_bad(c, self.id, rank, sample)          # the rollups say where: short reads, not a scan
+        if step is None and after is None and nonfinite_from(c) is None:   # an older store, read-only: rollups, rows
+            step = _rolled_first_bad(c, self.id, rank, sample)
             if step < 0: return None
         if step is None:
-            step = c.execute(select(func.min(s.step)).where(*where, *([s.step > after] if after is not None else []))).scalar()
+            step = _first_bad(c, self.id, rank, after)   # the index's first entry: a seek, whatever the rollups hold
             if step is None: return None
         q = (select(s.step, s.rank, m.c.name, m.c.mtype, s.ttype, s.tname, s.call, s.nan_count, s.inf_count)
              .join(m, sa.and_(m.c.run_id == s.run_id, m.c.id == s.module_id)).where(*where, s.step == step)
@@ -495,6 +514,55 @@ def last_finite_step(self:Run, rank:int=None)->int|None:
     f = self.first_nonfinite(rank=rank)
     last = self.last_steps.get(rank) if f is None else f['step'] - 1
     return None if last is None or last < 0 else self.newest_train_step(last, rank)[0]
+
+# %% ../nbs/03_query.ipynb #b7c1e0a2
+def nonfinite_spans(c, run_id:int, ranks:list, ttypes)->list:
+    "`(module_id, ttype, first step, steps)` of each module and ttype of `ttypes` that held NaN/Inf: rollups, index."
+    rid, w, out, table = int(run_id), ROLLUP_WIDTHS[-1], {}, nonfinite_from(c) or 'stats'
+    for rank in ranks:
+        mine = f"run_id = {rid} AND rank = {int(rank)} AND {_kinds(ttypes)}"
+        if rolled_steps(c, rid, rank) is None:   # no rollups of today's widths: every step from the rows
+            got, spans = [], [tuple(c.exec_driver_sql(f"SELECT MIN(step), MAX(step) FROM steps WHERE run_id = {rid} "
+                                                      f"AND rank = {int(rank)}").one())]
+            if spans[0][0] is None: spans = []
+        else:
+            got = c.exec_driver_sql(f"SELECT module_id, ttype, MIN(bad_step), SUM(bad_steps) FROM rollups WHERE {mine} "
+                                    f"AND width = {w} AND bad_step IS NOT NULL GROUP BY module_id, ttype").all()
+            spans = bin_spans(unfolded_bins(c, rid, rank))
+        for i in range(0, len(spans), 32):   # the bins the rollups lack: their NaN/Inf rows, 32 spans a range
+            some = spans[i:i + 32]
+            within = ' OR '.join(f'step BETWEEN {int(a)} AND {int(b)}' for a, b in some)
+            got += c.exec_driver_sql(
+                f"SELECT module_id, ttype, MIN(step), COUNT(DISTINCT step) FROM {table} WHERE {mine} "
+                f"AND ({NONFINITE_ROWS}) AND step BETWEEN {int(some[0][0])} AND {int(some[-1][1])} AND ({within}) "
+                "GROUP BY module_id, ttype").all()
+        per = {}
+        for m, t, first, n in got:
+            f0, n0 = per.get((m, t), (first, 0))
+            per[(m, t)] = (min(f0, first), n0 + (n or 0))
+        for k, (first, n) in per.items():   # ranks: the earliest first step, the most steps of one rank
+            f0, n0 = out.get(k, (first, n))
+            out[k] = (min(f0, first), max(n0, n))
+    return [(m, t, f, n) for (m, t), (f, n) in out.items()]
+
+@patch
+def nonfinite_tensors(self:Run,
+                      ttypes=NONFINITE_KINDS,   # the tensor kinds to look at
+                     )->list:   # (module, ttype, tname, first step, steps, nan, inf), first steps in order
+    "Each module tensor of `ttypes` that held NaN or Inf: first step, steps, its counts then; from rollups, the index."
+    rid = int(self.id)
+    with engine(self.db).connect() as c:
+        spans, table = nonfinite_spans(c, rid, self.ranks, ttypes), nonfinite_from(c) or 'stats'
+        names = dict(c.exec_driver_sql(f"SELECT id, name FROM modules WHERE run_id = {rid}").all())
+        rows = []
+        for first in sorted({f for _, _, f, _ in spans}):   # each tensor's counts at its module's first step: a seek
+            at = {(m, t): n for m, t, f, n in spans if f == first}
+            got = c.exec_driver_sql(
+                f"SELECT module_id, ttype, tname, SUM(nan_count), SUM(inf_count) FROM {table} WHERE run_id = {rid} "
+                f"AND step = {int(first)} AND {_kinds(ttypes)} AND ({NONFINITE_ROWS}) "
+                "GROUP BY module_id, ttype, tname").all()
+            rows += [(names[m], t, tn, first, at[(m, t)], nan, inf) for m, t, tn, nan, inf in got if (m, t) in at]
+    return rows
 
 # %% ../nbs/03_query.ipynb #09eb35ec
 def _json_value(v):

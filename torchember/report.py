@@ -32,48 +32,12 @@ __all__ = ['TOP', 'MODULES_DRAWN', 'MAP_CELLS', 'MODULE_STEPS', 'WIDE_DECADES', 
            'page_figures', 'report']
 
 # %% ../nbs/06_report.ipynb #6c2a1f3c
-_BAD = "(nan_count > 0 OR inf_count > 0)"
-
-def _nonfinite_spans(c, run:Run, kinds:str)->list:
-    "`(module_id, ttype, first step, steps)` of each module and ttype with NaN/Inf, from rollups and the rows after them."
-    rid, w, out = int(run.id), ROLLUP_WIDTHS[-1], {}
-    for rank in run.ranks:
-        lo = c.exec_driver_sql(f'SELECT MIN(step) FROM steps WHERE run_id = {rid} AND rank = {int(rank)}').scalar()
-        rolled = rolled_steps(c, rid, rank) if lo is not None else None
-        if lo is not None and (rolled is None or rolled[0] > lo): return None     # not folded: read every row
-        after = -1 if rolled is None else rolled[1]
-        mine = f"run_id = {rid} AND rank = {int(rank)} AND {kinds}"
-        got = c.exec_driver_sql(f"SELECT module_id, ttype, MIN(bad_step), SUM(bad_steps) FROM rollups WHERE {mine} AND width = {w} "
-                                f"AND bad_step IS NOT NULL GROUP BY module_id, ttype").all()
-        got += c.exec_driver_sql(f"SELECT module_id, ttype, MIN(step), COUNT(DISTINCT step) FROM stats WHERE {mine} AND step > {after} "
-                                 f"AND {_BAD} GROUP BY module_id, ttype").all()
-        per = {}
-        for m, t, first, n in got:
-            f0, n0 = per.get((m, t), (first, 0))
-            per[(m, t)] = (min(f0, first), n0 + (n or 0))
-        for k, (first, n) in per.items():   # ranks: the earliest first step, the most steps of one rank
-            f0, n0 = out.get(k, (first, n))
-            out[k] = (min(f0, first), max(n0, n))
-    return [(m, t, f, n) for (m, t), (f, n) in out.items()]
-
 def nonfinite(run:Run,
               inputs:bool=False,   # list the inputs instead: what the modules were handed, not what they made or hold
              )->pd.DataFrame:
     "One row per module tensor of `run` that held NaN or Inf (or `inputs`): first step, steps, counts at that step."
-    kinds = "ttype = 'input'" if inputs else f"ttype IN ({', '.join(repr(t) for t in TTYPES if t != 'input')})"   # a range of the key each
     cols = ['module', 'ttype', 'tname', 'first_step', 'steps', 'nan', 'inf']
-    with engine(run.db).connect() as c:
-        spans = _nonfinite_spans(c, run, kinds)
-        if spans is None:
-            spans = c.exec_driver_sql(f"SELECT module_id, ttype, MIN(step), COUNT(DISTINCT step) FROM stats WHERE run_id = {int(run.id)} "
-                                      f"AND {kinds} AND {_BAD} GROUP BY module_id, ttype").all()
-        names = dict(c.exec_driver_sql(f"SELECT id, name FROM modules WHERE run_id = {int(run.id)}").all())
-        rows = []
-        for first in sorted({f for _, _, f, _ in spans}):   # each tensor's counts at its module's first step: a seek each
-            at = {(m, t): n for m, t, f, n in spans if f == first}
-            got = c.exec_driver_sql(f"SELECT module_id, ttype, tname, SUM(nan_count), SUM(inf_count) FROM stats WHERE run_id = {int(run.id)} "
-                                    f"AND step = {int(first)} AND {kinds} AND {_BAD} GROUP BY module_id, ttype, tname").all()
-            rows += [(names[m], t, tn, first, at[(m, t)], nan, inf) for m, t, tn, nan, inf in got if (m, t) in at]
+    rows = run.nonfinite_tensors(('input',) if inputs else tuple(t for t in TTYPES if t != 'input'))   # rollups, index
     df = pd.DataFrame(rows, columns=cols).sort_values(['first_step', 'module', 'ttype', 'tname'], kind='stable')
     parts = [flow_order(g, run.events(int(s))) for s, g in df.groupby('first_step', sort=True)]
     return pd.concat(parts, ignore_index=True) if parts else df.reset_index(drop=True)

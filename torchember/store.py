@@ -20,14 +20,14 @@ from .kinds import merge_stats, NORM_EXTRAS, TTYPES   # not `stats`: the store, 
 # %% auto #0
 __all__ = ['SCHEMA_VERSION', 'MEMORY', 'metadata', 'STAT_COLS', 'Str', 'Size', 'meta_t', 'runs_t', 'ranks_t', 'modules_t',
            'steps_t', 'digests_t', 'events_t', 'stats_t', 'calls_t', 'scalars_t', 'shards_t', 'rollups_t',
-           'snapshots_t', 'flows_t', 'VIEWS', 'PG_CONNECT', 'PG_SESSION', 'RETIRED_RUN_ID', 'ROWS_PER_INSERT',
-           'ROLLUP_WIDTHS', 'THINNED', 'KNOWN_MAX', 'LINGER_S', 'PENDING_STEPS', 'PENDING_BYTES', 'RETRY_S',
-           'GONE_RETRY_S', 'BEHIND_S', 'WITHIN_S', 'RATE_S', 'STUCK_S', 'GROUP_BYTES', 'GONE_SQLSTATES', 'EXIT_WAIT_S',
-           'default_db', 'db_url', 'check_name', 'escaped', 'StoreError', 'engine', 'keyed_by_rank', 'create_run',
-           'drop_run', 'last_iteration', 'claim', 'release', 'rows_digest', 'packed_sums', 'packed_digest',
-           'write_step', 'write_steps', 'merge_pieces', 'module_steps_sql', 'roll_up', 'roll_up_closed', 'rolled_steps',
-           'unfolded_bins', 'bin_spans', 'thin_steps', 'module_values', 'idle_priority', 'store_busy', 'store_gone',
-           'Writer']
+           'snapshots_t', 'flows_t', 'NONFINITE_ROWS', 'nonfinite_ix', 'VIEWS', 'PG_CONNECT', 'PG_SESSION',
+           'RETIRED_RUN_ID', 'ROWS_PER_INSERT', 'ROLLUP_WIDTHS', 'THINNED', 'KNOWN_MAX', 'LINGER_S', 'PENDING_STEPS',
+           'PENDING_BYTES', 'RETRY_S', 'GONE_RETRY_S', 'BEHIND_S', 'WITHIN_S', 'RATE_S', 'STUCK_S', 'GROUP_BYTES',
+           'GONE_SQLSTATES', 'EXIT_WAIT_S', 'default_db', 'db_url', 'check_name', 'escaped', 'StoreError', 'engine',
+           'keyed_by_rank', 'create_run', 'drop_run', 'last_iteration', 'claim', 'release', 'rows_digest',
+           'packed_sums', 'packed_digest', 'write_step', 'write_steps', 'merge_pieces', 'module_steps_sql', 'roll_up',
+           'roll_up_closed', 'rolled_steps', 'unfolded_bins', 'bin_spans', 'thin_steps', 'module_values',
+           'idle_priority', 'store_busy', 'store_gone', 'Writer']
 
 # %% ../nbs/02_store.ipynb #2b4773a6
 SCHEMA_VERSION = 2
@@ -141,6 +141,11 @@ flows_t = Table('flows', metadata,   # the model's data flow on a step it was ca
     Column('src', Integer, nullable=False), Column('dst', Integer, nullable=False),
     Column('calls', Integer), Column('dst_calls', Integer),
     PrimaryKeyConstraint('run_id', 'step', 'rank', 'src', 'dst'), sqlite_with_rowid=False)
+
+NONFINITE_ROWS = 'nan_count > 0 OR inf_count > 0'   # a stats row that held NaN or Inf: few, so indexed apart
+nonfinite_ix = sa.Index('stats_nonfinite',   # those rows alone, in step order: the first is a seek, rollups or not
+    *(stats_t.c[k] for k in ('run_id', 'step', 'rank', 'module_id', 'ttype', 'nan_count', 'inf_count')),
+    sqlite_where=sa.text(NONFINITE_ROWS), postgresql_where=sa.text(NONFINITE_ROWS))
 
 VIEWS = {
  'records': """SELECT r.name AS run, s.step, s.rank, s.call, m.name AS module, m.mtype, s.ttype, s.tname, s.shape, s.dtype,
@@ -281,6 +286,7 @@ def _init_schema(eng, tries:int=3):
                 raise StoreError(f"{eng.url.render_as_string(hide_password=True)} is a database but not a torchember store "
                                  f"(it has tables {', '.join(sorted(tables)[:5])}); choose another file")
             metadata.create_all(c)
+            if ver is not None: _index_nonfinite(c, eng)
             if ver is not None and (_upgrade(c, eng) or ver < SCHEMA_VERSION):
                 for v in VIEWS: c.exec_driver_sql(f'DROP VIEW IF EXISTS {v}')
             _create_views(c)
@@ -327,6 +333,17 @@ def _upgrade(c, eng)->bool:
             c.exec_driver_sql(f'ALTER TABLE {t.name} ADD COLUMN "{col.name}" {kind}')   # names are ours, not user input
             added = True
     return added
+
+def _index_nonfinite(c, eng):
+    "Give an older store the partial index of its NaN/Inf stats rows (`nonfinite_ix`): one read of its `stats`, said."
+    if nonfinite_ix.name in {i['name'] for i in sa.inspect(c).get_indexes('stats')}: return
+    if c.dialect.name == 'postgresql' and c.exec_driver_sql('SHOW transaction_read_only').scalar() == 'on': return
+    if c.exec_driver_sql('SELECT 1 FROM stats LIMIT 1').first() is not None:
+        warnings.warn(f"torchember: indexing the NaN/Inf rows of store {eng.url.render_as_string(hide_password=True)}, once "
+                      "(an older torchember made it): one read of its stats rows", stacklevel=5)
+    try:
+        with c.begin_nested(): nonfinite_ix.create(c)   # a savepoint: PostgreSQL keeps the transaction if refused
+    except sa.exc.DBAPIError: pass   # a store this process may only read: its readers search its rows as before
 
 def keyed_by_rank(db=None)->bool:
     "Whether store `db` (a path, URL or engine) keeps ranks apart: `rank` in the keys, as stores made since ranks have it."
