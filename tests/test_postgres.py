@@ -100,7 +100,7 @@ def test_schema_is_the_library_s(both):
     insp = sa.inspect(engine(url))
     assert set(insp.get_table_names()) == set(sa.inspect(engine(lite)).get_table_names())
     assert set(insp.get_view_names()) == {'records', 'latest', 'sequences'}
-    assert sql(url, "SELECT value FROM meta WHERE key = 'schema_version'") == [('2',)]
+    assert sql(url, "SELECT value FROM meta WHERE key = 'schema_version'") == [('3',)]
     types = {c['name']: str(c['type']) for c in insp.get_columns('stats')}
     assert types['nbytes'] == 'BIGINT' and types['mean'] == 'DOUBLE PRECISION'
     assert sql(url, "SELECT count(*) FROM latest") == sql(lite, "SELECT count(*) FROM latest")

@@ -14,6 +14,7 @@ import plotly.graph_objects as go
 from fastcore.basics import patch
 from sqlalchemy import select
 from .stats import STATS
+from .kinds import STATS_REGISTRY, figure_order, map_stats
 from .store import engine, steps_t
 from .query import Run, applied_steps
 from .tree import subtrees, visible, auto_collapse, block_of
@@ -31,19 +32,20 @@ __all__ = ['APPLIED_ONLY', 'BLUE', 'ORANGE', 'RED', 'LONG_PREFIXES', 'SHORT_TYPE
 
 # %% ../nbs/05_figures.ipynb #f654825d
 _META = ('run', 'step', 'iteration', 'kind', 'rank', 'call', 'module', 'mtype', 'ttype', 'tname', 'shape', 'dtype')
-_SUMS = ('numel', 'nan_count', 'inf_count')
 
 def with_stats(df:pd.DataFrame)->pd.DataFrame:
     "`df` with every default stat as a column: a store keeps NaN as NULL, and `Run.df` leaves out stats no row has."
     missing = [c for c in STATS if c not in df]
     return df.assign(**{c: np.nan for c in missing}) if missing else df
 
-_ORDER = ('mean', 'std', 'min', 'max', 'norm', 'zero_frac', 'nan_count', 'inf_count', 'numel')
+_ORDER = figure_order()   # the declared stats' `place`s: mean first, numel last
 
 def stat_columns(df:pd.DataFrame)->list:
     "The scalar stat columns of records `df`: the defaults (mean first), then custom ones (histograms left out)."
     cols = [c for c in df.columns if c not in _META and not c.startswith('hist') and pd.api.types.is_numeric_dtype(df[c])]
     return sorted(cols, key=lambda c: _ORDER.index(c) if c in _ORDER else len(_ORDER))
+
+_COMBINE = ('count', 'sum', 'min', 'max', 'rss', 'frac', 'mean', 'std')   # the merges `combine` does in pandas
 
 def combine(df:pd.DataFrame,  # records, as `Run.df` returns them
             keys:list,        # columns that identify a group, e.g. `['step']` or `['module']`
@@ -52,20 +54,23 @@ def combine(df:pd.DataFrame,  # records, as `Run.df` returns them
     keys = list(keys)
     if df.empty or not df.duplicated(keys).any(): return df.reset_index(drop=True)
     d = df.assign(_n=df['numel'].fillna(1) if 'numel' in df else 1.)
-    exact = [c for c in ('mean', 'std', 'min', 'max', 'norm', 'zero_frac', *_SUMS) if c in d]
-    d = d.assign(_nm=d['_n']*d.get('mean', np.nan), _nz=d['_n']*d.get('zero_frac', np.nan), _sq=d.get('norm', np.nan)**2,
-                 _ss=(d['_n']-1)*d.get('std', np.nan)**2 + d['_n']*d.get('mean', np.nan)**2)
+    how = {c: s.merge for c, s in STATS_REGISTRY.items() if c in d and s.merge in _COMBINE}   # each stat by its `merge`
+    exact = list(how)
+    mean = d.get('mean', np.nan)
+    d = d.assign(_nm=d['_n']*mean, _ss=(d['_n']-1)*d.get('std', np.nan)**2 + d['_n']*mean**2,
+                 **{f'_w{c}': d['_n']*d[c] for c, m in how.items() if m == 'frac'},   # fractions weighted by count
+                 **{f'_q{c}': d[c]**2 for c, m in how.items() if m == 'rss'})          # norms: the root of summed squares
     g = d.groupby(keys, sort=False)
     out = g[[c for c in df.columns if c not in keys and c not in exact]].first()
     n, sum_ = g['_n'].sum(), lambda c: g[c].sum(min_count=1)
-    for c in exact:
-        if c in _SUMS: out[c] = sum_(c)
-        elif c == 'min': out[c] = g[c].min()
-        elif c == 'max': out[c] = g[c].max()
-        elif c == 'norm': out[c] = np.sqrt(sum_('_sq'))
-        elif c == 'mean': out[c] = sum_('_nm') / n
-        elif c == 'zero_frac': out[c] = sum_('_nz') / n
-        elif c == 'std': out[c] = np.sqrt(((sum_('_ss') - sum_('_nm')**2/n) / (n - 1)).clip(lower=0))
+    for c, m in how.items():
+        if m in ('count', 'sum'): out[c] = sum_(c)
+        elif m == 'min': out[c] = g[c].min()
+        elif m == 'max': out[c] = g[c].max()
+        elif m == 'rss': out[c] = np.sqrt(sum_(f'_q{c}'))
+        elif m == 'frac': out[c] = sum_(f'_w{c}') / n
+        elif m == 'mean': out[c] = sum_('_nm') / n
+        elif m == 'std': out[c] = np.sqrt(((sum_('_ss') - sum_('_nm')**2/n) / (n - 1)).clip(lower=0))
     bad = d[exact].isna().groupby([d[k] for k in keys], sort=False).any()
     out[exact] = out[exact].mask(bad.reindex(out.index))
     return out.reset_index()[list(df.columns)]
@@ -447,7 +452,7 @@ from sqlalchemy import func
 from .store import stats_t, modules_t, rollups_t, ROLLUP_WIDTHS, module_steps_sql
 from .stats import TTYPES
 
-MAP_STATS = ('norm', 'std', 'mean', 'max', 'min', 'zero_frac')   # what a map can show, each taken over tensors and steps
+MAP_STATS = map_stats()   # what a map can show, each taken over tensors and steps (the declared stats' `map`)
 
 def _map_agg(stat:str, s)->list:
     "SQL aggregates of `stat` over a module's tensors at one step: the value's parts, as `module_map` combines them."

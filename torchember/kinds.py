@@ -1,4 +1,4 @@
-"""The names of what a step records, and the stats of a whole tensor from its pieces: plain Python, read without torch.
+"""What a step records: its kinds of tensor, each stat declared once, a whole tensor's stats from its pieces; no torch.
 
 Docs: https://torchember.github.io/torchember/kinds.html.md"""
 
@@ -6,35 +6,137 @@ Docs: https://torchember.github.io/torchember/kinds.html.md"""
 
 # %% ../nbs/00c_kinds.ipynb #b8274658
 from __future__ import annotations
-import math
+import math, os, importlib
+from collections import namedtuple
+from dataclasses import dataclass
+from typing import Callable
 
 # %% auto #0
-__all__ = ['TTYPES', 'NORM_EXTRAS', 'merge_stats']
+__all__ = ['TTYPES', 'MOMENTS', 'Moments', 'STATS_REGISTRY', 'MERGES', 'NORM_EXTRAS', 'Stat', 'register_stat', 'stat_names',
+           'figure_order', 'map_stats', 'derive', 'stats_table', 'merge_stats']
 
 # %% ../nbs/00c_kinds.ipynb #ca157b5b
 TTYPES = ('input', 'output', 'weight', 'weight_grad', 'input_grad', 'output_grad', 'attached')
 
-# %% ../nbs/00c_kinds.ipynb #bb427250
-NORM_EXTRAS = ('update_norm', 'init_dist')   # extra stats that are L2 norms: a whole tensor's is the root of its pieces' summed squares
+# %% ../nbs/00c_kinds.ipynb #84756201
+MOMENTS = ('n', 'sum', 'sumsq', 'min', 'max', 'nonzero', 'nan', 'inf')   # what every kernel measures, in this order
+Moments = namedtuple('Moments', MOMENTS)   # the moments as columns (numpy arrays or tensors): `m.sumsq`, `m.n`
 
+@dataclass(frozen=True)
+class Stat:
+    "A default stat: how it is derived from the `MOMENTS`, merged from pieces, stored and shown."
+    name:str           # its column in the store, `Run.df` and the views
+    of:Callable        # (m: `Moments` of columns, xp: numpy or torch) -> its column
+    merge:object       # a name of `MERGES`, or `f(values, counts, pieces)` -> the whole tensor's value
+    doc:str = ''       # what it is, for the table of stats
+    place:float = 50   # its place among the figures' stat columns (lower first)
+    map:bool = False   # a module map shows it (`figures.MAP_STATS`; the map's rollups know the six that say so)
+    sql:str = None     # its value from a row's stored stat columns, to fill in a store made before it (None: NULL)
+
+STATS_REGISTRY = {}   # name -> `Stat`, in column order
+
+def register_stat(s:Stat)->Stat:
+    "Declare a default stat (before the store and its views are built: see `TORCHEMBER_STATS`); `s` back."
+    if s.merge not in MERGES and not callable(s.merge):
+        raise ValueError(f"merge {s.merge!r} is none of {', '.join(MERGES)}, nor a function")
+    if not s.name.isidentifier(): raise ValueError(f"a stat's name is a column name, not {s.name!r}")
+    STATS_REGISTRY[s.name] = s
+    return s
+
+# %% ../nbs/00c_kinds.ipynb #3fc7e820
 def _f(v)->float: return math.nan if v is None else v   # SQL's NULL: a NaN stat
 
-def merge_stats(parts:list)->tuple:
-    "The default `STATS` of a tensor from those of its disjoint pieces (each in `STATS` order); empty pieces add nothing."
-    n = mean = m2 = sq = nonzero = nans = infs = 0.
-    lo, hi = math.inf, -math.inf
-    for k, mk, sk, mn, mx, norm, zf, na, inf in parts:
-        if not k: continue
-        mk, mn, mx = _f(mk), _f(mn), _f(mx)
-        m2k = (k - 1) * _f(sk) ** 2 if k > 1 else 0.
-        if n:      # Chan et al.: merge (n, mean, M2) of the pieces so far with this one's
+def _chan(ps:list)->tuple:
+    "`(n, mean, M2)` of the pieces `ps` (dicts with numel, mean, std), merged pairwise (Chan et al.)."
+    n = mean = m2 = 0.
+    for p in ps:
+        k, mk, sk = p['numel'], _f(p['mean']), _f(p['std'])
+        m2k = (k - 1) * sk ** 2 if k > 1 else 0.
+        if n:
             total, delta = n + k, mk - mean
-            mean, m2 = mean + delta * k / total, m2 + m2k + delta * delta * n * k / total
-            n = total
+            mean, m2, n = mean + delta * k / total, m2 + m2k + delta * delta * n * k / total, total
         else: n, mean, m2 = k, mk, m2k
-        if lo == lo: lo = mn if mn != mn else min(lo, mn)   # a NaN anywhere makes the extreme NaN, as torch's amin does
-        if hi == hi: hi = mx if mx != mx else max(hi, mx)
-        sq, nonzero = sq + _f(norm) ** 2, nonzero + k * (1 - _f(zf))
-        nans, infs = nans + (na or 0.), infs + (inf or 0.)
-    if not n: return (0., math.nan, math.nan, math.nan, math.nan, 0., math.nan, 0., 0.)
-    return (n, mean, math.sqrt(m2 / (n - 1)) if n > 1 else math.nan, lo, hi, math.sqrt(sq), 1 - nonzero / n, nans, infs)
+    return n, mean, m2
+
+def _extreme(pick):
+    "The merge of an extreme: `pick` (min or max) of the pieces', NaN if any is."
+    def merge(vs, ks, ps):
+        vs = [_f(v) for v in vs]
+        return math.nan if not vs or any(v != v for v in vs) else pick(vs)
+    return merge
+
+def _std(vs, ks, ps):
+    n, _, m2 = _chan(ps)
+    return math.sqrt(m2 / (n - 1)) if n > 1 else math.nan
+
+MERGES = dict(
+    count=lambda vs, ks, ps: float(sum(ks)),
+    sum=lambda vs, ks, ps: float(sum((v or 0.) for v in vs)),   # NaN and Inf counts: a NULL adds nothing
+    mean=lambda vs, ks, ps: _chan(ps)[1] if ps else math.nan,
+    std=_std, min=_extreme(min), max=_extreme(max),
+    rss=lambda vs, ks, ps: math.sqrt(sum(_f(v) ** 2 for v in vs)),
+    frac=lambda vs, ks, ps: 1 - sum(k * (1 - _f(v)) for v, k in zip(vs, ks)) / sum(ks) if ps else math.nan,
+    none=lambda vs, ks, ps: math.nan)   # a stat no piece's values make: unknown for the whole
+
+# %% ../nbs/00c_kinds.ipynb #e898beca
+def _std_of(m, xp):
+    var = (m.sumsq - m.sum * (m.sum / m.n)) / (m.n - 1)   # NaN for one element (0/0)
+    return xp.sqrt(xp.maximum(var, xp.zeros_like(var)))
+
+for _s in (
+    Stat('numel', lambda m, xp: m.n, 'count', "elements measured", place=90),
+    Stat('mean', lambda m, xp: m.sum / m.n, 'mean', "mean", place=10, map=True),
+    Stat('std', _std_of, 'std', "standard deviation (n - 1); NaN for one element", place=20, map=True),
+    Stat('min', lambda m, xp: m.min, 'min', "smallest value; NaN if any is", place=30, map=True),
+    Stat('max', lambda m, xp: m.max, 'max', "largest value; NaN if any is", place=40, map=True),
+    Stat('norm', lambda m, xp: xp.sqrt(m.sumsq), 'rss', "L2 norm", place=50, map=True),
+    Stat('zero_frac', lambda m, xp: 1 - m.nonzero / m.n, 'frac', "fraction of elements that are 0", place=60, map=True),
+    Stat('nan_count', lambda m, xp: m.nan, 'sum', "NaN elements", place=70),
+    Stat('inf_count', lambda m, xp: m.inf, 'sum', "Inf elements", place=80),
+    Stat('absmax', lambda m, xp: xp.maximum(abs(m.min), abs(m.max)), 'max', "largest magnitude; NaN if any value is",
+         place=45, sql='CASE WHEN "min" IS NULL OR "max" IS NULL THEN NULL WHEN ABS("min") > ABS("max") '
+                       'THEN ABS("min") ELSE ABS("max") END'),
+): register_stat(_s)
+
+# %% ../nbs/00c_kinds.ipynb #8b7706bc
+def _load_plugins(names:str=None):
+    "Import the modules named in `TORCHEMBER_STATS` (comma-separated), which declare stats of their own."
+    for name in filter(None, (names if names is not None else os.environ.get('TORCHEMBER_STATS', '')).split(',')):
+        importlib.import_module(name.strip())
+
+def stat_names()->tuple:
+    "The names of the declared stats, in column order (`stats.STATS`, `store.STAT_COLS`)."
+    return tuple(STATS_REGISTRY)
+
+def figure_order()->tuple:
+    "The declared stats in the order figures show their columns."
+    return tuple(sorted(STATS_REGISTRY, key=lambda k: STATS_REGISTRY[k].place))
+
+def map_stats()->tuple:
+    "The declared stats a module map can show."
+    return tuple(k for k, s in STATS_REGISTRY.items() if s.map)
+
+def derive(m, xp)->list:
+    "Every declared stat's column from the 8 moments columns `m` (numpy arrays or tensors), `xp` their module."
+    m = Moments(*m)
+    return [s.of(m, xp) for s in STATS_REGISTRY.values()]
+
+def stats_table()->str:
+    "The declared stats as a markdown table: name, what it is, how pieces merge."
+    rows = [f"| `{s.name}` | {s.doc} | {s.merge if isinstance(s.merge, str) else 'its own'} |"
+            for s in STATS_REGISTRY.values()]
+    return '\n'.join(["| stat | what | pieces merge by |", "|---|---|---|", *rows])
+
+# %% ../nbs/00c_kinds.ipynb #2c858c83
+NORM_EXTRAS = ('update_norm', 'init_dist')   # extra stats that are L2 norms: the whole's is the root of summed squares
+
+def merge_stats(parts:list)->tuple:
+    "The default `STATS` of a tensor from those of its disjoint pieces (each in `STATS` order); empty ones add nothing."
+    names = stat_names()
+    ps = [dict(zip(names, p)) for p in parts if p[0]]
+    ks = [p['numel'] for p in ps]
+    return tuple(float((MERGES[s.merge] if isinstance(s.merge, str) else s.merge)([p[k] for p in ps], ks, ps))
+                 for k, s in STATS_REGISTRY.items())
+
+# %% ../nbs/00c_kinds.ipynb #b508bf5d
+_load_plugins()   # last: a module named in `TORCHEMBER_STATS` imports this one

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 from fastcore.basics import patch_to
 from .core import elapsed_ms, held_cap, _transforms_on
-from .kinds import TTYPES, NORM_EXTRAS, merge_stats
+from .kinds import TTYPES, NORM_EXTRAS, merge_stats, stat_names, derive
+from . import kinds
 from . import native
 
 # %% auto #0
@@ -25,7 +26,7 @@ __all__ = ['MOMENTS', 'STATS', 'TRITON_DEVICES', 'F64', 'SMALL', 'FLOATS', 'SLOW
            'local_shard', 'shape_of', 'unwrapped']
 
 # %% ../nbs/01_stats.ipynb #676c44cd
-MOMENTS = ('n', 'sum', 'sumsq', 'min', 'max', 'nonzero', 'nan', 'inf')
+MOMENTS = kinds.MOMENTS   # what every kernel measures: n, sum, sum of squares, min, max, nonzeros, NaNs, Infs
 
 def as_real(t:torch.Tensor)->torch.Tensor:
     "`t` detached, flattened and as float64 (magnitude for complex, stored values for sparse, values for quantized), copied."
@@ -59,14 +60,11 @@ def moments(x:torch.Tensor)->torch.Tensor:
     return m
 
 # %% ../nbs/01_stats.ipynb #8f313c8b
-STATS = ('numel', 'mean', 'std', 'min', 'max', 'norm', 'zero_frac', 'nan_count', 'inf_count')
+STATS = stat_names()   # the declared stats (`kinds.STATS_REGISTRY`), in column order
 
 def stats_of_moments(m:torch.Tensor)->torch.Tensor:
     "The default `STATS` (columns) of each row of a `(rows, 8)` moments tensor."
-    n, s, ss, mn, mx, nz, nan, inf = m.unbind(1)
-    mean = s / n
-    var = ((ss - s*mean) / (n - 1)).clamp_min(0)
-    return torch.stack([n, mean, var.sqrt(), mn, mx, ss.sqrt(), 1 - nz/n, nan, inf], 1)
+    return torch.stack(derive(m.unbind(1), torch), 1)
 
 # %% ../nbs/01_stats.ipynb #e7fdf49e
 TRITON_DEVICES = {'cuda'}   # device types whose float tensors the Triton kernels measure
@@ -265,11 +263,7 @@ def _val(v, values):
 
 def _stats_np(m:np.ndarray)->np.ndarray:
     "`stats_of_moments` in numpy: runs on the writer thread, where a torch op would start a second OpenMP thread team."
-    n, s, ss, mn, mx, nz, nan, inf = m.T
-    with np.errstate(divide='ignore', invalid='ignore'):
-        mean = s / n
-        var = np.maximum((ss - s*mean) / (n - 1), 0)
-        return np.stack([n, mean, np.sqrt(var), mn, mx, np.sqrt(ss), 1 - nz/n, nan, inf], 1)
+    with np.errstate(divide='ignore', invalid='ignore'): return np.stack(derive(m.T, np), 1)
 
 ROW_FIELDS = ('module_id', 'call', 'ttype', 'tname', 'shape', 'dtype', *STATS, 'extra', 'nbytes')
 

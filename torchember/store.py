@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from sqlalchemy import (BigInteger, Column, Float, ForeignKey, Integer, LargeBinary, MetaData, PrimaryKeyConstraint, String,
                         Table, Text, bindparam, event, insert, select, update, func)
 from sqlalchemy.dialects.postgresql import insert as pg_insert
-from .kinds import merge_stats, NORM_EXTRAS, TTYPES   # not `stats`: the store, and its writer process, need no torch
+from .kinds import merge_stats, NORM_EXTRAS, TTYPES, STATS_REGISTRY, stat_names   # not `stats`: the store, and its writer process, need no torch
 
 # %% auto #0
 __all__ = ['SCHEMA_VERSION', 'MEMORY', 'metadata', 'STAT_COLS', 'Str', 'Size', 'meta_t', 'runs_t', 'ranks_t', 'modules_t',
@@ -30,7 +30,7 @@ __all__ = ['SCHEMA_VERSION', 'MEMORY', 'metadata', 'STAT_COLS', 'Str', 'Size', '
            'idle_priority', 'store_busy', 'store_gone', 'Writer']
 
 # %% ../nbs/02_store.ipynb #2b4773a6
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3   # 3: absmax
 MEMORY = 'sqlite://'   # the in-memory store of the process, however it is spelled
 
 def default_db()->str:
@@ -67,7 +67,7 @@ def escaped(s):
 
 # %% ../nbs/02_store.ipynb #6a4bd03f
 metadata = MetaData()
-STAT_COLS = ('numel', 'mean', 'std', 'min', 'max', 'norm', 'zero_frac', 'nan_count', 'inf_count')
+STAT_COLS = stat_names()   # a float column for each declared stat (`kinds.STATS_REGISTRY`), in its order
 Str = String().with_variant(String(collation='C'), 'postgresql')   # sorts byte by byte, as SQLite does, whatever the locale
 Size = BigInteger().with_variant(Integer(), 'sqlite')              # counts and bytes past 2**31 (SQLite's integers are 64-bit)
 
@@ -148,8 +148,8 @@ nonfinite_ix = sa.Index('stats_nonfinite',   # those rows alone, in step order: 
     sqlite_where=sa.text(NONFINITE_ROWS), postgresql_where=sa.text(NONFINITE_ROWS))
 
 VIEWS = {
- 'records': """SELECT r.name AS run, s.step, s.rank, s.call, m.name AS module, m.mtype, s.ttype, s.tname, s.shape, s.dtype,
-          s.numel, s.mean, s.std, s.min, s.max, s.norm, s.zero_frac, s.nan_count, s.inf_count, s.nbytes, s.extra,
+ 'records': f"""SELECT r.name AS run, s.step, s.rank, s.call, m.name AS module, m.mtype, s.ttype, s.tname, s.shape, s.dtype,
+          {', '.join(f's.{c}' for c in STAT_COLS)}, s.nbytes, s.extra,
           s.run_id, s.module_id
    FROM stats s JOIN runs r ON r.id = s.run_id JOIN modules m ON m.run_id = s.run_id AND m.id = s.module_id""",
  'latest': """SELECT rec.* FROM records rec
@@ -287,8 +287,10 @@ def _init_schema(eng, tries:int=3):
                                  f"(it has tables {', '.join(sorted(tables)[:5])}); choose another file")
             metadata.create_all(c)
             if ver is not None: _index_nonfinite(c, eng)
+            lacking = _lacking_stats(c) if ver is not None else ()
             if ver is not None and (_upgrade(c, eng) or ver < SCHEMA_VERSION):
                 for v in VIEWS: c.exec_driver_sql(f'DROP VIEW IF EXISTS {v}')
+            if lacking: _fill_stats(c, eng, lacking)
             _create_views(c)
             if ver is None: c.execute(insert(meta_t).values(key='schema_version', value=str(SCHEMA_VERSION)))
             elif ver < SCHEMA_VERSION:
@@ -344,6 +346,20 @@ def _index_nonfinite(c, eng):
     try:
         with c.begin_nested(): nonfinite_ix.create(c)   # a savepoint: PostgreSQL keeps the transaction if refused
     except sa.exc.DBAPIError: pass   # a store this process may only read: its readers search its rows as before
+
+def _lacking_stats(c)->list:
+    "The declared stats that the `stats` table of an older store has no column for."
+    have = {col['name'] for col in sa.inspect(c).get_columns('stats')}
+    return [k for k in STAT_COLS if k not in have]
+
+def _fill_stats(c, eng, names:list):
+    "Fill the new columns `names` of an older store's stats and shards from their stored stats, where the stat says how."
+    sets = ', '.join(f'"{k}" = {STATS_REGISTRY[k].sql}' for k in names if STATS_REGISTRY[k].sql)
+    if not sets: return
+    if c.exec_driver_sql('SELECT 1 FROM stats LIMIT 1').first() is not None:
+        warnings.warn(f"torchember: filling in {', '.join(names)} of store {eng.url.render_as_string(hide_password=True)}, "
+                      "once (an older torchember made it): one pass over its stats rows", stacklevel=5)
+    for t in ('stats', 'shards'): c.exec_driver_sql(f'UPDATE {t} SET {sets}')   # declared names and SQL, no user input
 
 def keyed_by_rank(db=None)->bool:
     "Whether store `db` (a path, URL or engine) keeps ranks apart: `rank` in the keys, as stores made since ranks have it."
@@ -613,7 +629,7 @@ def _packed_layout(keys:list)->dict:
 def _packed_rows(head:tuple, keys:list, stats:np.ndarray)->np.ndarray:
     "The object matrix of a step's packed rows (`keys`, their `stats` matrix) after `head`: its layout's, stats put in."
     m = _packed_layout(keys)['row'].copy()
-    m[:, :3], m[:, 9:9 + len(STAT_COLS)] = head, stats
+    m[:, :3], m[:, 9:9 + stats.shape[1]] = head, stats   # a matrix of the first nine stats only: NULL for later ones
     return m
 
 def _insert_packed(c, head:tuple, keys:list, stats:np.ndarray):
@@ -676,6 +692,15 @@ def _brings_rows(step:dict)->bool:
     packed = step.get('packed')
     return bool(step.get('rows') or step.get('pieces') or packed is not None and packed[0])
 
+_FIRST_STATS = 9   # the stats of every store before `absmax` (schema 2): a row of theirs is still written as it was
+
+def _all_stats(rows:list)->list:
+    "`rows` with a NULL for each stat declared after the first nine, where a row was made without them."
+    short = 6 + _FIRST_STATS + 2
+    if not rows or len(STAT_COLS) == _FIRST_STATS or len(rows[0]) != short: return rows
+    pad = (None,) * (len(STAT_COLS) - _FIRST_STATS)
+    return [(*r[:6 + _FIRST_STATS], *pad, *r[-2:]) if len(r) == short else r for r in rows]
+
 def write_steps(eng, run_id:int, steps:list, rank:int=0):
     "Write several steps of `rank` (dicts of `write_step`'s arguments) in one transaction of `eng`."
     try:
@@ -684,7 +709,8 @@ def write_steps(eng, run_id:int, steps:list, rank:int=0):
             if any(s.get('pieces') for s in steps) and c.dialect.name == 'postgresql':
                 c.exec_driver_sql('SELECT pg_advisory_xact_lock(%(k)s)', dict(k=_pg_key(run_id, -1)))   # merging ranks take turns
             for s in steps:
-                step, rows, closed, pieces = s['step'], s.get('rows') or [], s.get('closed', True), s.get('pieces') or []
+                step, rows, closed, pieces = (s['step'], _all_stats(s.get('rows') or []), s.get('closed', True),
+                                              s.get('pieces') or [])
                 keys, stats = s.get('packed') or (None, None)   # `StepRecord.packed`, in place of `rows`
                 head = (run_id, step, rank)
                 if keys and closed and c.dialect.name == 'postgresql' and _copyable(keys):
@@ -944,6 +970,9 @@ def _grouped(keys:tuple)->tuple:
         g = _GROUPS[keys] = (uniq, order, np.flatnonzero(np.r_[True, np.diff(idx[order]) != 0]) if len(idx) else idx)
     return g
 
+_ROLLED_STATS = [STAT_COLS.index(k) for k in ('numel', 'mean', 'std', 'min', 'max', 'norm', 'zero_frac', 'nan_count',
+                                               'inf_count')]   # what a rollup holds is made of
+
 def module_values(rows:list, stats:np.ndarray=None)->tuple:
     "`(keys, values)` of a step's rows (or packed keys and `stats`): `(ttype, module_id)` keys, `module_steps_sql`'s values."
     if stats is None: uniq, order, starts = _grouped(tuple((r[2], r[0]) for r in rows))
@@ -953,8 +982,8 @@ def module_values(rows:list, stats:np.ndarray=None)->tuple:
         uniq, order, starts = lay['grouped']
     out = np.empty((len(uniq), 7))
     if not len(uniq): return uniq, out
-    x = (np.array([r[6:15] for r in rows], dtype=float) if stats is None else stats)[order]   # None (NULL) becomes NaN (NULL, too)
-    numel, mean, std, lo, hi, norm, zf, nan, inf = x.T
+    x = (np.array([r[6:6 + len(STAT_COLS)] for r in rows], dtype=float) if stats is None else stats)[order]
+    numel, mean, std, lo, hi, norm, zf, nan, inf = x[:, _ROLLED_STATS].T
     with np.errstate(all='ignore'):
         terms = np.stack([numel, norm * norm, std * std * numel, mean * numel, zf * numel], 1)
         ok = ~np.isnan(terms)
