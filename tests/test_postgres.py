@@ -266,7 +266,7 @@ def test_concurrent_first_open_of_a_fresh_database(server, tmp_path):
         for p in ps: p.stdin.close(); p.wait(timeout=60)
     try:
         assert not errors, errors[:3]
-        for url in urls: assert sql(url, "SELECT value FROM meta") == [('2',)] and len(sql(url, "SELECT * FROM latest")) == 0
+        for url in urls: assert sql(url, "SELECT value FROM meta") == [('3',)] and len(sql(url, "SELECT * FROM latest")) == 0
     finally:
         for url in urls: drop_database(server, url)
 
@@ -293,7 +293,7 @@ def test_newer_schema_and_foreign_database_refused(pg, server):
     engine(pg)
     sql_exec(pg, "UPDATE meta SET value = '99' WHERE key = 'schema_version'")
     forget(pg)
-    with pytest.raises(StoreError, match="schema version 99, newer than this torchember's 2"): engine(pg)
+    with pytest.raises(StoreError, match="schema version 99, newer than this torchember's 3"): engine(pg)
     with pytest.raises(StoreError, match="schema version 99"): load('x', pg)
     other = new_database(server)
     try:
@@ -315,7 +315,7 @@ def test_version_1_store_upgraded_in_place(pg):
               'DROP TABLE calls', "UPDATE meta SET value = '1' WHERE key = 'schema_version'"): sql_exec(pg, q)
     forget(pg)
     r = load('old', pg)
-    assert sql(pg, "SELECT value FROM meta") == [('2',)]
+    assert sql(pg, "SELECT value FROM meta") == [('3',)]
     assert {c['name'] for c in sa.inspect(engine(pg)).get_columns('stats')} >= {'nbytes'}
     assert 'calls' in sa.inspect(engine(pg)).get_table_names()
     assert len(r.latest()) and 'nbytes' not in r.df().columns      # old rows read back, without the sizes they never had
@@ -358,3 +358,16 @@ def test_postgresql_folds_from_memory_only_the_bins_without_nan(pg, monkeypatch)
     from test_known_folds import check_folds
     t = check_folds(pg, 1, monkeypatch, from_memory=None)   # and the rollups equal those the server folds from the rows
     assert True in t._took and False in t._took, t._took
+
+def test_store_made_before_absmax_gains_it_filled_in(pg):
+    "A schema-2 store (no `absmax`) gets the column in `stats` and `shards`, filled in from each row's min and max."
+    model = make_model()
+    with torchEmber(model, run='old', db=pg):
+        model(torch.randn(1, 3, 8, 8) - 3).sum().backward()
+    for q in ('DROP VIEW latest', 'DROP VIEW records', 'DROP VIEW sequences', 'ALTER TABLE stats DROP COLUMN absmax',
+              'ALTER TABLE shards DROP COLUMN absmax', "UPDATE meta SET value = '2' WHERE key = 'schema_version'"): sql_exec(pg, q)
+    forget(pg)
+    with pytest.warns(UserWarning, match='filling in absmax'): df = load('old', pg).df()
+    assert len(df) and df['absmax'].notna().all()
+    assert (df['absmax'] == df[['min', 'max']].abs().max(axis=1)).all()
+    assert sql(pg, "SELECT value FROM meta") == [('3',)]
