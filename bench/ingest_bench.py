@@ -4,7 +4,10 @@ Each writing process trains an armed fast MLP of its own run (16 x (Linear(64, 6
 recorded, torch on one thread, the writer torchember chooses), all started together, for `secs` seconds, then
 disarms (which waits for its writer to drain). Printed per store and number of processes: the stat rows stored a
 second (all processes' rows, over the time from the first step to the last disarm's end), the steps each process ran
-and how many of them its run holds, the steps dropped (`te.dropped`), and the longest disarm (the drain).
+and how many of them its run holds, the steps dropped (`te.dropped`), the seconds each process's steps waited for
+its writer (`Writer.paced`: a writer behind holds the run back, to at worst half its speed, before it drops), and the
+longest disarm (the drain). The 1-minute load average is printed beside each row: on a shared machine it moves the
+figures more than anything here.
 
 PostgreSQL: the server of `$TORCHEMBER_PG_URL`, else a throwaway one started with `.ci/postgres` (skipped, saying
 why, where none can start).
@@ -34,8 +37,9 @@ while time.time() - t0 < secs:
     model(x).pow(2).mean().backward(); opt.step(); opt.zero_grad()
     n += 1
 t1 = time.time()
+w = te.writer
 te.disarm()
-print(json.dumps(dict(ran=n + 1, t0=t0, t1=t1, t2=time.time(), dropped=te.dropped, writer='process' if te.writer_process else 'thread')), flush=True)
+print(json.dumps(dict(paced=getattr(w, 'paced', 0.), ran=n + 1, t0=t0, t1=t1, t2=time.time(), dropped=te.dropped, writer='process' if te.writer_process else 'thread')), flush=True)
 '''
 
 def _stored(db:str, runs:list)->dict:
@@ -66,7 +70,7 @@ def round_(db:str, n:int, secs:float, scratch:Path)->dict:
     rows = sum(stored[r][1] for r in runs)
     span = max(g['t2'] for g in got) - min(g['t0'] for g in got)
     return dict(rows_s=rows / span, ran=[g['ran'] for g in got], stored=[stored[r][0] for r in runs],
-                dropped=sum(g['dropped'] for g in got), drain=max(g['t2'] - g['t1'] for g in got), writer=got[0]['writer'])
+                dropped=sum(g['dropped'] for g in got), paced=[g['paced'] for g in got], drain=max(g['t2'] - g['t1'] for g in got), writer=got[0]['writer'])
 
 def _pg_url(scratch:Path):
     "`(url, folder to stop or None)`: `$TORCHEMBER_PG_URL`, else a throwaway server; `(None, why)` where there is none."
@@ -86,14 +90,18 @@ def main(secs:float=8, writers=(1, 2, 4)):
     else: print(f"PostgreSQL skipped: {pg}")
     print(f"ingest: each process an armed 16 x (Linear(64), GELU) MLP, batch 32, every step, torch 1 thread, {secs:g} s; "
           "rows/s: stat rows stored a second, all processes, first step to last disarm\n")
-    hdr = f"{'store':<11} {'procs':>5} {'writer':>7} {'stat rows/s':>12} {'stored / ran, each process':<40} {'dropped':>7} {'drain s':>7}"
+    hdr = (f"{'store':<11} {'procs':>5} {'writer':>7} {'stat rows/s':>12} {'stored / ran, each process':<40} {'dropped':>7} "
+           f"{'paced s, each':<24} {'drain s':>7} {'load':>5}")
     print(hdr); print('-' * len(hdr))
     try:
         for name, db in stores:
             for n in writers:
                 r = round_(db(n), n, secs, scratch)
                 each = ', '.join(f"{s:,}/{a:,}" for s, a in zip(r['stored'], r['ran']))
-                print(f"{name:<11} {n:5d} {r['writer']:>7} {r['rows_s']:12,.0f} {each:<40} {r['dropped']:7d} {r['drain']:7.2f}", flush=True)
+                paced = ', '.join(f"{p:.2f}" for p in r['paced'])
+                load = os.getloadavg()[0]
+                print(f"{name:<11} {n:5d} {r['writer']:>7} {r['rows_s']:12,.0f} {each:<40} {r['dropped']:7d} {paced:<24} "
+                      f"{r['drain']:7.2f} {load:5.1f}", flush=True)
     finally:
         if pg: subprocess.run(['bash', str(HERE.parent/'.ci'/'postgres'), 'stop', pg], capture_output=True)
 

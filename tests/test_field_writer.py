@@ -440,11 +440,11 @@ def test_sigkill_with_snapshots_keeps_every_step_finished_more_than_a_second_bef
 # ---------------------------------------------------------------- a writer that falls behind (issue 47)
 
 def test_a_writer_that_falls_behind_thins_evenly_and_says_the_rates():
-    "A store that takes 500 items a second, given about 1,000 a second: the writer thins evenly, keeps what it must, says why."
+    "A store that takes 250 items a second, given about 1,000 a second: paced to half, the writer still thins evenly and says why."
     from torchember.store import Writer
     got, ages = [], []
-    def slow(items):                      # 2 ms an item: a store slower than the run
-        time.sleep(0.002 * len(items))
+    def slow(items):                      # 4 ms an item: a store slower than the run, even at half its speed
+        time.sleep(0.004 * len(items))
         now = time.monotonic()
         got.extend(i for i, _ in items); ages.extend(now - t for _, t in items)
     w = Writer(slow, rows=lambda item: 100, keep=lambda item: item[0] % 50 == 7)
@@ -466,3 +466,57 @@ def test_a_writer_that_falls_behind_thins_evenly_and_says_the_rates():
     run = max(sum(1 for _ in g) for _, g in itertools.groupby(enumerate(missing), lambda x: x[1] - x[0]))
     assert run <= 3, f"dropped evenly, not in blocks ({run} in a row)"
     assert max(ages) < 1.0, f"a kept item waited {max(ages):.2f} s: what is left is written within a second"
+
+
+def test_a_writer_somewhat_slower_than_the_run_paces_it_and_drops_nothing():
+    "A store that takes about 65 items a second, given about 100 a second: each submit waits a little, and none is dropped."
+    from torchember.store import Writer
+    got, ages = [], []
+    def slow(items):                      # 15 ms an item: slower than the run, but not half as fast
+        time.sleep(0.015 * len(items))
+        now = time.monotonic()
+        got.extend(i for i, _ in items); ages.extend(now - t for _, t in items)
+    w = Writer(slow, rows=lambda item: 100)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter('always')
+        for i in range(200):
+            w.submit((i, time.monotonic()))
+            time.sleep(0.01)
+        w.flush()
+    w.close()
+    msgs = [str(r.message) for r in rec]
+    assert w.dropped == 0 and got == list(range(200)), msgs
+    assert w.paced > 0, "the run waited for the writer"
+    assert not any('falls behind' in m or 'dropped' in m for m in msgs), msgs
+    assert max(ages) < 1.0, f"an item waited {max(ages):.2f} s"
+
+def test_a_store_locked_by_another_program_is_not_paced_for():
+    "While the store takes nothing (locked), submit never waits: training is not slowed by a lock, only by a slow writer."
+    from torchember.store import Writer
+    gate = threading.Event()
+    w = Writer(lambda items: gate.wait())
+    for i in range(200):
+        w.submit(i); time.sleep(0.001)
+    gate.set(); w.flush(); w.close()
+    assert w.paced == 0 and w.dropped == 0
+
+def test_a_write_waits_for_the_sqlite_lock_in_short_tries_and_gives_the_busy_error_past_its_bound(tmp_path, monkeypatch):
+    "Another connection holds the write lock: a write waits, takes it when freed, and past `BUSY_WAIT_S` raises SQLite's busy error."
+    import sqlalchemy as sa
+    from torchember import store
+    db = tmp_path/'s.db'
+    eng = store.engine(db)
+    rid, _ = store.create_run(eng, 'r', 'X', [('', 'X', None)], {})
+    monkeypatch.setattr(store, 'BUSY_WAIT_S', 0.5)
+    other = sqlite3.connect(db, isolation_level=None, check_same_thread=False)
+    other.execute('BEGIN IMMEDIATE')
+    threading.Timer(0.2, other.execute, ('COMMIT',)).start()
+    store.write_steps(eng, rid, [dict(step=0, rows=[])])          # waits for the lock, then written
+    other.execute('BEGIN IMMEDIATE')
+    with pytest.raises(sa.exc.OperationalError) as e: store.write_steps(eng, rid, [dict(step=1, rows=[])])
+    assert store.store_busy(e.value)
+    other.execute('COMMIT')
+    store.write_steps(eng, rid, [dict(step=1, rows=[])])
+    with eng.connect() as c:
+        assert c.exec_driver_sql('SELECT step FROM steps WHERE run_id = ? ORDER BY step', (rid,)).scalars().all() == [0, 1]
+        assert c.exec_driver_sql('PRAGMA busy_timeout').scalar() == 500, "the connection's own busy wait is put back"

@@ -21,13 +21,14 @@ from .kinds import merge_stats, NORM_EXTRAS, TTYPES, STATS_REGISTRY, stat_names 
 __all__ = ['SCHEMA_VERSION', 'MEMORY', 'metadata', 'STAT_COLS', 'Str', 'Size', 'meta_t', 'runs_t', 'ranks_t', 'modules_t',
            'steps_t', 'digests_t', 'events_t', 'stats_t', 'calls_t', 'scalars_t', 'shards_t', 'rollups_t',
            'snapshots_t', 'flows_t', 'NONFINITE_ROWS', 'nonfinite_ix', 'VIEWS', 'PG_CONNECT', 'PG_SESSION',
-           'RETIRED_RUN_ID', 'ROWS_PER_INSERT', 'ROLLUP_WIDTHS', 'THINNED', 'KNOWN_MAX', 'LINGER_S', 'PENDING_STEPS',
-           'PENDING_BYTES', 'RETRY_S', 'GONE_RETRY_S', 'BEHIND_S', 'WITHIN_S', 'RATE_S', 'STUCK_S', 'GROUP_BYTES',
-           'GONE_SQLSTATES', 'EXIT_WAIT_S', 'default_db', 'db_url', 'check_name', 'escaped', 'StoreError', 'engine',
-           'keyed_by_rank', 'create_run', 'drop_run', 'last_iteration', 'claim', 'release', 'rows_digest',
-           'packed_sums', 'packed_digest', 'write_step', 'write_steps', 'merge_pieces', 'module_steps_sql', 'roll_up',
-           'roll_up_closed', 'rolled_steps', 'unfolded_bins', 'bin_spans', 'thin_steps', 'module_values',
-           'idle_priority', 'store_busy', 'store_gone', 'Writer']
+           'RETIRED_RUN_ID', 'ROWS_PER_INSERT', 'BUSY_WAIT_S', 'LOCK_POLL_S', 'ROLLUP_WIDTHS', 'THINNED', 'KNOWN_MAX',
+           'LINGER_S', 'PENDING_STEPS', 'PENDING_BYTES', 'RETRY_S', 'GONE_RETRY_S', 'BEHIND_S', 'WITHIN_S', 'RATE_S',
+           'STUCK_S', 'GROUP_BYTES', 'PACE', 'PACE_MAX_S', 'PACE_SAY_S', 'GONE_SQLSTATES', 'EXIT_WAIT_S', 'default_db',
+           'db_url', 'check_name', 'escaped', 'StoreError', 'engine', 'keyed_by_rank', 'create_run', 'drop_run',
+           'last_iteration', 'claim', 'release', 'rows_digest', 'packed_sums', 'packed_digest', 'write_step',
+           'write_steps', 'merge_pieces', 'module_steps_sql', 'roll_up', 'roll_up_closed', 'rolled_steps',
+           'unfolded_bins', 'bin_spans', 'thin_steps', 'module_values', 'idle_priority', 'store_busy', 'store_gone',
+           'Writer']
 
 # %% ../nbs/02_store.ipynb #2b4773a6
 SCHEMA_VERSION = 3   # 3: absmax
@@ -701,42 +702,71 @@ def _all_stats(rows:list)->list:
     pad = (None,) * (len(STAT_COLS) - _FIRST_STATS)
     return [(*r[:6 + _FIRST_STATS], *pad, *r[-2:]) if len(r) == short else r for r in rows]
 
+def _stats_rows(out:list, m):
+    "Add stats rows to `out`, `[[object matrices] or (head, rows)]` in order: matrices one after another in one list."
+    if not isinstance(m, np.ndarray): out.append(m)
+    elif out and isinstance(out[-1], list): out[-1].append(m)
+    else: out.append([m])
+
+BUSY_WAIT_S = 30         # how long a write waits for SQLite's write lock (as `PRAGMA busy_timeout` does)
+LOCK_POLL_S = 0.0005     # ... tried this often: SQLite's own wait sleeps up to 100 ms a try, so one writer of several starves
+
+def _write_lock(c):
+    "Begin SQLite transaction `c` with the write lock, tried every `LOCK_POLL_S` for `BUSY_WAIT_S` (then SQLite's busy error)."
+    con = c.connection.driver_connection
+    if con.in_transaction: return
+    con.execute('PRAGMA busy_timeout=0')   # (a PRAGMA begins no transaction)
+    try:
+        end = time.monotonic() + BUSY_WAIT_S
+        while True:
+            try: return c.exec_driver_sql('BEGIN IMMEDIATE')
+            except sa.exc.OperationalError as e:
+                if not any(m in str(e.orig) for m in ('locked', 'busy')) or time.monotonic() > end: raise
+            time.sleep(LOCK_POLL_S)
+    finally: con.execute(f'PRAGMA busy_timeout={round(BUSY_WAIT_S * 1000)}')
+
 def write_steps(eng, run_id:int, steps:list, rank:int=0):
     "Write several steps of `rank` (dicts of `write_step`'s arguments) in one transaction of `eng`."
     try:
         digests, closes, pieced, in_sql, copied = [], [], [], set(), []
+        stats, rows_of = [], {t: [] for t in (shards_t, calls_t, scalars_t, flows_t, snapshots_t, events_t)}
+        postgres = eng.dialect.name == 'postgresql'
+        # first what needs no SQL, outside the transaction: on SQLite other processes' writers wait while it holds the lock
+        for s in steps:
+            step, rows, closed, pieces = s['step'], _all_stats(s.get('rows') or []), s.get('closed', True), s.get('pieces') or []
+            keys, st = s.get('packed') or (None, None)   # `StepRecord.packed`, in place of `rows`
+            head = (run_id, step, rank)
+            if keys and closed and postgres and _copyable(keys): copied.append(_packed_rows(head, keys, st))   # one COPY
+            elif keys: _stats_rows(stats, _packed_rows(head, keys, st))
+            elif rows: _stats_rows(stats, (head, rows))
+            if pieces:
+                rows_of[shards_t] += [(*head, *r) for r in pieces]
+                pieced.append(step)
+            if rows or keys or pieces or closed:
+                digest = None if not closed else packed_digest(keys, st) if keys is not None else rows_digest(rows + pieces)
+                digests.append((*head, digest))
+                _remember(eng, run_id, rank, step, (rows if keys is None else keys) if closed and not pieces else None, st)
+            for t, got in ((calls_t, s.get('calls')), (scalars_t, list((s.get('scalars') or {}).items())), (flows_t, s.get('flows'))):
+                if got: rows_of[t] += [(*head, *r) for r in got]
+            if snapshots := s.get('snapshots'):
+                rows_of[snapshots_t] += [(run_id, m, tt, tn, call, step, rank, *rest) for m, tt, tn, call, *rest in snapshots]
+            events, events_step, training = s.get('events') or (), s.get('events_step'), s.get('training')
+            if events and events_step is None: rows_of[events_t] += [(*head, i, *e) for i, e in enumerate(events)]
+            n, sums = len(rows if keys is None else keys), (None, None, None)   # the sums of rows: set below, once they are in
+            if keys and closed and not pieces: sums = (*packed_sums(keys, st), 1)
+            elif _brings_rows(s): in_sql.add(step)   # rows to sum in SQL, with any the step has already
+            if closed: closes.append((*head, time.time(), n, step if events_step is None else events_step,
+                                      None if training is None else int(training), s.get('iteration'), s.get('kind'),
+                                      s.get('iteration_after'), *sums))
         with (nullcontext(eng) if isinstance(eng, sa.Connection) else eng.begin()) as c:
-            if any(s.get('pieces') for s in steps) and c.dialect.name == 'postgresql':
+            if c.dialect.name == 'sqlite' and not isinstance(eng, sa.Connection): _write_lock(c)
+            if pieced and postgres:
                 c.exec_driver_sql('SELECT pg_advisory_xact_lock(%(k)s)', dict(k=_pg_key(run_id, -1)))   # merging ranks take turns
-            for s in steps:
-                step, rows, closed, pieces = (s['step'], _all_stats(s.get('rows') or []), s.get('closed', True),
-                                              s.get('pieces') or [])
-                keys, stats = s.get('packed') or (None, None)   # `StepRecord.packed`, in place of `rows`
-                head = (run_id, step, rank)
-                if keys and closed and c.dialect.name == 'postgresql' and _copyable(keys):
-                    copied.append(_packed_rows(head, keys, stats))   # a step's first rows: all in one COPY below
-                elif keys is not None: _insert_packed(c, head, keys, stats)
-                elif rows: _insert_rows(c, stats_t, head, rows, replace=True)
-                if pieces:
-                    _insert_rows(c, shards_t, head, pieces, replace=True)
-                    pieced.append(step)
-                if rows or keys or pieces or closed:
-                    digest = None if not closed else packed_digest(keys, stats) if keys is not None else rows_digest(rows + pieces)
-                    digests.append((*head, digest))
-                    _remember(c, run_id, rank, step, (rows if keys is None else keys) if closed and not pieces else None, stats)
-                if calls := s.get('calls'): _insert_rows(c, calls_t, head, calls, replace=True)
-                if scalars := s.get('scalars'): _insert_rows(c, scalars_t, head, list(scalars.items()), replace=True)
-                if flows := s.get('flows'): _insert_rows(c, flows_t, head, flows, replace=True)
-                if snapshots := s.get('snapshots'):
-                    _executemany(c, snapshots_t, [(run_id, m, tt, tn, call, step, rank, *rest) for m, tt, tn, call, *rest in snapshots], replace=True)
-                events, events_step, training = s.get('events') or (), s.get('events_step'), s.get('training')
-                if events and events_step is None: _insert_rows(c, events_t, head, [(i, *e) for i, e in enumerate(events)])
-                n, sums = len(rows if keys is None else keys), (None, None, None)   # the sums of rows: set below, once they are in
-                if keys and closed and not pieces: sums = (*packed_sums(keys, stats), 1)
-                elif _brings_rows(s): in_sql.add(step)   # rows to sum in SQL, with any the step has already
-                if closed: closes.append((*head, time.time(), n, step if events_step is None else events_step,
-                                          None if training is None else int(training), s.get('iteration'), s.get('kind'),
-                                          s.get('iteration_after'), *sums))
+            for m in stats:   # each table's rows in the order they came (a later row replaces an earlier one of its key)
+                if isinstance(m, list): _insert_matrix(c, stats_t, np.concatenate(m) if len(m) > 1 else m[0], replace=True)
+                else: _insert_rows(c, stats_t, *m, replace=True)
+            for t, got in rows_of.items():
+                if got: _insert_rows(c, t, (), got, replace=t is not events_t)
             if copied: _copy_rows(c, stats_t, np.concatenate(copied) if len(copied) > 1 else copied[0])
             if digests: _executemany(c, digests_t, digests, replace=True)
             if closes:
@@ -749,7 +779,7 @@ def write_steps(eng, run_id:int, steps:list, rank:int=0):
             summed = sorted({s['step'] for s in steps if _brings_rows(s)})
             if closes or summed: roll_up_closed(c, run_id, rank, [r[1] for r in closes], summed)
     except BaseException:   # nothing of it stored: the wider bins it folded in memory are not either
-        _forget_wider(eng.engine if isinstance(eng, sa.Connection) else eng, run_id, [rank])
+        _forget_wider(eng.engine, run_id, [rank])
         raise
 
 def merge_pieces(c, run_id:int, steps:list):
@@ -1134,6 +1164,9 @@ WITHIN_S = 0.8                                    # ... so that each left is wri
 RATE_S = 5                                        # the span the rates in the warnings are measured over
 STUCK_S = 2                                       # a write taking longer waits for a lock (SQLite's busy wait), maybe
 GROUP_BYTES = 4 << 20                             # the most bytes in one `write` (bar its first item)
+PACE = 1.0                                        # a step waits for a writer behind at most this share of its own time
+PACE_MAX_S = 0.25                                 # ... and at most this long
+PACE_SAY_S = 1.0                                  # steps waited this long in all: said once
 
 def store_busy(e:Exception)->bool:
     "Whether `e` says another writer holds the store for now (SQLite busy or locked, a PostgreSQL lock conflict)."
@@ -1199,6 +1232,7 @@ class Writer:
         self._rates = deque([(time.monotonic(), 0, 0)])           # (time, made, taken), one every second at most
         self._late_said, self._lagging = False, False             # `flush` said items still wait; falling behind
         self._since, self._n, self._why = 0., 0, None             # batch taken at; items submitted; why dropped
+        self.paced, self._left, self._pace_said = 0., None, False  # s submitters waited for the writer; last submit's end
         self._t = threading.Thread(target=self._run, name='torchember-writer', daemon=True)
         self._t.start()
         _writers.add(self)
@@ -1216,6 +1250,27 @@ class Writer:
             behind = self._falling_behind(now)
             if behind or self._over(): self._thin(now, behind)
             if len(self.pending) in (1, self.group): self._cv.notify()
+            if self._pacing(now): self._pace(now)
+            self._left = time.monotonic()
+
+    def _pacing(self, now:float)->bool:
+        "Whether a step waits for the writer: the store takes items, yet one waits that came before its last write ended."
+        p = self.pending   # (a writer that keeps up takes, after each write, all that came meanwhile, up to its group)
+        return (PACE > 0 and self._left is not None and self._busy is not None and self._out is None and self._took > p[0][0]
+                and now - self._since < STUCK_S and not (self._stop or self._urgent))
+
+    def _pace(self, now:float):
+        "Wait until the writer takes the oldest waiting item, at most `PACE` times the time since the last submit ended."
+        budget, first = min(PACE_MAX_S, PACE * (now - self._left)), self.pending[0][5]
+        self._cv.wait_for(lambda: not self.pending or self.pending[0][5] != first or self._out is not None or self._stop
+                          or self._urgent, budget)
+        self.paced += time.monotonic() - now
+        if self.paced >= PACE_SAY_S and not self._pace_said:
+            self._pace_said = True
+            made, taken = self.rates()
+            warnings.warn(f"torchember: the store takes {taken:,.0f} rows a second and this run makes {made:,.0f}: each step "
+                          "waits for the writer, at most as long as the step took, so that no step is dropped "
+                          f"({self.paced:.1f} s waited so far)", RuntimeWarning, stacklevel=4)
 
     def _over(self)->bool: return len(self.pending) > self.max_steps or self.nbytes > self.max_bytes
 
