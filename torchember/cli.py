@@ -6,7 +6,7 @@ Docs: https://torchember.github.io/torchember/cli.html.md"""
 
 # %% ../nbs/06b_cli.ipynb #244a3dfa
 from __future__ import annotations
-import sys
+import inspect, sys
 from typing import Annotated
 import pandas as pd
 import sqlalchemy as sa
@@ -14,12 +14,12 @@ from fastcore.script import call_parse, is_cli, CliError
 from . import __version__
 from .store import StoreError, engine
 from .query import runs, load, delete_run
-from .diagnose import diff
+from .diagnose import diff, PARAMS, _REGISTERED
 from .findings import severity_counts
 from .report import report
 
 # %% auto #0
-__all__ = ['COMMANDS', 'main']
+__all__ = ['COMMANDS', 'doctor_options', 'main']
 
 # %% ../nbs/06b_cli.ipynb #ec1de446
 def _fail(msg:str):
@@ -58,10 +58,10 @@ def _findings_text(run:str, f:pd.DataFrame)->str:
     rows = (line(r, m) for (_, r), m in zip(cols.iterrows(), f['message']))
     return '\n'.join([head, line({k: k for k in cols}, 'message'), *rows])
 
-def _doctor(run, db, rank, window, step, ignore=None)->pd.DataFrame:
-    "`run`'s findings; from a shell, print them and exit 1 if any is an error."
+def _doctor(run, db, rank, window, step, ignore=None, **params)->pd.DataFrame:
+    "`run`'s findings (`params`: the detectors' thresholds); from a shell, print them and exit 1 if any is an error."
     ignore = [i.strip() for i in ignore.split(',')] if ignore else None
-    f = load(run, db).diagnose(step=step, window=window, rank=rank, ignore=ignore)
+    f = load(run, db).diagnose(step=step, window=window, rank=rank, ignore=ignore, **params)
     if is_cli(main):
         print(_findings_text(run, f))
         if (f['severity'] == 'error').any(): raise SystemExit(1)   # a CI gate: errors fail it
@@ -75,6 +75,28 @@ def _diff(a, b, db, rtol)->pd.DataFrame:
         print(d.head(20).to_string(index=False) if len(d) else agree)
     return d
 
+# %% ../nbs/06b_cli.ipynb #a42269c1
+def _option(name:str, own)->str: return f'doctor_{name}' if name in own else name
+
+def doctor_options(f):
+    "Decorator: give `f` (`main`) an option for each detector threshold of `diagnose` (`PARAMS`), now and once declared."
+    base = inspect.signature(f, eval_str=True)
+    own = [p for p in base.parameters.values() if p.kind != p.VAR_KEYWORD]
+    f._own = tuple(base.parameters)
+    def option(p):
+        pair = isinstance(p.default, (tuple, list))
+        anno = Annotated[type(p.default[0] if pair else p.default), f"doctor: {p.doc}", {'nargs': len(p.default)} if pair else {}]
+        return inspect.Parameter(_option(p.name, f._own), inspect.Parameter.KEYWORD_ONLY, default=p.default, annotation=anno)
+    def refresh(): f.__signature__ = base.replace(parameters=own + [option(p) for p in PARAMS.values()])
+    refresh()
+    _REGISTERED.append(refresh)   # a finding declared later brings its options
+    return f
+
+def _thresholds(params:dict, own:tuple)->dict:
+    "`main`'s detector options as `diagnose`'s keywords."
+    named = {_option(k, own): k for k in PARAMS}
+    return {named.get(k, k): tuple(v) if isinstance(v, list) else v for k, v in params.items()}
+
 # %% ../nbs/06b_cli.ipynb #d01d0267
 COMMANDS = {'report': "write RUN's HTML report", 'ls': "list the store's runs", 'rm': 'delete RUN',
             'doctor': "RUN's findings (exit 1 on an error)", 'diff': 'where RUN and OTHER part',
@@ -82,6 +104,7 @@ COMMANDS = {'report': "write RUN's HTML report", 'ls': "list the store's runs", 
 _COMMAND = Annotated[str, '; '.join(f'{k}: {v}' for k, v in COMMANDS.items()), {'choices': list(COMMANDS)}]
 
 @call_parse(pos=['command', 'run', 'other'])
+@doctor_options
 def main(command:_COMMAND=None,
          run:str=None,                # the run's name (report, rm, doctor, diff)
          other:str=None,              # diff: the run to compare RUN with
@@ -98,6 +121,7 @@ def main(command:_COMMAND=None,
          host:str='127.0.0.1',        # serve: the address to listen on (another needs --token)
          token:str=None,              # serve: the token a browser must give ('auto': a random one)
          version:Annotated[str, "print torchember's version", {'action': 'version'}]=f'torchember {__version__}',
+         **params,                    # doctor: every detector's threshold (`diagnose.PARAMS`): --spike, --dead...
         ):
     "torchember's command line: `report`, `ls`, `rm`, `doctor`, `diff` and `serve` (the explorer in a browser)."
     if command is None:
@@ -109,7 +133,7 @@ def main(command:_COMMAND=None,
     try:
         if command == 'ls': return _ls(db)
         if command == 'rm': return _rm(run, db)
-        if command == 'doctor': return _doctor(run, db, rank, window, step, ignore)
+        if command == 'doctor': return _doctor(run, db, rank, window, step, ignore, **_thresholds(params, main._own))
         if command == 'diff': return _diff(run, other, db, rtol)
         if command == 'serve':
             from torchember.serve import serve   # Voilà's server: loaded only to serve
@@ -120,3 +144,5 @@ def main(command:_COMMAND=None,
         _fail(f"torchember {command}: {str(msg).strip().splitlines()[0]}")
     if is_cli(main): print(p)
     return p
+
+_REGISTERED.append(lambda: setattr(main, '__signature__', main.__wrapped__.__signature__))   # the wrapper's too

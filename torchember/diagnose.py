@@ -6,7 +6,10 @@ Docs: https://torchember.github.io/torchember/diagnose.html.md"""
 
 # %% ../nbs/03a_diagnose.ipynb #2ec93591
 from __future__ import annotations
-import json, math, re, warnings
+import importlib, inspect, json, math, os, re, warnings
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Callable
 from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pandas as pd
@@ -19,19 +22,20 @@ from fnmatch import fnmatchcase
 from .query import Run, flow_order, _one_rank, applied_steps, nonfinite_from
 
 # %% auto #0
-__all__ = ['COLUMNS', 'SEVERITIES', 'KINDS', 'MAD_SIGMA', 'BEYOND', 'RANGE', 'WATCHED', 'GRAD_NORM', 'MIN_BAND', 'ORDER', 'GAP',
-           'PERSIST', 'DRIFTS', 'DEPARTURE_COLUMNS', 'SLACK', 'FULL_STEPS', 'LOOK_BACK', 'COARSE_BINS', 'MOST_POINTED',
-           'FOLLOW_MIN', 'GRADS', 'MOST_CAUSES', 'DIFF_COLUMNS', 'COMPARED', 'finding', 'findings', 'bands',
-           'trailing_range', 'band_edges', 'left_band', 'upward_edges', 'eval_steps', 'micro_steps', 'module_norms',
-           'signals', 'model_input', 'module_rms', 'onset', 'departures', 'causal_key', 'episodes', 'rolled_departures',
-           'run_episodes', 'attach', 'root_words', 'cause_finding', 'signal_spikes', 'loss_followed', 'zero_inputs',
-           'dead_modules', 'across_depth', 'over_steps', 'update_ratios', 'nonfinite_finding', 'with_iterations',
-           'followed', 'with_causes', 'fingerprints', 'step_digests', 'module_prints', 'stat_rows', 'diff']
+__all__ = ['COLUMNS', 'SEVERITIES', 'MAD_SIGMA', 'FINDINGS', 'PARAMS', 'OWN', 'KINDS', 'BEYOND', 'RANGE', 'WATCHED', 'GRAD_NORM',
+           'MIN_BAND', 'ORDER', 'GAP', 'PERSIST', 'DRIFTS', 'DEPARTURE_COLUMNS', 'SLACK', 'FULL_STEPS', 'LOOK_BACK',
+           'COARSE_BINS', 'MOST_POINTED', 'FOLLOW_MIN', 'GRADS', 'MOST_CAUSES', 'SPIKE', 'FACTOR', 'LEAD', 'ORDERS',
+           'DEAD', 'UPDATE_BAND', 'DIFF_COLUMNS', 'COMPARED', 'finding', 'findings', 'positive', 'Param', 'FindingKind',
+           'register_finding', 'detector', 'bands', 'trailing_range', 'band_edges', 'left_band', 'upward_edges',
+           'eval_steps', 'micro_steps', 'module_norms', 'signals', 'model_input', 'module_rms', 'onset', 'departures',
+           'causal_key', 'episodes', 'rolled_departures', 'run_episodes', 'attach', 'root_words', 'cause_finding',
+           'signal_spikes', 'loss_followed', 'zero_inputs', 'dead_modules', 'across_depth', 'over_steps',
+           'update_ratios', 'nonfinite_finding', 'Look', 'with_iterations', 'followed', 'with_causes', 'load_findings',
+           'findings_table', 'fingerprints', 'step_digests', 'module_prints', 'stat_rows', 'diff']
 
 # %% ../nbs/03a_diagnose.ipynb #3281537f
 COLUMNS = ['kind', 'severity', 'step', 'iteration', 'module', 'mtype', 'ttype', 'tname', 'stat', 'value', 'expected', 'message']
 SEVERITIES = ('error', 'warning', 'info')
-KINDS = ('cause', 'nonfinite', 'exploding', 'spike', 'vanishing', 'dead', 'update_ratio')
 MAD_SIGMA = 1.4826   # MAD x this estimates the standard deviation of normal data
 
 def finding(kind:str, severity:str, step:int, message:str, module:str=None, mtype:str=None, ttype:str=None,
@@ -41,11 +45,90 @@ def finding(kind:str, severity:str, step:int, message:str, module:str=None, mtyp
                 stat=stat, value=float(value), expected=expected, message=message)
 
 def findings(rows:list)->pd.DataFrame:
-    "`rows` in `diagnose`'s order: errors, warnings, then info; within each, by step, then kind (causes first)."
+    "`rows` in `diagnose`'s order: errors, warnings, then info; within each, by step, then kind (`FINDINGS`' order)."
     df = pd.DataFrame(rows, columns=COLUMNS)
-    key = df['severity'].map(SEVERITIES.index) * 1e12 + df['step'] * 10 + df['kind'].map(KINDS.index)
-    df = df.iloc[np.argsort(key.to_numpy(), kind='stable')].reset_index(drop=True)
+    order = {k: i for i, k in enumerate(FINDINGS)}   # a kind not declared (yet) after those that are
+    keys = (df['kind'].map(lambda k: order.get(k, len(order))), df['step'], df['severity'].map(SEVERITIES.index))
+    df = df.iloc[np.lexsort([k.to_numpy() for k in keys])].reset_index(drop=True)
     return df.astype({'step': int, 'iteration': 'Int64', 'value': float})
+
+# %% ../nbs/03a_diagnose.ipynb #6208a9a7
+def _need(ok:bool, fn:str, name:str, v, what:str, exc=TypeError):
+    "Refuse argument `name` of `fn` unless `ok`: `TypeError` for a wrong type, `ValueError` for a bad value."
+    if not ok: raise exc(f"{fn}'s {name}= must be {what}, not {v!r}")
+
+def _isint(v)->bool: return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+def _isnum(v)->bool: return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+
+def positive(v, name:str, fn:str='diagnose'):
+    "Refuse `v` unless it is a finite number > 0."
+    _need(_isnum(v), fn, name, v, 'a number')
+    _need(math.isfinite(v) and v > 0, fn, name, v, 'a finite number > 0', ValueError)
+
+@dataclass(frozen=True)
+class Param:
+    "A detector's threshold: a keyword of `diagnose` and an option of `torchember doctor`."
+    name:str                # the keyword (and the option, `--name`)
+    default:object          # its value unless one is given
+    doc:str                 # what it means, in one line
+    check:Callable=positive # check(value, name) raises `TypeError`/`ValueError` naming it; default: a finite number > 0
+
+@dataclass
+class FindingKind:
+    "One kind of finding, declared once: what `diagnose`, `ignore=`, `doctor`, the evidence and the docs know of it."
+    kind:str                # the `kind` column's value, as `ignore=` and `stop_on=` name it
+    severity:str            # what its findings usually are: 'error', 'warning' or 'info' (a detector may say otherwise)
+    detect:Callable=None    # detect(look, **params) -> rows of `finding`; None: another kind's detector makes them
+    params:tuple=()         # the `Param`s `detect` takes (one `Param` may be shared by several kinds)
+    doc:str=''              # what it means, in one line (the guide's table)
+    judged:Callable=None    # f -> the series its evidence shows: a stat of its tensor ('rms', 'zero_frac'...) or 'signal'
+    band:object=None        # its evidence's band: 'trailing' (`band_edges`), band(n, **params) -> (lo, hi) arrays, or None
+    event:Callable=None     # f -> (a few words, whether no run survives it) where a cause can lead to `f`, else None
+    signal:Callable=None    # f -> whether `f` is of a logged scalar or the grad norm rather than of a module's tensor
+    scan:bool=False         # `detect` reads the whole run: it runs in a thread beside the others
+    late:bool=False         # `detect` reads the other findings (`look.rows`): it runs after them
+    live:object=None        # the detector `torchember.watch` judges it with while training, if any
+    def row(self, step:int, message:str, severity:str=None, **kw)->dict:
+        "A finding of this kind (`finding`'s row), of its usual severity unless told."
+        return finding(self.kind, severity or self.severity, step, message, **kw)
+    def judge(self, f)->str: return self.judged(f) if self.judged else f['stat']
+
+FINDINGS = {}   # kind -> `FindingKind`, in the order the findings of one step are listed (causes first)
+PARAMS = {}     # name -> `Param`: every detector's threshold
+OWN = ('step', 'window', 'rank', 'ignore')   # `diagnose`'s own keywords
+_REGISTERED = []   # functions called after each registration (`diagnose`'s signature is one)
+
+def register_finding(f:FindingKind)->FindingKind:
+    "Declare finding `f` (a kind declared again is replaced in place, as a notebook cell run again does)."
+    _need(isinstance(f.kind, str) and f.kind.isidentifier(), 'register_finding', 'kind', f.kind, 'a name', ValueError)
+    _need(f.severity in SEVERITIES, 'register_finding', 'severity', f.severity, f"one of {', '.join(SEVERITIES)}", ValueError)
+    for p in f.params:
+        other = next((k for k, e in FINDINGS.items() if k != f.kind and any(q.name == p.name for q in e.params)), None)
+        if p.name in OWN or other and PARAMS[p.name].default != p.default:
+            raise ValueError(f"finding {f.kind!r}: a parameter {p.name!r} is already {other or 'diagnose'}'s")
+    FINDINGS[f.kind] = f
+    PARAMS.update({p.name: p for p in f.params})
+    for fn in _REGISTERED: fn()
+    return f
+
+def detector(kind:str, severity:str='warning', params:tuple=(), **kw)->Callable:
+    "Decorator: register the function it decorates as the detector of a new kind of finding (`FindingKind`'s fields in `kw`)."
+    def deco(detect): register_finding(FindingKind(kind, severity, detect, tuple(params), **kw)); return detect
+    return deco
+
+class _Kinds(tuple):
+    "The kinds of `FINDINGS`, in their order, as they are now."
+    def _now(self): return tuple(FINDINGS)
+    def __iter__(self): return iter(self._now())
+    def __len__(self): return len(FINDINGS)
+    def __contains__(self, k): return k in FINDINGS
+    def __getitem__(self, i): return self._now()[i]
+    def index(self, k, *a): return self._now().index(k, *a)
+    def __eq__(self, o): return self._now() == tuple(o)
+    def __hash__(self): return hash(self._now())
+    def __repr__(self): return repr(self._now())
+
+KINDS = _Kinds()   # the kinds of finding, in `FINDINGS`' order (a registration adds to it)
 
 # %% ../nbs/03a_diagnose.ipynb #ff3910d9
 def _before(values:np.ndarray, window:int, rows=None)->np.ndarray:
@@ -534,7 +617,7 @@ def update_ratios(run:Run, rank:int, lo:int, hi:int, names:pd.DataFrame, band:tu
                            expected=f"{lo_b:g}..{hi_b:g}"))
     return res
 
-# %% ../nbs/03a_diagnose.ipynb #754a3099
+# %% ../nbs/03a_diagnose.ipynb #47b9f34f
 GRADS = ('weight_grad', 'output_grad', 'input_grad')
 
 def _grads_only(run:Run, rank:int, hi:int)->int|None:
@@ -559,60 +642,83 @@ def nonfinite_finding(run:Run, rank:int, hi:int)->list:
                     module=f['module'], mtype=f['mtype'], ttype=f['ttype'],
                     tname=f['tname'], stat='nan_count' if f['nan_count'] else 'inf_count', value=f['nan_count'] or f['inf_count'], expected='0')]
 
-def _need(ok:bool, fn:str, name:str, v, what:str, exc=TypeError):
-    "Refuse argument `name` of `fn` unless `ok`: `TypeError` for a wrong type, `ValueError` for a bad value."
-    if not ok: raise exc(f"{fn}'s {name}= must be {what}, not {v!r}")
+# %% ../nbs/03a_diagnose.ipynb #18eab98d
+class Look:
+    "What a detector looks at: `run`'s `rank` up to step `hi`, the `window` steps `lo..hi`, and what several read, once."
+    def __init__(self, run:Run, rank:int, hi:int, window:int):
+        self.run, self.rank, self.hi, self.window, self.lo, self.rows = run, rank, hi, window, hi - window + 1, []
+    @cached_property
+    def names(self)->pd.DataFrame: return _names(self.run)
+    @cached_property
+    def norms(self)->pd.DataFrame: return module_norms(self.run, self.rank, self.lo - self.window, self.hi)  # and bands
+    @cached_property
+    def sig(self)->pd.DataFrame: return signals(self.run, self.rank, self.hi, 0)   # the loss and grad norm of every step
+    @cached_property
+    def order(self)->list: return _forward_order(self.run, self.rank, self.hi, self.names)
+    @cached_property
+    def rms(self)->pd.DataFrame: return _grad_rms(self.norms)
+    def __repr__(self): return f"Look(run={self.run.name!r}, rank={self.rank}, steps {self.lo}..{self.hi})"
 
-def _isint(v)->bool: return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
-def _isnum(v)->bool: return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+def _check_window(v, name:str):
+    _need(_isint(v), 'diagnose', name, v, 'an int')
+    _need(v >= 2, 'diagnose', name, v, 'an int >= 2 (a band is made of earlier steps)', ValueError)
 
-def _check_diagnose(step, window, spike, factor, lead, dead, orders, update_band):
-    "Refuse a bad argument of `Run.diagnose` by its name."
-    fn = 'diagnose'
-    _need(step is None or _isint(step) or step == 'last_finite', fn, 'step', step, "an int (a step of the run), 'last_finite' or None")
-    _need(_isint(window), fn, 'window', window, 'an int')
-    _need(window >= 2, fn, 'window', window, 'an int >= 2 (a band is made of earlier steps)', ValueError)
-    for name, v in (('spike', spike), ('factor', factor), ('orders', orders), ('dead', dead)):
-        _need(_isnum(v), fn, name, v, 'a number')
-        _need(math.isfinite(v) and v > 0, fn, name, v, 'a finite number > 0', ValueError)
-    _need(dead <= 1, fn, 'dead', dead, 'a zero fraction in (0, 1]', ValueError)
-    _need(factor >= 1, fn, 'factor', factor, 'a number >= 1', ValueError)
-    _need(_isint(lead), fn, 'lead', lead, 'an int')
-    _need(lead >= 0, fn, 'lead', lead, 'an int >= 0', ValueError)
-    ok = isinstance(update_band, (tuple, list)) and len(update_band) == 2 and all(_isnum(v) for v in update_band)
-    _need(ok, fn, 'update_band', update_band, 'a (low, high) pair of numbers')
-    _need(0 <= update_band[0] < update_band[1], fn, 'update_band', update_band, 'a (low, high) pair with 0 <= low < high', ValueError)
+def _check_diagnose(step, window, params:dict)->dict:
+    "Refuse a bad argument of `Run.diagnose` by its name; every detector's parameters, defaults filled in."
+    _need(step is None or _isint(step) or step == 'last_finite', 'diagnose', 'step', step,
+          "an int (a step of the run), 'last_finite' or None")
+    _check_window(window, 'window')
+    bad = [k for k in params if k not in PARAMS]
+    if bad: raise TypeError(f"diagnose() got an unexpected keyword argument {bad[0]!r}")
+    ps = {k: params.get(k, p.default) for k, p in PARAMS.items()}
+    for k, p in PARAMS.items():
+        if p.check is not None: p.check(ps[k], k)
+    return ps
 
+def _detect(e:FindingKind, look:Look, ps:dict)->list:
+    "The findings of `e`'s detector on `look`, with its parameters of `ps`."
+    return list(e.detect(look, **{p.name: ps[p.name] for p in e.params}))
+
+# %% ../nbs/03a_diagnose.ipynb #26e1c6ad
 @patch
 def diagnose(self:Run,
-             step:int=None,       # the last step to look at ('last_finite': the last before NaN); default the newest closed
-             window:int=50,       # recorded steps of each trailing band, and the steps the per-module checks look back over
-             spike:float=10.0,    # a spike lies this many robust sigmas (1.4826·MAD) from its median: noise rarely goes past 5
-             factor:float=2.0,    # ... and is also at least this many times its median (or, for a module norm, at most 1/factor): a small MAD alone is no spike
-             lead:int=20,         # an event (NaN, a spike of the loss) follows an episode still outside its band, or this many steps after
-             dead:float=0.99,     # an output with at least this zero fraction on every step of the window is dead (ReLU's are ~0.5 when healthy)
-             orders:float=3.0,    # weight grads changing by this many orders of magnitude across depth or over the window vanish or explode
-             update_band:tuple=(1e-6, 0.03),  # ‖Δw‖/‖w‖ is usually 1e-4..1e-2 per step: above 3x that a learning rate is too large, below 1e-6 a layer barely learns
-             rank:int=None,       # the rank to look at; default the run's first
-             ignore=None,         # findings judged harmless: 'kind' or 'kind:glob' (the glob on the module, or the stat), or a list of them
-            )->pd.DataFrame:      # one finding per row, most important first: kind, severity, step, iteration, module, ..., message
+             step:int=None,    # the last step to look at ('last_finite': the last before NaN); default the newest closed
+             window:int=50,    # recorded steps of each trailing band, and the steps the per-module checks look back over
+             *,
+             rank:int=None,    # the rank to look at; default the run's first
+             ignore=None,      # findings judged harmless: 'kind' or 'kind:glob' (the glob on the module, or the stat), or a list
+             **params,         # every detector's thresholds (`PARAMS`): spike, factor, lead, dead, orders, update_band...
+            )->pd.DataFrame:   # one finding per row, most important first: kind, severity, step, iteration, module, ..., message
     "What went wrong in this run, and which module started it: NaN/Inf, spikes, dead outputs, grads, update ratios."
-    _check_diagnose(step, window, spike, factor, lead, dead, orders, update_band)
+    ps = _check_diagnose(step, window, params)
     quiet = _ignored(ignore)
     rank = _one_rank(self, rank)
     if step == 'last_finite': step = self.last_finite_step(rank)   # the run as it was just before it broke
     hi = self.last_steps.get(rank) if step is None else step
     if hi is None: return findings([])
-    with ThreadPoolExecutor(1) as pool:   # the one scan of the whole run (NaN, Inf) runs beside the rest
-        nonfinite = pool.submit(nonfinite_finding, self, rank, hi)
-        rows = _windowed(self, rank, hi, window, spike, factor, lead, dead, orders, update_band)
-        rows = with_causes(self, rank, hi, nonfinite.result() + rows, window, spike, factor, lead)
-    return with_iterations(findings([r for r in rows if not quiet(r)]), self.step_kinds(rank))
+    look = Look(self, rank, hi, window)
+    es = [e for e in FINDINGS.values() if e.detect is not None]
+    with ThreadPoolExecutor(1) as pool:   # the scans of the whole run (NaN, Inf) run beside the rest
+        scans = [pool.submit(_detect, e, look, ps) for e in es if e.scan]
+        rows = _windowed(self, rank, hi, window, look=look, **ps)
+        look.rows = [r for s in scans for r in s.result()] + rows
+    look.rows = [r for e in es if e.late for r in _detect(e, look, ps)] + look.rows
+    return with_iterations(findings([r for r in look.rows if not quiet(r)]), self.step_kinds(rank))
+
+def _diagnose_signature():
+    "`Run.diagnose`'s signature with every declared parameter as a keyword: what `help` and the docs show."
+    fn = Run.diagnose
+    sig = inspect.signature(fn)
+    ps = [p for p in sig.parameters.values() if p.kind != p.VAR_KEYWORD and p.name not in PARAMS]
+    kw = [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=p.default) for k, p in PARAMS.items()]
+    fn.__signature__ = sig.replace(parameters=ps + kw)
+
+_REGISTERED.append(_diagnose_signature)
 
 def _ignored(ignore)->callable:
     "A predicate on findings from `diagnose`'s `ignore=`: 'kind' or 'kind:glob', the glob matched on the module or the stat."
     pats = [ignore] if isinstance(ignore, str) else list(ignore or [])
-    bad = [p for p in pats if not isinstance(p, str) or p.partition(':')[0] not in KINDS]
+    bad = [p for p in pats if not isinstance(p, str) or p.partition(':')[0] not in FINDINGS]
     if bad: raise ValueError(f"diagnose's ignore= takes 'kind' or 'kind:glob' with a kind of {', '.join(KINDS)}, not {bad[0]!r}")
     def quiet(f):
         for p in pats:
@@ -631,27 +737,17 @@ def with_iterations(f:pd.DataFrame, kinds:pd.DataFrame)->pd.DataFrame:
         f['message'] = [re.sub(r'\bstep (\d+)\b', said, msg) for msg in f['message']]
     return f
 
-def _windowed(self:Run, rank, hi, window, spike, factor, lead, dead, orders, update_band)->list:
-    "The findings of every check but `nonfinite`: what the last `window` steps up to `hi` (and the logged scalars) show."
-    names = _names(self)
-    lo = hi - window + 1                                   # the steps the per-module checks look at
-    norms = module_norms(self, rank, lo - window, hi)       # and the steps before them, for their bands
-    sig = signals(self, rank, hi, 0)                        # the loss and the grad norm of every step
-    order = _forward_order(self, rank, hi, names)
-    rms = _grad_rms(norms)
-    return [*[_calm_grad_spike(f, sig, window, spike, factor, lead) for f in signal_spikes(sig, window, spike, factor)],
-            *dead_modules(norms, names, lo, dead, zeros_in=lambda ids: zero_inputs(self, rank, lo, hi, ids)),
-            *(across_depth(rms.loc[at], order, names, at, orders) if (at := rms.index[rms.index <= hi].max()) >= lo else []),
-            *over_steps(rms[rms.index >= lo], order, names, orders),
-            *update_ratios(self, rank, lo, hi, names, update_band)]
+def _windowed(self:Run, rank:int, hi:int, window:int, look:Look=None, **params)->list:
+    "The findings of every declared detector that is neither a scan nor late, on the last `window` steps up to `hi`."
+    look = look or Look(self, rank, hi, window)
+    ps = {k: params.get(k, p.default) for k, p in PARAMS.items()}
+    return [r for e in FINDINGS.values() if e.detect is not None and not (e.scan or e.late) for r in _detect(e, look, ps)]
 
-def _event_words(f:dict)->tuple:
-    "Event finding `f` (a NaN, a spike of a signal, a dead output) in a few words, and whether it is NaN/Inf no run survives."
-    if f['kind'] == 'nonfinite':
-        what = 'NaN' if f['stat'] == 'nan_count' else 'Inf'
-        return f"the first {what} (the {f['ttype']} of module {f['module']!r})", f['severity'] == 'error'
-    if f['kind'] == 'dead': return f"the output of module {f['module']!r} went dead", False
-    return f"a spike of {'the global grad norm' if f['stat'] == GRAD_NORM else repr(f['stat'])}", False
+# %% ../nbs/03a_diagnose.ipynb #e4fe298e
+def _event(f:dict)->tuple|None:
+    "FindingKind `f` as an event a cause can lead to (a few words, whether no run survives it), or None (`FindingKind.event`)."
+    e = FINDINGS.get(f['kind'])
+    return None if e is None or e.event is None else e.event(f)
 
 def followed(e:dict, names:pd.DataFrame)->bool:
     "Whether another module left its band in episode `e` after its root (not one holding the root: its output is the root's)."
@@ -665,7 +761,7 @@ def with_causes(run:Run, rank:int, hi:int, rows:list, window:int, spike:float, f
     "`rows` and a `cause` finding for each episode of the run up to `hi`; each event's message says which it followed."
     names = _names(run)
     steps = run.step_kinds(rank)['step']
-    events = [r for r in rows if r['kind'] in ('nonfinite', 'dead') or r['kind'] == 'spike' and r['module'] is None]
+    events = [r for r in rows if _event(r) is not None]   # what a cause can lead to: a NaN, a spike of a signal...
     eps = run_episodes(run, rank, int(steps.min()) if len(steps) else 0, hi, window, spike, factor, [r['step'] for r in events],
                        names, _forward_order(run, rank, hi, names))
     led = {id(e): [] for e in eps}
@@ -674,7 +770,7 @@ def with_causes(run:Run, rank:int, hi:int, rows:list, window:int, spike:float, f
         if e is None:
             if r['kind'] == 'spike': r['message'] += "; no module's stats left their band before it (look at the data or the loss)"
             continue
-        led[id(e)].append((r['step'], *_event_words(r), r['severity']))
+        led[id(e)].append((r['step'], *_event(r), r['severity']))
         ahead = r['step'] - e['root']['onset']
         r['message'] += f"; it followed {root_words(e, names)}, {_later(ahead, 'before')} (the likely cause, above)"
         if r['kind'] == 'spike':   # a signal names the module that started it
@@ -683,6 +779,93 @@ def with_causes(run:Run, rank:int, hi:int, rows:list, window:int, spike:float, f
     told = [e for e in eps if led[id(e)]]
     told += [e for e in eps if not led[id(e)] and (followed(e, names) or e['root']['ttype'] == 'weight')][:MOST_CAUSES]
     return [cause_finding(e, names, led[id(e)]) for e in told] + rows
+
+# %% ../nbs/03a_diagnose.ipynb #ce74c440
+def _at_least_one(v, name:str): positive(v, name); _need(v >= 1, 'diagnose', name, v, 'a number >= 1', ValueError)
+def _fraction(v, name:str): positive(v, name); _need(v <= 1, 'diagnose', name, v, 'a zero fraction in (0, 1]', ValueError)
+
+def _steps(v, name:str):
+    _need(_isint(v), 'diagnose', name, v, 'an int')
+    _need(v >= 0, 'diagnose', name, v, 'an int >= 0', ValueError)
+
+def _pair(v, name:str):
+    ok = isinstance(v, (tuple, list)) and len(v) == 2 and all(_isnum(x) for x in v)
+    _need(ok, 'diagnose', name, v, 'a (low, high) pair of numbers')
+    _need(0 <= v[0] < v[1], 'diagnose', name, v, 'a (low, high) pair with 0 <= low < high', ValueError)
+
+SPIKE = Param('spike', 10.0, "a spike lies this many robust sigmas (1.4826·MAD) from its median: noise rarely goes past 5")
+FACTOR = Param('factor', 2.0, "... and is also at least this many times its median (or, for a module norm, at most "
+               "1/factor): a small MAD alone is no spike", _at_least_one)
+LEAD = Param('lead', 20, "an event (NaN, a spike of the loss) follows an episode still outside its band, or this many "
+             "steps after", _steps)
+ORDERS = Param('orders', 3.0, "weight grads changing by this many orders of magnitude across depth or over the window "
+               "vanish or explode")
+DEAD = Param('dead', 0.99, "an output with at least this zero fraction on every step of the window is dead (ReLU's are "
+             "~0.5 when healthy)", _fraction)
+UPDATE_BAND = Param('update_band', (1e-6, 0.03), "‖Δw‖/‖w‖ is usually 1e-4..1e-2 per step: above 3x that a learning "
+                    "rate is too large, below 1e-6 a layer barely learns", _pair)
+
+def _causes(look:Look, spike:float, factor:float, lead:int)->list:
+    "The `cause` findings of `look`'s run; each event of `look.rows` is told what it followed."
+    rows = with_causes(look.run, look.rank, look.hi, look.rows, look.window, spike, factor, lead)
+    return rows[:len(rows) - len(look.rows)]
+
+def _spikes(look:Look, spike:float, factor:float, lead:int)->list:
+    "Spikes of the logged scalars and of the global grad norm, those of grads alone the loss did not follow as info."
+    sig, w = look.sig, look.window
+    return [_calm_grad_spike(f, sig, w, spike, factor, lead) for f in signal_spikes(sig, w, spike, factor)]
+
+def _dead(look:Look, dead:float)->list:
+    "Outputs of (almost) only zeros over the window, unless their inputs were zeros too."
+    zeros = lambda ids: zero_inputs(look.run, look.rank, look.lo, look.hi, ids)
+    return dead_modules(look.norms, look.names, look.lo, dead, zeros_in=zeros)
+
+def _grad_orders(look:Look, orders:float)->list:
+    "Weight grads vanishing or exploding across depth (at the last step) or over the window."
+    rms, lo, hi = look.rms, look.lo, look.hi
+    at = rms.index[rms.index <= hi].max()
+    return [*(across_depth(rms.loc[at], look.order, look.names, at, orders) if at >= lo else []),
+            *over_steps(rms[rms.index >= lo], look.order, look.names, orders)]
+
+def _what_nonfinite(f)->tuple:
+    what = 'NaN' if f['stat'] == 'nan_count' else 'Inf'
+    return f"the first {what} (the {f['ttype']} of module {f['module']!r})", f['severity'] == 'error'
+
+def _signal_words(f)->tuple|None:
+    if f['module'] is not None: return None   # a module's spike: a departure, not an event
+    return f"a spike of {'the global grad norm' if f['stat'] == GRAD_NORM else repr(f['stat'])}", False
+
+_constant = lambda n, lo, hi: (np.full(n, float(lo)), np.full(n, float(hi)))
+
+for e in [
+    FindingKind('cause', 'warning', _causes, (SPIKE, FACTOR, LEAD), "the module that started an episode, and what followed",
+            judged=lambda f: 'rms', band='trailing', late=True),
+    FindingKind('nonfinite', 'error', lambda look: nonfinite_finding(look.run, look.rank, look.hi), (),
+            "the run's first NaN or Inf, and the module that made it", event=_what_nonfinite, scan=True),
+    FindingKind('exploding', 'warning', _grad_orders, (ORDERS,), "weight grads growing by orders of magnitude"),
+    FindingKind('spike', 'warning', _spikes, (SPIKE, FACTOR, LEAD), "a logged scalar or the global grad norm far above its band",
+            judged=lambda f: 'rms' if isinstance(f['module'], str) else 'signal', band='trailing', event=_signal_words,
+            signal=lambda f: f['stat'] not in ('norm', 'rms')),
+    FindingKind('vanishing', 'warning', None, (ORDERS,), "weight grads shrinking by orders of magnitude (`exploding`'s detector)"),
+    FindingKind('dead', 'warning', _dead, (DEAD,), "an output of (almost) only zeros on every step of the window",
+            band=lambda n, dead: _constant(n, 0, dead), event=lambda f: (f"the output of module {f['module']!r} went dead", False)),
+    FindingKind('update_ratio', 'warning', lambda look, update_band: update_ratios(look.run, look.rank, look.lo, look.hi,
+            look.names, update_band), (UPDATE_BAND,), "‖Δw‖/‖w‖ far outside its usual band (`track_updates=True`)",
+            band=lambda n, update_band: _constant(n, *update_band)),
+]: register_finding(e)
+
+def load_findings(names:str=None):
+    "Import the modules named in `TORCHEMBER_FINDINGS` (comma-separated), which declare findings of their own."
+    for name in filter(None, (names if names is not None else os.environ.get('TORCHEMBER_FINDINGS', '')).split(',')):
+        importlib.import_module(name.strip())
+
+def findings_table()->str:
+    "The declared kinds of finding as a markdown table: kind, usual severity, what it means, its parameters."
+    ps = lambda e: ', '.join(f"`{p.name}`={p.default!r}" for p in e.params)
+    return '\n'.join(['| kind | severity | what it says | parameters |', '|---|---|---|---|',
+                      *(f"| `{k}` | {e.severity} | {e.doc} | {ps(e)} |" for k, e in FINDINGS.items())])
+
+load_findings()   # last: a module named in `TORCHEMBER_FINDINGS` imports this one
 
 # %% ../nbs/03a_diagnose.ipynb #c9801c05
 DIFF_COLUMNS = ['step', 'iteration', 'module', 'mtype', 'ttype', 'tname', 'stat', 'a', 'b']

@@ -13,7 +13,7 @@ import plotly.graph_objects as go
 from sqlalchemy import select, func
 from .store import engine, modules_t, stats_t, steps_t, scalars_t
 from .query import Run, _one_rank
-from .diagnose import band_edges, eval_steps, MIN_BAND, GRAD_NORM
+from .diagnose import band_edges, eval_steps, MIN_BAND, GRAD_NORM, FINDINGS, PARAMS
 from .figures import BLUE, RED, module_label, log_axis, _list, with_kinds, step_hover, step_title
 
 # %% auto #0
@@ -34,7 +34,8 @@ def _at(f, iteration=None)->str:
 def finding_label(f)->str:
     "One line for finding `f` (a row of `Run.diagnose`): severity, step and its iteration, kind and the module it names."
     m, head = _module(f), f"{SEVERITY_MARKS.get(f['severity'], '')} {f['severity']} · {_at(f)} · {f['kind']}"
-    signal = f['kind'] == 'spike' and f['stat'] not in ('norm', 'rms')   # a logged scalar or the grad norm spiked; the module started it
+    e = FINDINGS.get(f['kind'])
+    signal = e is not None and e.signal is not None and e.signal(f)   # a logged scalar or the grad norm; the module started it
     if signal: head += f" of {f['stat']}" + (' · after' if m is not None else '')
     if m is None: return head
     what = f" {f['ttype']}" if isinstance(f['ttype'], str) else ''
@@ -47,10 +48,14 @@ def severity_counts(fs:pd.DataFrame)->str:
 
 # %% ../nbs/05b_findings.ipynb #bb23c83a
 def _judged(f)->str:
-    "What finding `f` was judged on: 'signal' (a spike of a scalar, no culprit) or its stat (rms, zero_frac, nan_count...)."
-    if f['kind'] == 'spike': return 'rms' if _module(f) is not None else 'signal'
-    if f['kind'] == 'cause': return 'rms'
-    return f['stat']
+    "What finding `f` was judged on (its kind's `judged`): 'signal' (a scalar, no culprit) or a stat (rms, zero_frac...)."
+    e = FINDINGS.get(f['kind'])
+    return e.judge(f) if e is not None else f['stat']
+
+def _trailing(f)->bool:
+    "Whether finding `f` is judged against a trailing band of earlier training steps (a spike, a cause)."
+    e = FINDINGS.get(f['kind'])
+    return e is not None and e.band == 'trailing'
 
 def step_span(run:Run, step:int, rank:int, before:int, after:int)->tuple:
     "The first and last of the `before` recorded steps up to `step` and the `after` recorded steps past it."
@@ -64,7 +69,7 @@ def step_span(run:Run, step:int, rank:int, before:int, after:int)->tuple:
 def finding_series(run:Run, f, rank:int, lo:int, hi:int)->pd.Series:
     "The per-step values (indexed by step, steps `lo..hi`) that finding `f` was judged on."
     s, judged = stats_t.c, _judged(f)
-    spike = f['kind'] in ('spike', 'cause')   # judged on training steps only, as `diagnose` judges departures
+    spike = _trailing(f)   # judged on training steps only, as `diagnose` judges departures
     with engine(run.db).connect() as c:
         if judged == 'signal':
             if f['stat'] == GRAD_NORM:
@@ -99,22 +104,19 @@ EVIDENCE_COLUMNS = ['step', 'iteration', 'kind', 'value', 'lo', 'hi', 'outside']
 def evidence(run:Run,                    # the finding's run
              f,                          # one finding: a row of `run.diagnose()` (a Series or a dict)
              window:int=50,              # `diagnose`'s: recorded steps of each trailing band
-             spike:float=10.0,           # `diagnose`'s: robust sigmas from the median that make a spike
-             factor:float=2.0,           # `diagnose`'s: ... and times the median
-             dead:float=0.99,            # `diagnose`'s: the zero fraction of a dead output
-             update_band:tuple=(1e-6, 0.03),  # `diagnose`'s: the usual ‖Δw‖/‖w‖
              rank:int=None,              # the rank `diagnose` looked at; default the run's first
              kinds:pd.DataFrame=None,    # `run.step_kinds(rank)`, if already read
+             **params,                   # `diagnose`'s thresholds (`PARAMS`: spike, factor, dead, update_band...)
             )->pd.DataFrame:             # step, iteration, kind (of the step), value, lo, hi, outside
     "The series finding `f` was judged on, around its step, with the band it is judged against."
     rank = _one_rank(run, rank)
     v = finding_series(run, f, rank, *step_span(run, int(f['step']), rank, 2 * window + 1, max(window // 2, 10)))
     x, judged = v.to_numpy(float), _judged(f)
     lo = hi = np.full(len(x), np.nan)
-    if f['kind'] in ('spike', 'cause') and len(x):
-        lo, hi = (b[:, 0] for b in band_edges(x[:, None], window, spike, factor, min(window, MIN_BAND))[:2])
-    elif judged == 'zero_frac': lo, hi = np.zeros(len(x)), np.full(len(x), dead)
-    elif judged == 'update_ratio': lo, hi = np.full(len(x), update_band[0]), np.full(len(x), update_band[1])
+    e, ps = FINDINGS.get(f['kind']), {k: params.get(k, p.default) for k, p in PARAMS.items()}
+    if _trailing(f) and len(x):
+        lo, hi = (b[:, 0] for b in band_edges(x[:, None], window, ps['spike'], ps['factor'], min(window, MIN_BAND))[:2])
+    elif e is not None and callable(e.band): lo, hi = e.band(len(x), **{p.name: ps[p.name] for p in e.params})
     with np.errstate(invalid='ignore'):
         out = (x < lo) | (x > hi) if judged not in ('nan_count', 'inf_count') else x > 0
     ev = pd.DataFrame({'step': v.index.to_numpy(int), 'value': x, 'lo': lo, 'hi': hi, 'outside': out})
