@@ -1,5 +1,5 @@
 "Sinks: a run's global norms, top grad-norm modules and findings, read back from TensorBoard and wandb's offline run."
-import glob, json, math, struct
+import glob, json, math, struct, time
 from collections import OrderedDict
 import pytest
 import torch
@@ -68,7 +68,8 @@ def test_tensorboard_sink(db, tmp_path):
 def wandb_records(path):
     "The records of a `.wandb` file (wandb's LevelDB-style log: 32 KiB blocks of checksum, length, type and data)."
     from wandb.proto import wandb_internal_pb2 as pb
-    data, out, part, pos = open(path, 'rb').read(), [], b'', 7   # a 7-byte header: ':W&B', magic, version
+    with open(path, 'rb') as f: data = f.read()
+    out, part, pos = [], b'', 7   # after a 7-byte header: ':W&B', magic, version
     while pos + 7 <= len(data):
         if 32768 - pos % 32768 < 7:                  # a block's tail too short for a header: padding
             pos += 32768 - pos % 32768
@@ -97,8 +98,11 @@ def test_wandb_sink_offline(db, tmp_path, monkeypatch):
         te.disarm()
     finally: run.finish()
     path, = glob.glob(str(tmp_path/'wandb'/'offline-run-*'/'run-*.wandb'))
+    deadline = time.monotonic() + 60   # wandb's service may still be writing the file as `finish` returns
+    ended = lambda recs: any(r.WhichOneof('record_type') == 'exit' for r in recs)
+    while not ended(recs := wandb_records(path)) and time.monotonic() < deadline: time.sleep(0.2)
     rows = [{i.key or '/'.join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
-            for r in wandb_records(path) if r.WhichOneof('record_type') == 'history']
+            for r in recs if r.WhichOneof('record_type') == 'history']
     by_step = {}
     for r in rows:
         if 'torchember/step' in r: by_step.setdefault(r['torchember/step'], {}).update(r)
