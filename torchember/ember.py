@@ -19,12 +19,12 @@ from .stats import Recorder, TTYPES, VECTOR_MAX, default_stats
 from .instruments import hist_stats, Snapshots, Changes, UpdateTracker
 from .writer_process import WriterProcess, use_process
 from .store import (engine, create_run, claim, release, write_steps, Writer, db_url, keyed_by_rank, StoreError, store_busy, RETRY_S,
-                    last_iteration, ranks_t, _flush_all)
+                    last_iteration, _flush_all)
 from .query import Run
 from .graph import GraphCapture, is_compiled
 from .compiled import CompiledHooks
 from .watch import Watch, Finding, StepView, check_kinds
-from sqlalchemy import select, func
+from .reads import joined_ranks
 
 # %% auto #0
 __all__ = ['GROUP', 'PROCESS_LINGER_S', 'LONE_WRITES', 'SIGNAL_WAIT_S', 'FLUSH_WAIT_S', 'torchEmber', 'unwrap', 'process_rank',
@@ -255,8 +255,7 @@ def _lone_rank(self:torchEmber):
     self._piece_writes += 1
     if self._piece_writes < LONE_WRITES: return
     self._piece_writes = -1           # checked: never again
-    with self.engine.connect() as c:
-        joined = c.execute(select(func.count()).select_from(ranks_t).where(ranks_t.c.run_id == self.run_id)).scalar()
+    joined = joined_ranks(self.engine, self.run_id)
     if joined < self.world_size:
         warnings.warn(f"torchember: run {self.run_name!r} records a sharded model on {joined} of {self.world_size} ranks, so no "
                       "parameter's pieces all arrive and its weights and grads stay per piece (table `shards`); arm it on every rank",

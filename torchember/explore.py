@@ -14,7 +14,8 @@ import ipywidgets as W
 import plotly.graph_objects as go
 from fastcore.basics import patch
 from .stats import TTYPES
-from .store import StoreError, engine
+from .store import StoreError
+from .reads import store_name
 from .query import runs, load
 from .tree import auto_collapse, nodes
 from .graphview import GraphView
@@ -668,7 +669,7 @@ _FINDINGS = {}          # (store, run id, rank, steps, last step) -> findings of
 
 def _diagnosed(run, rank:int|None, key:tuple, force:bool=False)->pd.DataFrame:
     "`run.diagnose(rank=rank)`, kept for `key` (the run's state: the same findings); `force`: diagnose again."
-    k = (str(engine(run.db).url), *key)
+    k = (store_name(run.db), *key)
     if force or k not in _FINDINGS:
         if len(_FINDINGS) >= 8: _FINDINGS.pop(next(iter(_FINDINGS)))
         _FINDINGS[k] = run.diagnose(rank=rank)

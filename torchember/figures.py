@@ -12,23 +12,21 @@ import pandas as pd
 import torch
 import plotly.graph_objects as go
 from fastcore.basics import patch
-from sqlalchemy import select
 from .stats import STATS
 from .kinds import STATS_REGISTRY, figure_order, map_stats
-from .store import engine, steps_t
 from .query import Run, applied_steps
+from .reads import recorded_steps, step_range, rank_steps, module_names, map_rows, map_bins, module_envelope
 from .tree import subtrees, visible, auto_collapse, block_of
 import warnings
 
 # %% auto #0
 __all__ = ['APPLIED_ONLY', 'BLUE', 'ORANGE', 'RED', 'LONG_PREFIXES', 'SHORT_TYPE', 'BAR_LABELS', 'RANK_COLORS', 'MAP_STATS',
-           'EXACT_STEPS', 'LOG_TICKS', 'with_stats', 'stat_columns', 'combine', 'recorded_steps', 'thin', 'peaks',
-           'history', 'view_steps', 'with_kinds', 'iteration_text', 'step_name', 'step_hover', 'step_title', 'heat',
-           'nan_steps', 'nan_trace', 'history_traces', 'modules_in_order', 'latest_by_module', 'module_label',
-           'short_type', 'overview_traces', 'bars_axis', 'latest_times', 'heatmap_traces', 'rank_traces', 'rank_spread',
-           'spread_traces', 'tensor_image', 'tensor_figure', 'forward_order', 'module_map', 'map_width',
-           'module_envelope', 'envelope_traces', 'finite_json', 'map_labels', 'map_figure', 'fold_map', 'log_axis',
-           'flat_range', 'scalar_series', 'scalars_figure']
+           'LOG_TICKS', 'with_stats', 'stat_columns', 'combine', 'thin', 'peaks', 'history', 'view_steps', 'with_kinds',
+           'iteration_text', 'step_name', 'step_hover', 'step_title', 'heat', 'nan_steps', 'nan_trace',
+           'history_traces', 'modules_in_order', 'latest_by_module', 'module_label', 'short_type', 'overview_traces',
+           'bars_axis', 'latest_times', 'heatmap_traces', 'rank_traces', 'rank_spread', 'spread_traces', 'tensor_image',
+           'tensor_figure', 'forward_order', 'module_map', 'envelope_traces', 'finite_json', 'map_labels', 'map_figure',
+           'fold_map', 'log_axis', 'flat_range', 'scalar_series', 'scalars_figure']
 
 # %% ../nbs/05_figures.ipynb #f654825d
 _META = ('run', 'step', 'iteration', 'kind', 'rank', 'call', 'module', 'mtype', 'ttype', 'tname', 'shape', 'dtype')
@@ -76,12 +74,6 @@ def combine(df:pd.DataFrame,  # records, as `Run.df` returns them
     return out.reset_index()[list(df.columns)]
 
 # %% ../nbs/05_figures.ipynb #30bcee91
-def recorded_steps(run:Run, after:int=None)->list:
-    "The closed steps of `run` (those after step `after` if given; closed by any rank), in order."
-    q = select(steps_t.c.step).where(steps_t.c.run_id == run.id).distinct().order_by(steps_t.c.step)
-    if after is not None: q = q.where(steps_t.c.step > after)
-    with engine(run.db).connect() as c: return [s for s, in c.execute(q).cursor.fetchall()]   # the driver's tuples: no Row each
-
 def thin(steps:list, n:int)->list:
     "At most `n` of `steps`, evenly spaced, the first and last kept."
     if len(steps) <= n: return list(steps)
@@ -447,20 +439,7 @@ def picture(self:Run,
     return tensor_figure(t, kind, bins, title=f"{self.name} · {module_label(module)} {tname} at {when} · {tuple(t.shape)}")
 
 # %% ../nbs/05_figures.ipynb #b0b3dc59
-import sqlalchemy as sa
-from sqlalchemy import func
-from .store import stats_t, modules_t, rollups_t, ROLLUP_WIDTHS, module_steps_sql
-from .stats import TTYPES
-
 MAP_STATS = map_stats()   # what a map can show, each taken over tensors and steps (the declared stats' `map`)
-
-def _map_agg(stat:str, s)->list:
-    "SQL aggregates of `stat` over a module's tensors at one step: the value's parts, as `module_map` combines them."
-    col = s[stat]
-    if stat == 'norm': return [func.sum(col * col), func.count()]      # the tensors' norms together: sqrt of the sum of squares
-    if stat == 'std': return [func.sum(col * col * s.numel), func.sum(s.numel)]
-    if stat in ('mean', 'zero_frac'): return [func.sum(col * s.numel), func.sum(s.numel)]
-    return [(func.max if stat == 'max' else func.min)(col), func.count()]
 
 def forward_order(run:Run, step:int=None, rank:int=None)->list:
     "Module names of `run` in the order `step`'s forward entered them (default: newest), then the rest in tree order."
@@ -480,37 +459,28 @@ def module_map(run:Run,                  # the run to read
     "Every module's `stat` of `ttype` at the first step (of `steps`) of at most `bins` columns; whether each held NaN/Inf."
     if stat not in MAP_STATS: raise ValueError(f"a map shows one of {', '.join(MAP_STATS)}, not {stat!r}")
     rank = run.ranks[0] if rank is None else rank
-    s, st = stats_t.c, steps_t.c
     empty = dict(modules=[], x=[], width=1, z=np.zeros((0, 0)), bad=np.zeros((0, 0), bool), sampled=np.zeros(0, bool))
-    with engine(run.db).connect() as c:
-        mine = [st.run_id == run.id, st.rank == rank, *([st.step.between(*map(int, between))] if between is not None else [])]
-        lo, hi, n = c.execute(select(func.min(st.step), func.max(st.step), func.count()).where(*mine)).one()
-        if lo is None: return empty
-        if steps is None and tname is None and (m := _extremes(c, run, rank, ttype, stat, lo, hi, n, bins)) is not None: return m
-        width = -(-(hi - lo + 1) // bins) if n > bins else 1   # steps a column, so that there are at most `bins`
-        cols = list(range(lo, hi + 1, width))
-        if width == 1 and steps is None and n < hi - lo + 1:   # few steps far apart (`every=10`): a column each
-            cols = c.execute(select(st.step).where(*mine).order_by(st.step)).scalars().all()
-        if steps is not None:   # a column shows its first step of `steps`; a column with none of them goes
-            firsts = {}
-            for k in sorted(steps):
-                if lo <= k <= hi: firsts.setdefault((k - lo) // width, k)
-            cols = [firsts[j] for j in sorted(firsts)]
-            if not cols: return empty
-        where = [s.run_id == run.id, s.rank == rank, s.ttype == ttype] + ([s.tname == tname] if tname is not None else [])
-        at = s.step.in_(cols) if width > 1 or steps is not None else s.step.between(lo, hi)   # named steps: a seek each
-        vals = c.execute(select(s.module_id, s.step, *_map_agg(stat, s), func.count(s[stat]), func.count())
-                         .where(*where, at).group_by(s.step, s.module_id)).all()
-        few = hi - lo + 1 <= 8 * bins   # NaN/Inf of every step of the columns: their rows if few, else the rollups'
-        bad = c.execute(select(s.module_id, ((s.step - lo) // width).label('col'))
-                        .where(*where, s.step.between(lo, hi) if few else at, sa.or_(s.nan_count > 0, s.inf_count > 0))
-                        .group_by(s.module_id, 'col')).all()
-        if not few and tname is None: bad += _rolled_bad(c, run, rank, ttype, lo, hi, width)
-        names = dict(c.execute(select(modules_t.c.id, modules_t.c.name).where(modules_t.c.run_id == run.id)).all())
+    lo, hi, n = step_range(run, rank, between)
+    if lo is None: return empty
+    if steps is None and tname is None and (b := map_bins(run, rank, ttype, stat, lo, hi, n, bins)) is not None:
+        return _binned_map(run, rank, stat, lo, b)
+    width = -(-(hi - lo + 1) // bins) if n > bins else 1   # steps a column, so that there are at most `bins`
+    cols = list(range(lo, hi + 1, width))
+    if width == 1 and steps is None and n < hi - lo + 1:   # few steps far apart (`every=10`): a column each
+        cols = rank_steps(run, rank, between)
+    if steps is not None:   # a column shows its first step of `steps`; a column with none of them goes
+        firsts = {}
+        for k in sorted(steps):
+            if lo <= k <= hi: firsts.setdefault((k - lo) // width, k)
+        cols = [firsts[j] for j in sorted(firsts)]
+        if not cols: return empty
+    vals, bad = map_rows(run, rank, ttype, stat, tname, cols, lo, hi, width, bins,
+                         seek=width > 1 or steps is not None)   # named steps: a seek each
+    names = module_names(run)
     of = {(k - lo) // width: j for j, k in enumerate(cols)}   # a span of `width` steps -> its column
     bad = [(i, of[c]) for i, c in bad if c in of]
-    if not vals and not bad: return empty
-    mid, step, a, b, known, count = np.array([tuple(r) for r in vals], dtype=float).reshape(-1, 6).T
+    if not len(vals) and not bad: return empty
+    mid, step, a, b, known, count = vals.T
     with np.errstate(divide='ignore', invalid='ignore'):
         v = np.sqrt(a) if stat == 'norm' else np.sqrt(a / b) if stat == 'std' else a / b if stat in ('mean', 'zero_frac') else a
     v = np.where((known == count) | ((known > 0) & (stat != 'norm')), v, np.nan)   # a NULL norm: unknown; a NULL std (one element): left out
@@ -524,57 +494,15 @@ def module_map(run:Run,                  # the run to read
     return dict(modules=order, x=cols, width=width, z=z, bad=nf, sampled=np.zeros(len(cols), bool))   # by design
 
 # %% ../nbs/05_figures.ipynb #3ffed3df
-from .query import unfolded_steps
-
-_MAP_COLS = dict(norm=[('norm_sq', 'MAX')], std=[('std_sq', 'MAX')], mean=[('mean_hi', 'MAX'), ('mean_lo', 'MIN')],
-                 zero_frac=[('zero_frac', 'MAX')], max=[('hi', 'MAX')], min=[('lo', 'MIN')])   # the rollup columns of a map's stat
-
-def map_width(n:int, lo:int, hi:int, bins:int)->int:
-    "Steps a column of a map of `n` steps `lo`..`hi` in at most `bins` columns: 1, or the narrowest rollup width that fits."
-    if n <= bins: return 1
-    return next((w for w in ROLLUP_WIDTHS if min(n, hi // w - lo // w + 1) <= bins), ROLLUP_WIDTHS[-1])
-
-EXACT_STEPS = 64   # steps the `rollups` lack that a view reads row by row, at most; past that, a step a column
-
-def _unfolded_reads(c, run:Run, rank:int, lo:int, hi:int,
-                   span:int,   # steps a column of the view
-                  )->tuple:    # (steps to read, columns that read one step of several)
-    "The steps of `lo`..`hi` that `rollups` lack which a view reads: all if few, else each column's first."
-    u = np.array(unfolded_steps(c, run.id, rank, lo, hi), dtype=np.int64)
-    if len(u) <= EXACT_STEPS: return u.tolist(), set()
-    cols, first, count = np.unique(u // span, return_index=True, return_counts=True)
-    return u[first].tolist(), set(cols[count > 1].tolist())
-
-def _rolled_bad(c, run:Run, rank:int, ttype:str, lo:int, hi:int, width:int)->list:
-    "`(module_id, column)` of each first NaN/Inf step the rollups hold in `lo`..`hi`, of bins at most `width` wide."
-    w = max(x for x in ROLLUP_WIDTHS if x <= width)
-    return [(m, (b - lo) // width) for m, b in c.exec_driver_sql(
-        f"SELECT module_id, bad_step FROM rollups WHERE run_id = {int(run.id)} AND rank = {int(rank)} "
-        f"AND ttype = '{ttype}' "
-        f"AND width = {w} AND bin BETWEEN {lo // w} AND {hi // w} AND bad_step BETWEEN {lo} AND {hi}").all()]
-
-def _extremes(c, run:Run, rank:int, ttype:str, stat:str, lo:int, hi:int, n:int, bins:int)->dict|None:
-    "`module_map` from rollup bins, each showing its extremes, the steps they lack read (or sampled); None: unbinned."
-    if ttype not in TTYPES: raise ValueError(f"unknown ttype {ttype!r}")
-    w = map_width(n, lo, hi, bins)
-    if w == 1: return None
-    k = -(-min(n, hi // w - lo // w + 1) // bins)                     # bins a column: 1 but past 2,048 × `bins` steps
-    cols, agg = [col for col, _ in _MAP_COLS[stat]], [f for _, f in _MAP_COLS[stat]]
-    mine = f"run_id = {int(run.id)} AND rank = {int(rank)} AND ttype = '{ttype}'"
-    span = f"width = {w} AND bin BETWEEN {lo // w} AND {hi // w}"   # a range of the key
-    if k == 1: sql = f"SELECT module_id, bin, {', '.join(cols)}, bad_step FROM rollups WHERE {mine} AND {span}"
-    else: sql = (f"SELECT module_id, bin / {k}, {', '.join(f'{f}({col})' for col, f in zip(cols, agg))}, MIN(bad_step) "
-                 f"FROM rollups WHERE {mine} AND {span} GROUP BY module_id, bin / {k}")
-    rows = c.exec_driver_sql(sql).cursor.fetchall()                  # the driver's tuples: no `Row` made per row
-    reads, sampled = _unfolded_reads(c, run, rank, lo, hi, w * k)      # the bins not folded: their rows, or a sample
-    if reads:
-        per, at = {'mean_hi': 'mean', 'mean_lo': 'mean'}, f"{mine} AND step IN ({', '.join(map(str, reads))})"
-        rows += c.exec_driver_sql(f"SELECT module_id, step / {w * k}, {', '.join(per.get(col, col) for col in cols)}, bad_step "
-                                  f"FROM ({module_steps_sql(at)}) t").cursor.fetchall()
-    names = dict(c.execute(select(modules_t.c.id, modules_t.c.name).where(modules_t.c.run_id == run.id)).all())
-    if not rows: return dict(modules=[], x=[], width=w * k, z=np.zeros((0, 0)), bad=np.zeros((0, 0), bool),
-                             sampled=np.zeros(0, bool))
-    a = np.array(rows, dtype=float)
+def _binned_map(run:Run, rank:int, stat:str,
+                lo:int,    # the map's first step
+                b:dict,    # `map_bins` of the map
+               )->dict:    # as `module_map`
+    "`module_map` from the binned cells `b`: a column each bin's extremes, the rows the rollups lack folded in."
+    w, a, agg, sampled = b['width'], b['rows'], b['agg'], b['sampled']
+    names = module_names(run)
+    if not len(a): return dict(modules=[], x=[], width=w, z=np.zeros((0, 0)), bad=np.zeros((0, 0), bool),
+                               sampled=np.zeros(0, bool))
     mid, col = a[:, 0].astype(int), a[:, 1].astype(int)
     have = {names[i] for i in np.unique(mid).tolist()}
     order = [m for m in forward_order(run, rank=rank) if m in have]
@@ -591,42 +519,10 @@ def _extremes(c, run:Run, rank:int, ttype:str, stat:str, lo:int, hi:int, n:int, 
     bad = np.zeros(z.shape, bool)
     hit = ~np.isnan(a[:, -1])
     bad[ri[hit], ci[hit]] = True
-    return dict(modules=order, x=[max(lo, int(j) * w * k) for j in present], width=w * k, z=z, bad=bad,
+    return dict(modules=order, x=[max(lo, int(j) * w) for j in present], width=w, z=z, bad=bad,
                 sampled=np.isin(present, list(sampled)))
 
 # %% ../nbs/05_figures.ipynb #cbb34d15
-_ENVELOPE = dict(norm=('MAX(norm_sq)', 'NULL', 'norm_sq', 'NULL'), std=('MAX(std_sq)', 'NULL', 'std_sq', 'NULL'),   # squares: roots taken after
-                 mean=('MAX(mean_hi)', 'MIN(mean_lo)', 'mean', 'mean'), zero_frac=('MAX(zero_frac)', 'NULL', 'zero_frac', 'NULL'),
-                 max=('MAX(hi)', 'NULL', 'hi', 'NULL'), min=('NULL', 'MIN(lo)', 'NULL', 'lo'))   # a stat's hi, lo: of bins; of a step
-
-def module_envelope(run:Run, module:str, ttype:str, rank:int=None, bins:int=500, between:tuple=None,
-                    stat:str=None,   # one of `MAP_STATS`: its extremes (of the module's tensors together); None: the values' min and max
-                   )->pd.DataFrame|None:
-    "Per column (a bin of 8 steps or more): first `step`, `lo`, `hi`, `bad_step`, `sampled` of `module`'s `ttype`."
-    rank = run.ranks[0] if rank is None else rank
-    r, st = rollups_t.c, steps_t.c
-    with engine(run.db).connect() as c:
-        mine = [st.run_id == run.id, st.rank == rank, *([st.step.between(*map(int, between))] if between is not None else [])]
-        lo, hi, n = c.execute(select(func.min(st.step), func.max(st.step), func.count()).where(*mine)).one()
-        mid = c.execute(select(modules_t.c.id).where(modules_t.c.run_id == run.id, modules_t.c.name == module)).scalar()
-        if mid is None or lo is None: return None
-        w = max(map_width(n, lo, hi, bins), ROLLUP_WIDTHS[0])
-        k = -(-min(n, hi // w - lo // w + 1) // bins)
-        top, bottom, top1, bottom1 = _ENVELOPE.get(stat, ('MAX(hi)', 'MIN(lo)', 'hi', 'lo'))
-        mine = f"run_id = {int(run.id)} AND rank = {int(rank)} AND ttype = '{ttype}' AND module_id = {int(mid)}"
-        rows = c.exec_driver_sql(f"SELECT bin / {k}, {top}, {bottom}, MIN(bad_step) FROM rollups WHERE {mine} AND width = {w} "
-                                 f"AND bin BETWEEN {lo // w} AND {hi // w} GROUP BY bin / {k}").cursor.fetchall()
-        if not rows: return None                                       # nothing folded there: no envelope
-        reads, sampled = _unfolded_reads(c, run, rank, lo, hi, w * k)   # the bins not folded: their rows, or a sample
-        if reads:
-            per_step = module_steps_sql(f"{mine} AND step IN ({', '.join(map(str, reads))})")
-            rows += c.exec_driver_sql(f"SELECT step / {w * k}, {top1}, {bottom1}, bad_step FROM ({per_step}) t").cursor.fetchall()
-    df = pd.DataFrame(rows, columns=['col', 'hi', 'lo', 'bad_step']).astype(float)
-    df = df.groupby('col').agg(hi=('hi', 'max'), lo=('lo', 'min'), bad_step=('bad_step', 'min')).reset_index()
-    if stat in ('norm', 'std'): df['hi'] = np.sqrt(df['hi'])   # SQLite may lack sqrt()
-    df = df.assign(step=[max(lo, int(j) * w * k) for j in df['col']], sampled=df['col'].isin(sampled))
-    return df[['step', 'lo', 'hi', 'bad_step', 'sampled']]
-
 def envelope_traces(e:pd.DataFrame, color:str=BLUE)->list:
     "A `module_envelope` as a light band between its bins' min and max, and a red mark at each bin's first NaN/Inf step."
     if e is None or e.empty: return []

@@ -13,8 +13,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 from fastcore.basics import patch
-from sqlalchemy import text
-from .store import engine, rolled_steps, ROLLUP_WIDTHS
+from .reads import store_name
 from .stats import TTYPES
 from .query import Run, load, flow_order
 from fnmatch import fnmatchcase
@@ -317,7 +316,7 @@ def report_html(run:Run,
             'last step': f"{last} ({t})" if (t := iteration_text(kinds, last)) else last,
             **({'ranks': f"{', '.join(map(str, ranks))} of {run.world_size}; figures of rank {rank}"} if len(ranks) > 1 else {}),
             'started': time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(run.started)) if run.started else None,
-            'store': engine(run.db).url.database or str(engine(run.db).url), 'report written': time.strftime('%Y-%m-%d %H:%M:%S')}
+            'store': store_name(run.db), 'report written': time.strftime('%Y-%m-%d %H:%M:%S')}
     parts = [f"<h1>torchember report: {e(run.name)}</h1>", '<table class="meta">',
              *[f"<tr><td>{e(k)}</td><td>{e(str(v))}</td></tr>" for k, v in meta.items()], '</table>']
     try: fs, failed = run.diagnose(rank=rank), None

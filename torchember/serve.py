@@ -14,6 +14,7 @@ import nbformat
 import sqlalchemy as sa
 from . import store
 from .store import StoreError, db_url, PG_CONNECT, MEMORY
+from .reads import is_store, read_only
 from .explore import Explorer
 
 # %% auto #0
@@ -26,21 +27,11 @@ def read_only_engine(db=None)->sa.Engine:   # store path or URL; default the def
     u = sa.make_url(url)
     where = u.database if u.get_backend_name() == 'sqlite' else u.render_as_string(hide_password=True)
     if url == MEMORY: raise StoreError("an in-memory store lives in one process; serve a store file or a server's URL")
-    if u.get_backend_name() == 'sqlite':
-        p = Path(u.database).absolute()
-        if not p.is_file(): raise StoreError(f"there is no torchember store at {str(p)!r}")
-        def connect():
-            con = sqlite3.connect(f"file:{quote(str(p))}?mode=ro", uri=True, check_same_thread=False)
-            con.execute('PRAGMA busy_timeout=30000')
-            return con
-        eng = sa.create_engine(url, creator=connect)
-    else:
-        args = {k: v for k, v in PG_CONNECT.items() if k not in u.query and k != 'options'}
-        eng = sa.create_engine(url, pool_pre_ping=True, connect_args={**args, 'options': '-c default_transaction_read_only=on'})
+    if u.get_backend_name() == 'sqlite' and not (p := Path(u.database).absolute()).is_file():
+        raise StoreError(f"there is no torchember store at {str(p)!r}")
+    eng = read_only(url)
     try:
-        with eng.connect() as c:
-            ours = 'meta' in sa.inspect(c).get_table_names() and c.execute(
-                sa.text("SELECT value FROM meta WHERE key = 'schema_version'")).scalar() is not None
+        ours = is_store(eng)
     except sa.exc.DBAPIError as e:
         eng.dispose()
         raise StoreError(f"{where} is not a readable torchember store: {str(e.orig).strip().splitlines()[0]}") from None
