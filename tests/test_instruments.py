@@ -205,7 +205,7 @@ def test_a_version_1_store_opens_and_reads(tmp_path):
         """)
     r = load('old', db)
     assert r.latest()['mean'].tolist() == [0.5] and r.sequence() == ['enter ', 'exit ']
-    assert r.latest()['absmax'].tolist() == [1.0]   # filled in from its min and max
+    assert r.latest()['absmax'].tolist() == [1.0]   # read from its min and max
     assert sql(db, "SELECT value FROM meta WHERE key = 'schema_version'") == [('3',)]
     model = nn.Sequential(nn.Linear(2, 2))
     with torchEmber(model, run='new', db=db): model(torch.randn(1, 2)).sum().backward()

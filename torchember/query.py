@@ -15,7 +15,7 @@ import torch
 from sqlalchemy import select, func
 from .store import (engine, escaped, drop_run, runs_t, ranks_t, modules_t, steps_t, events_t, stats_t, calls_t, scalars_t,
                               snapshots_t, rollups_t, STAT_COLS, ROLLUP_WIDTHS, rolled_steps,
-                              unfolded_bins, bin_spans, nonfinite_ix, NONFINITE_ROWS)
+                              unfolded_bins, bin_spans, nonfinite_ix, NONFINITE_ROWS, stat_value)
 from .store import roll_up as store_roll_up
 
 # %% auto #0
@@ -79,7 +79,7 @@ def records(db, run_id:int, run:str, step=None, module=None, ttype=None, tname=N
     eng = engine(db)
     s, m = stats_t.c, modules_t
     q = (select(s.step, s.rank, s.call, m.c.name.label('module'), m.c.mtype, s.ttype, s.tname, s.shape, s.dtype,
-                *[s[c] for c in STAT_COLS], s.nbytes, s.extra)
+                *[stat_value(s[c], c) for c in STAT_COLS], s.nbytes, s.extra)
          .join(m, sa.and_(m.c.run_id == s.run_id, m.c.id == s.module_id)).where(s.run_id == run_id))
     if step is not None: q = q.where(s.step.in_(_as_list(step)))
     if steps is not None: q = q.where(s.step.between(*steps))

@@ -24,9 +24,9 @@ __all__ = ['SCHEMA_VERSION', 'MEMORY', 'metadata', 'STAT_COLS', 'Str', 'Size', '
            'RETIRED_RUN_ID', 'ROWS_PER_INSERT', 'BUSY_WAIT_S', 'LOCK_POLL_S', 'ROLLUP_WIDTHS', 'THINNED', 'KNOWN_MAX',
            'LINGER_S', 'PENDING_STEPS', 'PENDING_BYTES', 'RETRY_S', 'GONE_RETRY_S', 'BEHIND_S', 'WITHIN_S', 'RATE_S',
            'STUCK_S', 'GROUP_BYTES', 'PACE', 'PACE_MAX_S', 'PACE_SAY_S', 'GONE_SQLSTATES', 'EXIT_WAIT_S', 'default_db',
-           'db_url', 'check_name', 'escaped', 'StoreError', 'engine', 'keyed_by_rank', 'create_run', 'drop_run',
-           'last_iteration', 'claim', 'release', 'rows_digest', 'packed_sums', 'packed_digest', 'write_step',
-           'write_steps', 'merge_pieces', 'module_steps_sql', 'roll_up', 'roll_up_closed', 'rolled_steps',
+           'db_url', 'check_name', 'escaped', 'stat_value', 'StoreError', 'engine', 'keyed_by_rank', 'create_run',
+           'drop_run', 'last_iteration', 'claim', 'release', 'rows_digest', 'packed_sums', 'packed_digest',
+           'write_step', 'write_steps', 'merge_pieces', 'module_steps_sql', 'roll_up', 'roll_up_closed', 'rolled_steps',
            'unfolded_bins', 'bin_spans', 'thin_steps', 'module_values', 'idle_priority', 'store_busy', 'store_gone',
            'Writer']
 
@@ -148,9 +148,19 @@ nonfinite_ix = sa.Index('stats_nonfinite',   # those rows alone, in step order: 
     *(stats_t.c[k] for k in ('run_id', 'step', 'rank', 'module_id', 'ttype', 'nan_count', 'inf_count')),
     sqlite_where=sa.text(NONFINITE_ROWS), postgresql_where=sa.text(NONFINITE_ROWS))
 
+def stat_value(col, name:str):
+    "Stat column `col`, or where it is NULL (a row stored before stat `name` existed) its value from the row's other stats."
+    sql = STATS_REGISTRY[name].sql
+    return sa.func.coalesce(col, sa.literal_column(f'({sql})')).label(name) if sql else col
+
+def _stat_sql(name:str)->str:
+    "Stat `name` of the stats row `s` in a view's SQL, filled in as `stat_value` does."
+    sql = STATS_REGISTRY[name].sql
+    return f's.{name}' if not sql else f'COALESCE(s.{name}, {sql}) AS {name}'
+
 VIEWS = {
  'records': f"""SELECT r.name AS run, s.step, s.rank, s.call, m.name AS module, m.mtype, s.ttype, s.tname, s.shape, s.dtype,
-          {', '.join(f's.{c}' for c in STAT_COLS)}, s.nbytes, s.extra,
+          {', '.join(_stat_sql(c) for c in STAT_COLS)}, s.nbytes, s.extra,
           s.run_id, s.module_id
    FROM stats s JOIN runs r ON r.id = s.run_id JOIN modules m ON m.run_id = s.run_id AND m.id = s.module_id""",
  'latest': """SELECT rec.* FROM records rec
@@ -288,10 +298,8 @@ def _init_schema(eng, tries:int=3):
                                  f"(it has tables {', '.join(sorted(tables)[:5])}); choose another file")
             metadata.create_all(c)
             if ver is not None: _index_nonfinite(c, eng)
-            lacking = _lacking_stats(c) if ver is not None else ()
             if ver is not None and (_upgrade(c, eng) or ver < SCHEMA_VERSION):
-                for v in VIEWS: c.exec_driver_sql(f'DROP VIEW IF EXISTS {v}')
-            if lacking: _fill_stats(c, eng, lacking)
+                for v in reversed(VIEWS): c.exec_driver_sql(f'DROP VIEW IF EXISTS {v}')   # `latest` reads `records`
             _create_views(c)
             if ver is None: c.execute(insert(meta_t).values(key='schema_version', value=str(SCHEMA_VERSION)))
             elif ver < SCHEMA_VERSION:
@@ -347,20 +355,6 @@ def _index_nonfinite(c, eng):
     try:
         with c.begin_nested(): nonfinite_ix.create(c)   # a savepoint: PostgreSQL keeps the transaction if refused
     except sa.exc.DBAPIError: pass   # a store this process may only read: its readers search its rows as before
-
-def _lacking_stats(c)->list:
-    "The declared stats that the `stats` table of an older store has no column for."
-    have = {col['name'] for col in sa.inspect(c).get_columns('stats')}
-    return [k for k in STAT_COLS if k not in have]
-
-def _fill_stats(c, eng, names:list):
-    "Fill the new columns `names` of an older store's stats and shards from their stored stats, where the stat says how."
-    sets = ', '.join(f'"{k}" = {STATS_REGISTRY[k].sql}' for k in names if STATS_REGISTRY[k].sql)
-    if not sets: return
-    if c.exec_driver_sql('SELECT 1 FROM stats LIMIT 1').first() is not None:
-        warnings.warn(f"torchember: filling in {', '.join(names)} of store {eng.url.render_as_string(hide_password=True)}, "
-                      "once (an older torchember made it): one pass over its stats rows", stacklevel=5)
-    for t in ('stats', 'shards'): c.exec_driver_sql(f'UPDATE {t} SET {sets}')   # declared names and SQL, no user input
 
 def keyed_by_rank(db=None)->bool:
     "Whether store `db` (a path, URL or engine) keeps ranks apart: `rank` in the keys, as stores made since ranks have it."
@@ -790,7 +784,7 @@ def merge_pieces(c, run_id:int, steps:list):
     ready = c.execute(closed.having(func.count() >= world)).scalars().all()   # every rank has written the step: a few rows read
     if not ready: return
     q = (select(sh.step, sh.rank, sh.module_id, sh.call, sh.ttype, sh.tname, sh.piece, sh.full_shape, sh.shape, sh.dtype,
-                *[sh[k] for k in STAT_COLS], sh.extra, sh.nbytes)
+                *[stat_value(sh[k], k) for k in STAT_COLS], sh.extra, sh.nbytes)
          .where(sh.run_id == run_id, sh.step.in_(ready)).order_by(sh.step, sh.rank))
     groups, out, k = {}, {}, len(STAT_COLS)
     for r in c.execute(q).tuples(): groups.setdefault(r[:1] + r[2:6], []).append(r)
