@@ -20,16 +20,17 @@ from .store import (engine, db_url, modules_t, stats_t, steps_t, digests_t, scal
                               ROLLUP_WIDTHS, NONFINITE_ROWS)
 from fnmatch import fnmatchcase
 from .query import Run, flow_order, _one_rank, applied_steps, nonfinite_from
+from .diagnose_reads import (WATCHED, GRAD_NORM, GRADS, _names, eval_steps, micro_steps, module_norms, signals,
+                                       module_rms, rollup_norms, zero_inputs, weight_updates, _grads_only)
 
 # %% auto #0
-__all__ = ['COLUMNS', 'SEVERITIES', 'MAD_SIGMA', 'FINDINGS', 'PARAMS', 'OWN', 'KINDS', 'BEYOND', 'RANGE', 'WATCHED', 'GRAD_NORM',
-           'MIN_BAND', 'ORDER', 'GAP', 'PERSIST', 'DRIFTS', 'DEPARTURE_COLUMNS', 'SLACK', 'FULL_STEPS', 'LOOK_BACK',
-           'COARSE_BINS', 'MOST_POINTED', 'FOLLOW_MIN', 'GRADS', 'MOST_CAUSES', 'SPIKE', 'FACTOR', 'LEAD', 'ORDERS',
-           'DEAD', 'UPDATE_BAND', 'DIFF_COLUMNS', 'COMPARED', 'finding', 'findings', 'positive', 'Param', 'FindingKind',
-           'register_finding', 'detector', 'bands', 'trailing_range', 'band_edges', 'left_band', 'upward_edges',
-           'eval_steps', 'micro_steps', 'module_norms', 'signals', 'model_input', 'module_rms', 'onset', 'departures',
-           'causal_key', 'episodes', 'rolled_departures', 'run_episodes', 'attach', 'root_words', 'cause_finding',
-           'signal_spikes', 'loss_followed', 'zero_inputs', 'dead_modules', 'across_depth', 'over_steps',
+__all__ = ['COLUMNS', 'SEVERITIES', 'MAD_SIGMA', 'FINDINGS', 'PARAMS', 'OWN', 'KINDS', 'BEYOND', 'RANGE', 'MIN_BAND', 'ORDER',
+           'GAP', 'PERSIST', 'DRIFTS', 'DEPARTURE_COLUMNS', 'SLACK', 'FULL_STEPS', 'LOOK_BACK', 'COARSE_BINS',
+           'MOST_POINTED', 'FOLLOW_MIN', 'MOST_CAUSES', 'SPIKE', 'FACTOR', 'LEAD', 'ORDERS', 'DEAD', 'UPDATE_BAND',
+           'DIFF_COLUMNS', 'COMPARED', 'finding', 'findings', 'positive', 'Param', 'FindingKind', 'register_finding',
+           'detector', 'bands', 'trailing_range', 'band_edges', 'left_band', 'upward_edges', 'model_input', 'onset',
+           'departures', 'causal_key', 'episodes', 'rolled_departures', 'run_episodes', 'attach', 'root_words',
+           'cause_finding', 'signal_spikes', 'loss_followed', 'dead_modules', 'across_depth', 'over_steps',
            'update_ratios', 'nonfinite_finding', 'Look', 'with_iterations', 'followed', 'with_causes', 'load_findings',
            'findings_table', 'fingerprints', 'step_digests', 'module_prints', 'stat_rows', 'diff']
 
@@ -196,62 +197,6 @@ def upward_edges(values:np.ndarray, window:int, spike:float, factor:float, min_s
         for full, part in zip(out, band_edges(values, window, spike, factor, min_steps, rows)): full[rows] = part
     return out
 
-# %% ../nbs/03a_diagnose.ipynb #289b2105
-WATCHED = ('output', 'weight', 'weight_grad')   # the tensors whose norms `diagnose` follows per module
-GRAD_NORM = '(grad norm)'                       # the global grad norm, among the logged scalars
-
-def _names(run:Run)->pd.DataFrame:
-    "The run's modules by id: name and class."
-    m = modules_t.c
-    with engine(run.db).connect() as c:
-        rows = c.execute(select(m.id, m.name, m.mtype).where(m.run_id == run.id)).all()
-    return pd.DataFrame([tuple(r) for r in rows], columns=['module_id', 'module', 'mtype']).set_index('module_id')
-
-def eval_steps(run:Run, rank:int)->set:
-    "The steps of `rank` that were no training steps: kinds 'eval' (validation) and 'no_grad' (train mode, no graph)."
-    k = run.step_kinds(rank)
-    return set(k.loc[k['kind'] != 'train', 'step'])
-
-def micro_steps(run:Run, rank:int)->set:
-    "The training steps of `rank` whose grads the optimizer did not apply as they are: accumulation's earlier micro-steps."
-    k = run.step_kinds(rank)
-    train = k.loc[k['kind'] == 'train', 'step']
-    return set(train) - set(applied_steps(k))
-
-def module_norms(run:Run, rank:int, lo:int, hi:int)->pd.DataFrame:
-    "Per training step of `lo..hi`, module and watched ttype: L2 norm, elements, RMS and least zero fraction."
-    s = stats_t.c
-    q = (select(s.step, s.module_id, s.ttype, func.sum(s.norm * s.norm), func.sum(s.numel), func.min(s.zero_frac))
-         .where(s.run_id == run.id, s.rank == rank, s.step.between(lo, hi), s.ttype.in_(WATCHED))
-         .group_by(s.step, s.module_id, s.ttype))
-    with engine(run.db).connect() as c:
-        if c.dialect.name == 'postgresql':   # a sort of 2·window steps' rows in memory, compiled by no JIT (it costs more than it saves here)
-            c.exec_driver_sql("SET LOCAL work_mem = '64MB'"); c.exec_driver_sql('SET LOCAL jit = off')
-        rows = c.execute(q).cursor.fetchall()
-    df = pd.DataFrame(rows, columns=['step', 'module_id', 'ttype', 'sq', 'numel', 'zero_frac'])
-    df = df[~df['step'].isin(eval_steps(run, rank)) & ~(df['ttype'].eq('weight_grad') & df['step'].isin(micro_steps(run, rank)))]
-    df = df.astype({'sq': float, 'numel': float, 'zero_frac': float})
-    return df.assign(norm=df['sq'] ** .5, rms=(df['sq'] / df['numel'].where(df['numel'] > 0)) ** .5)
-
-def signals(run:Run, rank:int, hi:int, grads_from:int)->pd.DataFrame:
-    "Training steps x signals up to `hi`: each logged scalar and, from `grads_from`, the global grad norm."
-    s, st, k = scalars_t.c, stats_t.c, steps_t.c
-    kept = select(k.step, k.grad_sq, k.summed).where(k.run_id == run.id, k.rank == rank, k.step.between(grads_from, hi))
-    with engine(run.db).connect() as c:
-        rows = c.execute(select(s.step, s.name, s.value).where(s.run_id == run.id, s.rank == rank, s.step <= hi)).cursor.fetchall()
-        sums = c.execute(kept).cursor.fetchall()   # the store keeps each step's sum: NULL where a norm was NaN, or none was
-        grads = [(step, GRAD_NORM, sq ** .5) for step, sq, summed in sums if summed is not None and sq is not None]
-        if any(summed is None for _, _, summed in sums):   # steps written before the store kept sums: summed here
-            old = kept.with_only_columns(k.step).where(k.summed.is_(None))   # a subquery: no bound parameter a step
-            gn = (select(st.step, func.sum(st.norm * st.norm)).where(st.run_id == run.id, st.rank == rank, st.step.in_(old),
-                                                                     st.ttype == 'weight_grad').group_by(st.step))
-            grads += [(step, GRAD_NORM, None if sq is None else sq ** .5) for step, sq in c.execute(gn).cursor.fetchall()]
-    micro = micro_steps(run, rank)
-    grads = [g for g in grads if g[0] not in micro]
-    df = pd.DataFrame(rows + grads, columns=['step', 'name', 'value']).astype({'value': float})   # the driver's tuples: no Row each
-    df = df[~df['step'].isin(eval_steps(run, rank))]
-    return df.drop_duplicates(['step', 'name']).pivot(index='step', columns='name', values='value')
-
 # %% ../nbs/03a_diagnose.ipynb #109a982b
 MIN_BAND = 10   # a band needs this many earlier steps (fewer if `window` is smaller): a shorter history gives no spikes
 ORDER = ('weight', 'input', 'output', 'weight_grad')   # a step's order: weights (the last update set them), forward, grads
@@ -260,19 +205,6 @@ def model_input(names:pd.DataFrame, order:list)->int|None:
     "The module whose input is the batch: the model itself (module ''), else the first module called."
     roots = names.index[names['module'] == '']
     return int(roots[0]) if len(roots) else (order[0] if order else None)
-
-def module_rms(run:Run, rank:int, lo:int, hi:int, root:int=None)->pd.DataFrame:
-    "Training steps `lo..hi` x (module id, ttype): the RMS of each module's weights, outputs, weight grads; `root`'s input."
-    s = stats_t.c
-    tt = s.ttype.in_(WATCHED) if root is None else sa.or_(s.ttype.in_(WATCHED), sa.and_(s.ttype == 'input', s.module_id == root))
-    sq = sa.case((func.count(s.norm) == func.count(), func.sum(s.norm * s.norm)))   # a NaN norm (NULL in SQLite): no RMS
-    q = (select(s.step, s.module_id, s.ttype, sq, func.sum(s.numel))
-         .where(s.run_id == run.id, s.rank == rank, s.step.between(lo, hi), tt).group_by(s.step, s.module_id, s.ttype))
-    with engine(run.db).connect() as c: rows = c.execute(q).cursor.fetchall()
-    df = pd.DataFrame(rows, columns=['step', 'module_id', 'ttype', 'sq', 'numel']).astype({'sq': float, 'numel': float})   # None: NaN
-    df = df[~df['step'].isin(eval_steps(run, rank)) & ~(df['ttype'].eq('weight_grad') & df['step'].isin(micro_steps(run, rank)))]
-    df['rms'] = (df['sq'] / df['numel'].where(df['numel'] > 0)) ** .5
-    return df.pivot_table(index='step', columns=['module_id', 'ttype'], values='rms', aggfunc='first', dropna=False)
 
 def _band_text(lo, hi, med): return f"{lo:.4g} to {hi:.4g} (around the median {med:.4g} of the steps before)"
 
@@ -386,14 +318,9 @@ MOST_POINTED = 20   # ... and at most this many places where a bin left its band
 
 def rolled_departures(run:Run, rank:int, lo:int, hi:int, window:int, spike:float, factor:float)->list:
     "Steps of `lo..hi` where a module's largest norm in a `rollups` bin newly left its band of the bins before."
-    r = rollups_t.c
     w = next((w for w in ROLLUP_WIDTHS if (hi - lo) / w <= COARSE_BINS), ROLLUP_WIDTHS[-1])
-    q = select(r.bin, r.module_id, r.ttype, r.norm_sq).where(r.run_id == run.id, r.rank == rank, r.width == w,
-                                                              r.ttype.in_(WATCHED), r.bin.between(lo // w, hi // w))
-    with engine(run.db).connect() as c: rows = c.execute(q).cursor.fetchall()
-    if not rows: return []
-    df = pd.DataFrame(rows, columns=['bin', 'module_id', 'ttype', 'norm_sq']).astype({'norm_sq': float})
-    x = df.pivot_table(index='bin', columns=['module_id', 'ttype'], values='norm_sq', aggfunc='first') ** .5
+    x = rollup_norms(run, rank, lo, hi, w)
+    if x.empty: return []
     n = max(MIN_BAND, window // w)   # bins: a band of bins is judged as a band of steps, of MIN_BAND at least
     low, high, *_ = band_edges(x.to_numpy(float), n, spike, factor, MIN_BAND)
     out = left_band(x.to_numpy(float), low, high)
@@ -506,15 +433,6 @@ def _calm_grad_spike(f:dict, sig:pd.DataFrame, window:int, spike:float, factor:f
             "(clipping or the optimizer absorbed it): no harm seen"}
 
 # %% ../nbs/03a_diagnose.ipynb #fbb994f6
-def zero_inputs(run:Run, rank:int, lo:int, hi:int, modules:list)->pd.Series:
-    "Of `modules` (ids), the smallest zero fraction of their inputs over steps `lo..hi`: near 1, they were handed zeros."
-    s = stats_t.c
-    if not modules: return pd.Series(dtype=float)
-    q = (select(s.module_id, func.min(s.zero_frac)).where(s.run_id == run.id, s.rank == rank, s.step.between(lo, hi), s.ttype == 'input',
-                                                         s.module_id.in_([int(m) for m in modules])).group_by(s.module_id))
-    with engine(run.db).connect() as c: rows = c.execute(q).all()
-    return pd.Series({m: z for m, z in rows if z is not None}, dtype=float)
-
 def dead_modules(norms:pd.DataFrame, names:pd.DataFrame, lo:int, dead:float, min_steps:int=3,
                  zeros_in=None,   # `zero_inputs` as a function of the candidates' ids: those handed zeros only pass them on
                 )->list:
@@ -592,13 +510,8 @@ def over_steps(rms:pd.DataFrame, order:list, names:pd.DataFrame, orders:float)->
 # %% ../nbs/03a_diagnose.ipynb #a65be04e
 def update_ratios(run:Run, rank:int, lo:int, hi:int, names:pd.DataFrame, band:tuple)->list:
     "Findings for weights whose median ‖Δw‖/‖w‖ over `lo..hi` lies outside `band` (needs `track_updates=True`)."
-    s = stats_t.c
-    q = select(s.step, s.module_id, s.tname, s.norm, s.extra).where(
-        s.run_id == run.id, s.rank == rank, s.step.between(lo, hi), s.ttype == 'weight', s.extra.isnot(None))
-    with engine(run.db).connect() as c: rows = c.execute(q).all()
-    upd = [(st, m, tn, json.loads(x).get('update_norm'), n) for st, m, tn, n, x in rows]
-    df = pd.DataFrame([r for r in upd if r[3] and r[4] and 'bias' not in r[2]],   # biases start at 0: no scale to move against
-                      columns=['step', 'module_id', 'tname', 'update', 'norm'])
+    df = weight_updates(run, rank, lo, hi)
+    df = df[[bool(u) and bool(n) and 'bias' not in t for u, n, t in zip(df['update'], df['norm'], df['tname'])]]   # biases: 0
     if df.empty: return []
     df['ratio'] = df['update'].astype(float) / df['norm'].astype(float)
     med = df.groupby(['module_id', 'tname'])['ratio'].median()
@@ -618,17 +531,6 @@ def update_ratios(run:Run, rank:int, lo:int, hi:int, names:pd.DataFrame, band:tu
     return res
 
 # %% ../nbs/03a_diagnose.ipynb #47b9f34f
-GRADS = ('weight_grad', 'output_grad', 'input_grad')
-
-def _grads_only(run:Run, rank:int, hi:int)->int|None:
-    "How many steps up to `hi` had NaN/Inf grads, if no other tensor (input, output, weight) ever held one; else None."
-    grads = ', '.join(f"'{t}'" for t in GRADS)
-    with engine(run.db).connect() as c:   # the NaN/Inf rows only, through their index
-        bad = (f"FROM {nonfinite_from(c) or 'stats'} WHERE run_id = {int(run.id)} AND rank = {int(rank)} "
-               f"AND step <= {int(hi)} AND ({NONFINITE_ROWS})")
-        if c.exec_driver_sql(f"SELECT 1 {bad} AND ttype NOT IN ({grads}) LIMIT 1").first() is not None: return None
-        return c.exec_driver_sql(f"SELECT COUNT(DISTINCT step) {bad} AND ttype IN ({grads})").scalar()
-
 def nonfinite_finding(run:Run, rank:int, hi:int)->list:
     "The run's first NaN or Inf up to step `hi` as a finding: an error, unless only grads ever held one (a skipped step)."
     f = run.first_nonfinite(rank=rank)

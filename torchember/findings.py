@@ -6,18 +6,16 @@ Docs: https://torchember.github.io/torchember/findings.html.md"""
 
 # %% ../nbs/05b_findings.ipynb #a9fcfcd2
 from __future__ import annotations
-import json
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
-from sqlalchemy import select, func
-from .store import engine, modules_t, stats_t, steps_t, scalars_t
 from .query import Run, _one_rank
+from .diagnose_reads import step_span, scalar_series, tensor_series
 from .diagnose import band_edges, eval_steps, MIN_BAND, GRAD_NORM, FINDINGS, PARAMS
 from .figures import BLUE, RED, module_label, log_axis, _list, with_kinds, step_hover, step_title
 
 # %% auto #0
-__all__ = ['SEVERITY_MARKS', 'EVIDENCE_COLUMNS', 'finding_label', 'severity_counts', 'step_span', 'finding_series', 'evidence',
+__all__ = ['SEVERITY_MARKS', 'EVIDENCE_COLUMNS', 'finding_label', 'severity_counts', 'finding_series', 'evidence',
            'evidence_figure']
 
 # %% ../nbs/05b_findings.ipynb #1a9079c8
@@ -57,42 +55,13 @@ def _trailing(f)->bool:
     e = FINDINGS.get(f['kind'])
     return e is not None and e.band == 'trailing'
 
-def step_span(run:Run, step:int, rank:int, before:int, after:int)->tuple:
-    "The first and last of the `before` recorded steps up to `step` and the `after` recorded steps past it."
-    st = steps_t.c
-    on = [st.run_id == run.id, st.rank == rank]
-    with engine(run.db).connect() as c:
-        back = c.execute(select(st.step).where(*on, st.step <= step).order_by(st.step.desc()).limit(before)).scalars().all()
-        fwd = c.execute(select(st.step).where(*on, st.step > step).order_by(st.step).limit(after)).scalars().all()
-    return (min(back, default=step), max(fwd, default=step))
-
 def finding_series(run:Run, f, rank:int, lo:int, hi:int)->pd.Series:
     "The per-step values (indexed by step, steps `lo..hi`) that finding `f` was judged on."
-    s, judged = stats_t.c, _judged(f)
-    spike = _trailing(f)   # judged on training steps only, as `diagnose` judges departures
-    with engine(run.db).connect() as c:
-        if judged == 'signal':
-            if f['stat'] == GRAD_NORM:
-                q = select(s.step, func.sqrt(func.sum(s.norm * s.norm))).where(s.run_id == run.id, s.rank == rank, s.ttype == 'weight_grad',
-                                                                               s.step.between(lo, hi)).group_by(s.step)
-            else:
-                sc = scalars_t.c
-                q = select(sc.step, sc.value).where(sc.run_id == run.id, sc.rank == rank, sc.name == f['stat'], sc.step.between(lo, hi))
-            rows = c.execute(q).all()
-            return _training(pd.Series({int(k): v for k, v in rows}, dtype=float).sort_index(), run, rank, spike)
-        mid = select(modules_t.c.id).where(modules_t.c.run_id == run.id, modules_t.c.name == f['module']).scalar_subquery()
-        where = [s.run_id == run.id, s.rank == rank, s.module_id == mid, s.ttype == f['ttype'], s.step.between(lo, hi)]
-        if judged in ('nan_count', 'inf_count', 'update_ratio') and isinstance(f['tname'], str): where.append(s.tname == f['tname'])
-        if judged == 'update_ratio':
-            rows = c.execute(select(s.step, s.norm, s.extra).where(*where, s.extra.isnot(None))).all()
-            ratio = {int(k): (json.loads(x).get('update_norm') or np.nan) / n if n else np.nan for k, n, x in rows}
-            return pd.Series(ratio, dtype=float).sort_index()
-        agg = {'norm': [func.sum(s.norm * s.norm)], 'rms': [func.sum(s.norm * s.norm), func.sum(s.numel)],
-               'zero_frac': [func.min(s.zero_frac)], 'nan_count': [func.sum(s.nan_count)], 'inf_count': [func.sum(s.inf_count)]}[judged]
-        rows = c.execute(select(s.step, *agg).where(*where).group_by(s.step)).all()
-    with np.errstate(divide='ignore', invalid='ignore'):
-        val = {'norm': lambda r: np.sqrt(float(r[1])), 'rms': lambda r: np.sqrt(float(r[1]) / float(r[2]))}.get(judged, lambda r: float(r[1]))
-        return _training(pd.Series({int(r[0]): val(r) if r[1] is not None else np.nan for r in rows}, dtype=float).sort_index(), run, rank, spike)
+    judged, only = _judged(f), _trailing(f)   # a trailing band: judged on training steps only, as `diagnose` judges
+    if judged == 'signal': return _training(scalar_series(run, rank, f['stat'], lo, hi), run, rank, only)
+    named = judged in ('nan_count', 'inf_count', 'update_ratio') and isinstance(f['tname'], str)
+    v = tensor_series(run, rank, f['module'], f['ttype'], judged, lo, hi, tname=f['tname'] if named else None)
+    return v if judged == 'update_ratio' else _training(v, run, rank, only)
 
 def _training(v:pd.Series, run:Run, rank:int, only:bool)->pd.Series:
     "Series `v` (by step) without the eval steps of `rank`, if `only`."
