@@ -4,7 +4,7 @@ import pytest, torch
 from torch import nn
 from corpus import CORPUS, loss_of
 from torchember import torchEmber, load
-from torchember.core import attach
+from torchember.core import record_tensor
 from torchember.instruments import decode_tensor
 
 ALL = dict(timing=True, io_grad=True, hist=16, track_updates=True, snapshot=['*.weight.grad'])
@@ -105,7 +105,7 @@ def test_attach_records_an_inner_tensor(db):
             super().__init__()
             self.q, self.k = nn.Linear(4, 4), nn.Linear(4, 4)
         def forward(self, x):
-            a = attach(torch.softmax(self.q(x) @ self.k(x).transpose(-1, -2), -1), self, 'attn')
+            a = record_tensor(torch.softmax(self.q(x) @ self.k(x).transpose(-1, -2), -1), self, 'attn')
             return a @ x
     model = nn.Sequential(Attn(), nn.Linear(4, 1))
     te = torchEmber(model, run='attach', db=db, snapshot='0.attn')

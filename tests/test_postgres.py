@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from pandas.testing import assert_frame_equal
 from torch import nn
 
-from torchember import torchEmber, attach, load, runs, explore
+from torchember import torchEmber, record_tensor, load, runs, explore
 from torchember.report import report, page_figures, nonfinite
 from torchember.store import StoreError, engine, create_run, write_step, _engines, _lost_race
 
@@ -64,7 +64,7 @@ def sql(url, q, **params):
 class Attend(nn.Module):
     "Attaches tensors whose names sort differently by bytes ('Q' < 'a_c' < 'ab' < 'k') and by a natural language."
     def forward(self, x):
-        for name in ('k', 'ab', 'Q', 'a_c'): attach(x * len(name), self, name)
+        for name in ('k', 'ab', 'Q', 'a_c'): record_tensor(x * len(name), self, name)
         return x
 
 def make_model():

@@ -21,7 +21,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 __all__ = ['WRAPPERS', 'ENTER', 'EXIT', 'STEP_KINDS', 'KEEP_MAX', 'KEEP_BYTES', 'WATCH_BYTES', 'HELD_BYTES', 'CLOSE_AFTER_S',
            'user_class', 'is_wrapper', 'user_modules', 'module_tree', 'dtensor_piece', 'sharded', 'flat_params',
            'fsdp2_params', 'module_info', 'named_tensors', 'arg_names', 'named_inputs', 'selector', 'Capture',
-           'held_cap', 'elapsed_ms', 'sample_norms', 'attach']
+           'held_cap', 'elapsed_ms', 'sample_norms', 'record_tensor', 'attach']
 
 # %% ../nbs/00_core.ipynb #4a1aa61e
 def user_class(m:nn.Module)->type:
@@ -813,14 +813,24 @@ _closer = _Closer()
 if hasattr(os, 'register_at_fork'): os.register_at_fork(after_in_child=_closer._after_fork)
 
 # %% ../nbs/00_core.ipynb #39f3d636
-def attach(t:torch.Tensor,     # the tensor to record; returned unchanged
-           module:nn.Module,   # the module whose call it belongs to (usually `self`)
-           name:str,           # its tname
-          )->torch.Tensor:
+def record_tensor(t:torch.Tensor,     # the tensor to record; returned unchanged
+                  module:nn.Module,   # the module whose call it belongs to (usually `self`)
+                  name:str,           # its tname
+                 )->torch.Tensor:
     "Record `t` as ttype `attached` of `module`'s current call when `module` is armed and its step recorded."
     cap = _owners.get(module)
     if cap is not None and isinstance(t, torch.Tensor): cap._attach(module, name, t)
     return t
+
+_SAID = set()   # the deprecated names already warned about in this process
+
+def attach(t:torch.Tensor, module:nn.Module, name:str)->torch.Tensor:
+    "Deprecated: the old name of `record_tensor`."
+    if 'attach' not in _SAID:
+        _SAID.add('attach')
+        warnings.warn("torchember.attach is now torchember.record_tensor (it records a tensor; it attaches nothing); "
+                      "the old name goes in the next release", DeprecationWarning, stacklevel=2)
+    return record_tensor(t, module, name)
 
 @patch
 def _attach(self:Capture, module, name, t):
