@@ -12,11 +12,12 @@ from dataclasses import dataclass, asdict
 import numpy as np
 import pandas as pd
 from .store import STAT_COLS
-from .diagnose import band_edges, MIN_BAND, RANGE, MAD_SIGMA, BEYOND
+from .diagnose import band_edges, MIN_BAND, RANGE, MAD_SIGMA, BEYOND, FINDINGS
 from .query import flow_order, NONFINITE_KINDS
 
 # %% auto #0
-__all__ = ['DETECTORS', 'Finding', 'StepView', 'Nonfinite', 'upper_edge', 'GradSpike', 'DeadLayer', 'check_kinds', 'Watch']
+__all__ = ['DETECTORS', 'Finding', 'StepView', 'Nonfinite', 'upper_edge', 'GradSpike', 'DeadLayer', 'live_detectors',
+           'check_kinds', 'Watch']
 
 # %% ../nbs/03c_watch.ipynb #0b850bca
 @dataclass
@@ -234,13 +235,21 @@ class DeadLayer:
                        self.severity, mtype, 'output', None, 'zero_frac', zf)
 
 # %% ../nbs/03c_watch.ipynb #abeeba3e
-DETECTORS = {'nonfinite': Nonfinite, 'spike': GradSpike, 'dead': DeadLayer}   # kind -> detector class: one entry each
+for kind, live in (('nonfinite', Nonfinite), ('spike', GradSpike), ('dead', DeadLayer)):
+    FINDINGS[kind].live = live   # each kind's entry in `diagnose.FINDINGS` says which detector judges it live
+
+def live_detectors()->dict:
+    "Kind -> live detector class, for each kind of `diagnose.FINDINGS` that has one (its `live`)."
+    return {k: e.live for k, e in FINDINGS.items() if e.live is not None}
+
+DETECTORS = live_detectors()   # kind -> detector class, as declared when this module was loaded
 
 def check_kinds(kinds, what:str='stop_on')->tuple:
-    "`kinds` (one kind or a list) as a tuple, or a `ValueError` naming the kinds `DETECTORS` knows."
+    "`kinds` (one kind or a list) as a tuple, or a `ValueError` naming the kinds with a live detector."
     ks = (kinds,) if isinstance(kinds, str) else tuple(kinds or ())
-    bad = [k for k in ks if k not in DETECTORS]
-    if bad: raise ValueError(f"{what}= takes kinds of finding among {', '.join(map(repr, DETECTORS))}, not {bad[0]!r}")
+    live = live_detectors()
+    bad = [k for k in ks if k not in live]
+    if bad: raise ValueError(f"{what}= takes kinds of finding among {', '.join(map(repr, live))}, not {bad[0]!r}")
     return ks
 
 # %% ../nbs/03c_watch.ipynb #21f03b41
@@ -252,7 +261,7 @@ class Watch:
                  **opts,       # the detectors' options: window, spike, factor, dead, steps
                 ):
         self.names, self.mtypes = names, mtypes
-        self.detectors = {k: cls(**opts) for k, cls in DETECTORS.items()}
+        self.detectors = {k: cls(**opts) for k, cls in live_detectors().items()}
 
     def view(self, args:dict)->StepView: return StepView(args, self.names, self.mtypes)
 
