@@ -9,11 +9,10 @@ from __future__ import annotations
 import copy, errno, secrets, socket, sqlite3, subprocess, sys, tempfile, threading, time
 import ipywidgets as W
 from pathlib import Path
-from urllib.parse import quote
 import nbformat
 import sqlalchemy as sa
 from . import store
-from .store import StoreError, db_url, PG_CONNECT, MEMORY
+from .store import StoreError, db_url, MEMORY
 from .reads import is_store, read_only
 from .explore import Explorer
 
