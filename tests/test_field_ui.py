@@ -224,7 +224,9 @@ def big_store(db, steps=10_000, n_modules=200):
         for lo in range(0, steps, 1000):
             st = range(lo, min(lo + 1000, steps))
             norms = rng.lognormal(size=(len(st), n_modules))
-            c.exec_driver_sql('INSERT INTO stats VALUES (' + ','.join('?' * 20) + ')',
+            cols = ('run_id, step, rank, module_id, call, ttype, tname, shape, dtype, numel, mean, std, min, max, norm, '
+                    'zero_frac, nan_count, inf_count, extra, nbytes')   # named: the default stats may grow
+            c.exec_driver_sql(f'INSERT INTO stats ({cols}) VALUES (' + ','.join('?' * 20) + ')',
                               [(rid, s, 0, m + 1, 0, 'weight_grad', 'weight', '[8, 8]', 'float32', 64, 0., 1., -1., 1., float(norms[k, m]), 0., 0, 0, None, 256)
                                for k, s in enumerate(st) for m in range(n_modules)])
             c.exec_driver_sql('INSERT INTO steps (run_id, step, rank, closed, n_records, events_step, training) VALUES (?,?,?,?,?,?,?)', [(rid, s, 0, 0., n_modules, 0, 1) for s in st if s])
