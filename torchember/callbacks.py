@@ -65,7 +65,8 @@ def begin(self:EmberCallback,
          )->torchEmber|None:
     "Arm `model` (or the chosen submodule of it) for this training; None, recording nothing, on a rank that does not record."
     self.end()
-    every_rank = self.all_ranks or (_world() > 1 and sharded(model))   # a sharded parameter's stats need every rank's piece
+    # a sharded parameter's stats need every rank's piece
+    every_rank = self.all_ranks or (_world() > 1 and sharded(model))
     if not (main or every_rank): return None
     model = _unwrap_parallel(model)
     if isinstance(self.module, str): model = model.get_submodule(self.module)

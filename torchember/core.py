@@ -28,7 +28,8 @@ def user_class(m:nn.Module)->type:
     "The class the user wrote of module `m`: under FSDP2's `fully_shard`, the class its `FSDP<Name>` subclass derives from."
     cls = type(m)
     for c in cls.__mro__[1:]:
-        if c.__name__ == 'FSDPModule' and c.__module__.startswith('torch.distributed'):   # not imported: FSDP's import is slow
+        # not imported: FSDP's import is slow
+        if c.__name__ == 'FSDPModule' and c.__module__.startswith('torch.distributed'):
             return next((b for b in cls.__bases__ if not issubclass(b, c)), cls)
     return cls
 
@@ -199,8 +200,10 @@ class Capture:
         self._captured = self._said_capture = False   # the last root call ran inside a CUDA graph's capture; said so
         self._root, self._made, self._hooked = [], None, None
         self._grads, self._times, self._tensor_hooks = None, {}, []
-        self._backward_due = False   # the open step's outputs need grad and no backward has ended since: it is not finished
-        self._done_at, self._closing, self.close_after = None, False, None   # a finished step, for the closer (`close_finished`)
+        # the open step's outputs need grad and no backward has ended since: it is not finished
+        self._backward_due = False
+        # a finished step, for the closer (`close_finished`)
+        self._done_at, self._closing, self.close_after = None, False, None
         self._kept, self._watched, self._eager = [], [], {}   # activations kept to be measured together (see `_keep`)
         self._keeping, self._watch_room, self._held, self._hold = True, 0, 0, WATCH_BYTES
         self.clock = time.perf_counter
@@ -233,14 +236,16 @@ class Capture:
         "Whether a selected module's parameters changed since `current_params` read them (replaced, added, removed, retyped)."
         for d, entries in self._slots:
             if len(d) != len(entries): return True
-            for pn, p, cls, zero3 in entries:   # a lazy parameter materializes by changing its class; ZeRO-3 partitions in place
+            # a lazy parameter materializes by changing its class; ZeRO-3 partitions in place
+            for pn, p, cls, zero3 in entries:
                 if d.get(pn) is not p or type(p) is not cls or hasattr(p, 'ds_numel') is not zero3: return True
         return False
 
     def _flats(self, flats:list):
         "Keep FSDP1's flat parameters as `(flat_param, [(mi, name, piece, full_shape, offset, numel)])` of the selected modules."
         self._flat_ids = {id(fp) for fp, _ in flats}
-        self._in_flats = {(id(m), pn) for _, es in flats for m, pn, *_ in es}   # the parameters a flat one holds: read through it
+        # the parameters a flat one holds: read through it
+        self._in_flats = {(id(m), pn) for _, es in flats for m, pn, *_ in es}
         self.flats = []
         for fp, es in flats:
             mine = [(self.index[id(m)], pn, *rest) for m, pn, *rest in es if id(m) in self.index and self.selected[self.index[id(m)]]]
@@ -333,7 +338,8 @@ def _forget_compiled_modules(model:nn.Module=None)->bool:
     return bool(codes)
 
 # %% ../nbs/00_core.ipynb #9bdb0bb3
-STEP_KINDS = ('train', 'eval', 'no_grad')   # what a step was: a training call, an eval call, a train-mode call without a graph
+# what a step was: a training call, an eval call, a train-mode call without a graph
+STEP_KINDS = ('train', 'eval', 'no_grad')
 
 def _optimizer_stepped(cap:Capture)->callable:
     "A global optimizer step post-hook that counts `cap`'s iterations: the steps of optimizers holding its parameters."
@@ -378,7 +384,8 @@ def arm(self:Capture):
 def _install(self:Capture):
     "Put the per-module and per-parameter hooks in place for a recorded step, under one fresh key of torch's hook dicts."
     if self._made is None:
-        tags = range(len(self.mods)) if self.compiled is None else self.compiled.tags   # no int a graph of one block holds
+        # no int a graph of one block holds
+        tags = range(len(self.mods)) if self.compiled is None else self.compiled.tags
         self._made = [(m, _Hook(self._pre, tags[mi]), _Hook(self._post, tags[mi])) for mi, m in enumerate(self.mods) if mi and self.selected[mi]]
     key = RemovableHandle.next_id     # taken as a handle takes it, so no later handle gets it
     while self._key_taken(key): key += 1
@@ -486,7 +493,8 @@ def _root_pre(self:Capture, mod, args, kwargs, inference:bool=False):
                 self.params = params
                 self.pieces = self.piece_map()
         if rec and self._hooked is None: self._install()
-        elif not rec and not (self.compiled is not None and self.compiled.keeps_hooks()): self._uninstall()   # compiled code keeps them
+        # compiled code keeps them
+        elif not rec and not (self.compiled is not None and self.compiled.keeps_hooks()): self._uninstall()
         self.recording = rec
         if rec:
             self._open, self._events, self._calls, self._stack = True, [], [0]*len(self.mods), []
@@ -518,7 +526,8 @@ def _nested(self:Capture)->bool:
     return n > 1
 
 @patch
-def _root_post(self:Capture, mod, args, out, backward:bool=None):   # backward: whether one follows (default: from `out`)
+# backward: whether one follows (default: from `out`)
+def _root_post(self:Capture, mod, args, out, backward:bool=None):
     if _compiling(): return None if self.compiled is None else self.compiled.root_post(mod, args, out)
     if _graph_task() != -1: return
     if _set_aside():
@@ -531,10 +540,12 @@ def _root_post(self:Capture, mod, args, out, backward:bool=None):   # backward: 
         elif sys.exc_info()[1] is not None: self.close()
         elif self._open:
             self._backward_due = any(t.requires_grad for _, t in named_tensors(out)) if backward is None else backward
-            if not self._backward_due and self.kind == 'train':   # a train-mode call that built no graph (all frozen, say)
+            # a train-mode call that built no graph (all frozen, say)
+            if not self._backward_due and self.kind == 'train':
                 self.kind = 'no_grad'
                 if (say := getattr(self.recorder, 'set_kind', None)): say('no_grad')
-            if not self._backward_due and (read := getattr(self.recorder, 'read_weights', None)): read()   # no backward can follow: weights now
+            # no backward can follow: weights now
+            if not self._backward_due and (read := getattr(self.recorder, 'read_weights', None)): read()
             if not self._backward_due: self._finished()   # nothing of it is to come: the closer may close it
 
 # %% ../nbs/00_core.ipynb #4fa25472
@@ -543,7 +554,8 @@ def _pre(self:Capture, tag, mod, args, kwargs, inference:bool=False):   # tag: w
     if _compiling(): return None if self.compiled is None else self.compiled.pre(tag, mod, args, kwargs)
     if self._done_at is not None: self._take()   # a module called on its own after its step finished
     if not self._open or self._skip or _graph_task() != -1: return   # not recomputation in a backward
-    if (_inference_on() or _transforms_on()) and _set_aside():        # the cheap test first: this runs on every module call
+    # the cheap test first: this runs on every module call
+    if (_inference_on() or _transforms_on()) and _set_aside():
         inference = _inference_on()
         with _normal_mode(): return self._pre(tag, mod, args, kwargs, inference)
     mi = self.index[id(mod)]
@@ -575,8 +587,10 @@ def _post(self:Capture, tag, mod, args, out):
     self._events.append((EXIT, mi, c))
 
 # %% ../nbs/00_core.ipynb #e2a2d710
-KEEP_MAX, KEEP_BYTES = 64, 2**20   # activations a forward's hooks keep before they are measured together; bytes of one at most
-WATCH_BYTES = 2**26                # bytes of activations a forward's hooks watch at most (the rest are watched in later steps)
+# activations a forward's hooks keep before they are measured together; bytes of one at most
+KEEP_MAX, KEEP_BYTES = 64, 2**20
+# bytes of activations a forward's hooks watch at most (the rest are watched in later steps)
+WATCH_BYTES = 2**26
 HELD_BYTES = 2**29                 # bytes of an accelerator's activations held at once for a batched read, at most
 
 _CAPS = {}
@@ -603,7 +617,8 @@ def _keep(self:Capture, mi, c, ttype, named):
         kept = self._kept
         for name, t in named:
             try:
-                if (n := t.nbytes) <= KEEP_BYTES or not t.is_cpu:   # an accelerator's of any size: its kernels run apart
+                # an accelerator's of any size: its kernels run apart
+                if (n := t.nbytes) <= KEEP_BYTES or not t.is_cpu:
                     kept.append((mi, c, ttype, name, t, t._version))
                     self._held += n
                     continue
@@ -614,9 +629,11 @@ def _keep(self:Capture, mi, c, ttype, named):
     rec = self.recorder.tensor
     for name, t in named:
         rec(mi, c, ttype, name, t)
-        if eager is None and self._watch_room > 0:   # watched till the forward's end (freed before, it could have changed)
+        # watched till the forward's end (freed before, it could have changed)
+        if eager is None and self._watch_room > 0:
             try:
-                if (n := t.nbytes) <= KEEP_BYTES or not t.is_cpu and n <= self._watch_room:   # never one the room can't hold
+                # never one the room can't hold
+                if (n := t.nbytes) <= KEEP_BYTES or not t.is_cpu and n <= self._watch_room:
                     self._watched.append((mi, t, t._version)); self._watch_room -= n
             except Exception: pass   # an inference tensor: no version counter
 
@@ -625,7 +642,8 @@ def _measure_kept(self:Capture, ended:bool=True):
     "Hand the kept tensors to the recorder (an empty row for one changed since its hook); `ended`: learn from the watched."
     kept, self._kept, self._held = self._kept, [], 0
     watched, self._watched = (self._watched, []) if ended else ((), self._watched)
-    rec, many = self.recorder.tensor, getattr(self.recorder, 'tensors', None)   # a recorder of one's own may lack `tensors`
+    # a recorder of one's own may lack `tensors`
+    rec, many = self.recorder.tensor, getattr(self.recorder, 'tensors', None)
     fresh = []
     for item in kept:
         if item[4]._version == item[5]:
@@ -635,7 +653,8 @@ def _measure_kept(self:Capture, ended:bool=True):
         if fresh: many(fresh); fresh = []
         mi, c, ttype, name, t, v = item
         self._eager[mi] = True
-        (getattr(self.recorder, 'changed', None) or rec)(mi, c, ttype, name, t)   # a recorder that can't say so: measured as it is
+        # a recorder that can't say so: measured as it is
+        (getattr(self.recorder, 'changed', None) or rec)(mi, c, ttype, name, t)
     if fresh: many(fresh)
     for mi, t, v in watched:
         if t._version != v: self._eager[mi] = True
@@ -691,10 +710,12 @@ def sample_norms(g:torch.Tensor)->torch.Tensor:
 # %% ../nbs/00_core.ipynb #bba5f788
 @patch
 def _grad_hook(self:Capture, pi, p):
-    if self._captured or not self.recording: return   # a CUDA graph's capture; a step not recorded (compiled code keeps hooks)
+    # a CUDA graph's capture; a step not recorded (compiled code keeps hooks)
+    if self._captured or not self.recording: return
     if self.timing and self._open and not isinstance(pi, tuple):
         now, mi = self.clock(), self.params[pi][0]
-        for c in range(self._calls[mi]):            # every call of the module that owns `p` ends its backward no earlier
+        # every call of the module that owns `p` ends its backward no earlier
+        for c in range(self._calls[mi]):
             if (t := self._times.get((mi, c))) is not None: _ended(t, now)
     if self._done_at is not None: self._take()
     if self._grads is None:
@@ -718,7 +739,8 @@ def _grads_done(self:Capture, again:bool=False):
 def close(self:Capture):
     "Close the open step, if any, handing its events to the recorder; remove the tensor hooks it made."
     if self._done_at is not None: self._take()
-    if not self._closing and (e := vars(self).pop('_late_error', None)) is not None: raise e   # the closer's, with `strict`
+    # the closer's, with `strict`
+    if not self._closing and (e := vars(self).pop('_late_error', None)) is not None: raise e
     if self._tensor_hooks and not self._closing:   # the closer leaves them: a backward may be walking them
         for h in self._tensor_hooks: h.remove()
         self._tensor_hooks = []

@@ -92,7 +92,8 @@ class torchEmber:
         self._finding_fns, self._step_fns, self.live_findings, self._stopping, self._stop_hook = [], [], [], None, None
         self._flows = GraphCapture(self.capture, off=compiled)   # the model's graph, on its first recorded step
         self.writer, self._sink, self._disarm_hook, self._last_events = None, None, _Hook(self.disarm), (None, None)
-        self._by_process = self.recording and use_process(db, torch.get_num_threads(), on_accelerator(model))   # see `_start_sink`
+        # see `_start_sink`
+        self._by_process = self.recording and use_process(db, torch.get_num_threads(), on_accelerator(model))
         self._forked, self._dropped, self._released = False, 0, False
         self._piece_writes = 0   # writes with pieces of sharded parameters, until every rank is known to record
         self.engine = self.run_id = None
@@ -189,7 +190,8 @@ def on_accelerator(model:nn.Module)->bool:
 
 # %% ../nbs/04_ember.ipynb #83fa450b
 GROUP = 16   # the most steps the writer puts in one transaction
-PROCESS_LINGER_S = 0.02   # ... and the longest a step waits, where a process writes (its transactions cost training no GIL)
+# ... and the longest a step waits, where a process writes (its transactions cost training no GIL)
+PROCESS_LINGER_S = 0.02
 
 @patch
 def _emit(self:torchEmber, rec):
@@ -197,7 +199,8 @@ def _emit(self:torchEmber, rec):
     rec.iteration_after = self.capture.iteration
     self._flows.on_step(rec)
     self._start_writer().submit(rec)
-    if _chained and threading.get_ident() == threading.main_thread().ident: _install_handlers()   # a handler set since arming goes behind ours
+    # a handler set since arming goes behind ours
+    if _chained and threading.get_ident() == threading.main_thread().ident: _install_handlers()
 
 @patch
 def _start_writer(self:torchEmber)->Writer:
@@ -283,7 +286,8 @@ def _pieces(self:torchEmber, rows:list)->tuple:
     out, pieces = [], []
     for r in rows:
         pc = where.get((r[0], r[3])) if r[2] in ('weight', 'weight_grad') else None
-        if pc is None or r[6] is None or r[7] is None or r[8] is None: out.append(r)   # numel, mean and std make a merge
+        # numel, mean and std make a merge
+        if pc is None or r[6] is None or r[7] is None or r[8] is None: out.append(r)
         else: pieces.append((*r[:4], *pc, *r[4:]))
     return out, pieces
 
@@ -344,7 +348,8 @@ _deferred = {}       # signal -> times it was put off while a step was being han
 
 def _on_signal(signum, frame):
     "Write every finished step, then do what the handler torchember stands in front of would have done."
-    if _changing_step(frame) and _deferred.get(signum, 0) < 100:   # a step is changing hands: let it finish, take the signal again
+    # a step is changing hands: let it finish, take the signal again
+    if _changing_step(frame) and _deferred.get(signum, 0) < 100:
         _deferred[signum] = _deferred.get(signum, 0) + 1
         t = threading.Timer(0.01, os.kill, (os.getpid(), signum))
         t.daemon = True                     # never what an ending interpreter waits for
@@ -362,7 +367,8 @@ def _write_finished(ends:bool):
     # if the process `ends`, the open steps that nothing is in the middle of are closed first
     if ends:
         for te in list(_armed.values()):
-            cap = te.capture   # a step whose forward or backward is under way, or whose backward has not yet run, is not finished
+            # a step whose forward or backward is under way, or whose backward has not yet run, is not finished
+            cap = te.capture
             lock = getattr(cap, '_lock', None)   # held by the closer while it closes a step: closed then, or left to it
             if te._forked or lock is None or not lock.acquire(timeout=1): continue
             try:
@@ -372,7 +378,8 @@ def _write_finished(ends:bool):
     for te in list(_embers):
         if te.writer is not None: te.writer.wait(max(end - time.monotonic(), 0))
 
-_STEP_CHANGES = ('_root_pre', '_root_post', 'close', '_emit')   # where a step opens, its forward ends, it closes, it is handed over
+# where a step opens, its forward ends, it closes, it is handed over
+_STEP_CHANGES = ('_root_pre', '_root_post', 'close', '_emit')
 
 def _changing_step(frame)->bool:
     "Whether the main thread stopped inside torchember opening, ending, closing or handing over a step (not a finished one)."
@@ -546,7 +553,8 @@ def log(self:torchEmber, **scalars):
     for k, v in scalars.items():
         if isinstance(v, torch.Tensor) and v.numel() != 1 or not isinstance(v, (int, float, torch.Tensor)) or isinstance(v, bool):
             raise TypeError(f"te.log takes numbers or one-element tensors, got {k}={type(v).__name__}")
-        check_name(k, 'te.log: scalar name')   # refused here: a name the store cannot hold would fail every step carrying it
+        # refused here: a name the store cannot hold would fail every step carrying it
+        check_name(k, 'te.log: scalar name')
     if not self.recording: return self
     step, cap = max(self.capture.step, 0), self.capture
     was = cap._take()          # a finished step: the closer waits while they go in, then counts its wait afresh

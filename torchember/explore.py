@@ -46,9 +46,12 @@ def tree_options(tree:dict, filter:str='')->list:
     return walk(tree, 0)
 
 # %% ../nbs/05a_explore.ipynb #08c2c7d3
-PLOTS = ('map', 'scalars', 'history', 'histogram', 'bars', 'evidence', 'graph')   # the explorer's plots; each takes the axes of its place here
-ORDER = ('evidence', 'map', 'graph', *PLOTS[1:5])   # top to bottom: a finding's evidence (when one is open) above the map
-_TOP, _GAP, _BOTTOM, _WIDTH = 60, 110, 90, 980   # px: above the first plot, between two (a title, the x axis above), below the last
+# the explorer's plots; each takes the axes of its place here
+PLOTS = ('map', 'scalars', 'history', 'histogram', 'bars', 'evidence', 'graph')
+# top to bottom: a finding's evidence (when one is open) above the map
+ORDER = ('evidence', 'map', 'graph', *PLOTS[1:5])
+# px: above the first plot, between two (a title, the x axis above), below the last
+_TOP, _GAP, _BOTTOM, _WIDTH = 60, 110, 90, 980
 
 def _ref(ref:str, axes:list)->str:
     "Axis reference `ref` of a plot's own figure ('x2', 'y domain', 'paper') as it reads in the explorer's figure."
@@ -125,7 +128,8 @@ def _layout(plots:list, n_axes:int)->dict:
                                        yref='paper', y=hi, yanchor='bottom', yshift=30, showarrow=False, font=dict(size=15, weight='bold')))
         for key, named in (('annotations', p.name), ('shapes', None)):
             for o in src.get(key, []):
-                o = {**o, 'xref': _ref(o.get('xref', 'x'), p.axes), 'yref': _ref(o.get('yref', 'y'), p.axes)}   # plotly's default: the first axes
+                # plotly's default: the first axes
+                o = {**o, 'xref': _ref(o.get('xref', 'x'), p.axes), 'yref': _ref(o.get('yref', 'y'), p.axes)}
                 if o['yref'] == 'paper': o.update({c: band(o[c]) for c in ('y', 'y0', 'y1') if c in o})
                 o['name'] = named or f"{p.name}:{o.get('name', '')}"
                 lay[key].append(o)
@@ -194,10 +198,12 @@ class Explorer(W.VBox):
         self.findings_picker = W.Select(rows=5, layout=W.Layout(width='1240px', display='none'))
         self.finding_text = W.HTML()
         axes = {f"xaxis{k}": {} for k in range(2, len(PLOTS) + 1)}   # there from the start: zooms are followed on them
-        self.fig = go.FigureWidget(layout=dict(width=_WIDTH, height=_TOP + _BOTTOM, template='plotly_white', **axes))   # one figure: one copy of plotly.js
+        # one figure: one copy of plotly.js
+        self.fig = go.FigureWidget(layout=dict(width=_WIDTH, height=_TOP + _BOTTOM, template='plotly_white', **axes))
         self.plots = {n: Plot(self.fig, n) for n in PLOTS}
         self._n_axes, self._map_rows, self._mark = len(PLOTS), {}, None
-        self._zoom, self._drawing, self._deferred = {'map': None, 'history': None}, False, False   # a plot's zoomed step range: re-read at full resolution
+        # a plot's zoomed step range: re-read at full resolution
+        self._zoom, self._drawing, self._deferred = {'map': None, 'history': None}, False, False
         self._follow_zooms()
         side = W.VBox([self.module_filter, self.module_picker, self.ttype_picker, self.tname_picker, self.stat_picker, self.log_toggle,
                        self.all_steps_toggle],
@@ -444,10 +450,12 @@ def refresh_history(self:Explorer):
         if (z := self._zoom['history']) is not None: shown = [s for s in shown if z[0] <= s <= z[1]]
         h = (with_kinds(history(self.run, module, ttype, tname, self.max_points, steps=shown, rank=rank), kinds) if ttype
              else pd.DataFrame(columns=['step', 'rank']))
-        over = 'over applied steps' if len(shown) < len(self._steps) and not every else 'over steps'   # see `view_steps`
+        # see `view_steps`
+        over = 'over applied steps' if len(shown) < len(self._steps) and not every else 'over steps'
         traces = (rank_traces(h, stats) if view == ALL else spread_traces(rank_spread(h, stats), stats) if view == SPREAD
                   else history_traces(h, stats))
-        if ttype and rank is not None and len(shown) > self.max_points:   # a thinned line: every step's extremes behind it
+        # a thinned line: every step's extremes behind it
+        if ttype and rank is not None and len(shown) > self.max_points:
             env = module_envelope(self.run, module, ttype, rank, between=self._zoom['history'], stat=next((s for s in stats if s in MAP_STATS), None))
             traces = envelope_traces(env) + traces
         self.history_df, self.overlay_df = h, None
@@ -478,7 +486,8 @@ def refresh_overview(self:Explorer):
         tt, f, every = self.ov_ttype.value, self._first_bad, self.all_steps_toggle.value
         shown = view_steps(self._kinds_of(self.run, self._rank()), tt, self._steps, every)
         before = [s for s in shown if f and s < f['step']]
-        self._ov_step = before[-1] if before and tt != TIME and shown[-1] >= f['step'] else None   # blown up: its last finite step
+        # blown up: its last finite step
+        self._ov_step = before[-1] if before and tt != TIME and shown[-1] >= f['step'] else None
         at = self._ov_step if self._ov_step is not None else shown[-1] if shown and shown[-1] != self._steps[-1] else None
         read = (lambda r, k, s=None: latest_times(r, s, rank=k)) if tt == TIME else (lambda r, k, s=None: latest_by_module(r, tt, s, rank=k))
         self.overview_df = read(self.run, self._rank(), at) if self.run is not None else pd.DataFrame()
@@ -599,7 +608,8 @@ def refresh_map(self:Explorer):
         m = self.map_data = fold_map(m, self.run, self._map_stat, self._collapsed or set())
         self._map_rows = dict(zip(map_labels(m, self.run), m['modules']))
         f = map_figure(m, self.run, tt, self._map_stat, first=self._first_bad, kinds=kinds, applied=some and not self.all_steps_toggle.value)
-        if (z := self._zoom['map']) is not None:   # the range set: a double-click then asks for the whole run (autorange)
+        # the range set: a double-click then asks for the whole run (autorange)
+        if (z := self._zoom['map']) is not None:
             f.update_layout(title_text=f.layout.title.text + f" · steps {z[0]}–{z[1]} (double-click for all)",
                             xaxis_range=[z[0] - 0.5, z[1] + 0.5], xaxis_autorange=False)
         self._draw('map', f)
@@ -665,7 +675,8 @@ def _on_overlay(self:Explorer, name):
 
 # %% ../nbs/05a_explore.ipynb #6613c3c7
 DIAGNOSE_EVERY = 30.0   # seconds between two diagnoses of a run followed live
-_FINDINGS = {}          # (store, run id, rank, steps, last step) -> findings of a run in that state, for the next explorer
+# (store, run id, rank, steps, last step) -> findings of a run in that state, for the next explorer
+_FINDINGS = {}
 
 def _diagnosed(run, rank:int|None, key:tuple, force:bool=False)->pd.DataFrame:
     "`run.diagnose(rank=rank)`, kept for `key` (the run's state: the same findings); `force`: diagnose again."
@@ -681,7 +692,8 @@ def refresh_findings(self:Explorer, force:bool=False):
     with self._lock:
         if self.run is None: return self
         key = (self.run.id, self._rank(), len(self._steps), self._steps[-1] if self._steps else None, self._first_bad is not None)
-        news = self._diag_key is None or key[-1] != self._diag_key[-1]   # a first NaN/Inf just came: listed at once, even live
+        # a first NaN/Inf just came: listed at once, even live
+        news = self._diag_key is None or key[-1] != self._diag_key[-1]
         if not force and (key == self._diag_key or not news and self.live_toggle.value and time.monotonic() - self._diag_at < DIAGNOSE_EVERY):
             return self
         self._diag_at, self._diag_key = time.monotonic(), key
@@ -715,7 +727,8 @@ def show_finding(self:Explorer, i:int|None, select:bool=True):
         try: fig = evidence_figure(evidence(self.run, f, rank=self._rank(), kinds=self._kinds_of(self.run, self._rank())), f)
         except Exception as e: fig, self.finding_text.value = None, self.finding_text.value + f"<small>no evidence: {html.escape(f'{type(e).__name__}: {e}')}</small>"
         self._draw('evidence', fig)
-        if select and isinstance(f['module'], str):   # the history shows the norm where the finding judged the RMS (norm / √elements)
+        # the history shows the norm where the finding judged the RMS (norm / √elements)
+        if select and isinstance(f['module'], str):
             self.select(f['module'], f['ttype'] if isinstance(f['ttype'], str) else None, 'norm' if f['stat'] == 'rms' else f['stat'], int(f['step']))
     return self
 

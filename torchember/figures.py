@@ -105,7 +105,8 @@ def history(run:Run,              # the run to read
     "Per-step stats of one tensor of `module`, calls combined, at most `max_points` steps of the run, per rank."
     steps = recorded_steps(run) if steps is None else steps
     if not steps: return with_stats(run.df(step=[], module=module, ttype=ttype, tname=tname, rank=rank))
-    sel = thin(steps, max_points)   # named steps: the store seeks each (step, rank, module) rather than scanning the run
+    # named steps: the store seeks each (step, rank, module) rather than scanning the run
+    sel = thin(steps, max_points)
     return combine(with_stats(run.df(step=sel, module=module, ttype=ttype, tname=tname, rank=rank)), ['step', 'rank'])
 
 # %% ../nbs/05_figures.ipynb #8c6e970b
@@ -204,7 +205,8 @@ def nan_trace(h:pd.DataFrame, x:str='step', y:pd.Series=None, name:str='NaN/Inf'
     return go.Scatter(x=b[x].tolist(), y=ys, mode='markers', name=name, text=text, customdata=cd,
                       hovertemplate=at + ': %{text}<extra></extra>', marker=dict(symbol='x', size=10, color=RED, line=dict(width=1, color=RED)), **kw)
 
-def history_traces(h:pd.DataFrame,      # per-step records, as `history` returns them (`with_kinds`: their iterations too)
+# per-step records, as `history` returns them (`with_kinds`: their iterations too)
+def history_traces(h:pd.DataFrame,
                    stats=('mean',),     # stats to draw; `mean` is drawn with its band and envelope
                    run:str='',          # a run name to prefix trace names with (for an overlaid run)
                    color:str=BLUE,      # the run's colour
@@ -300,7 +302,8 @@ def heatmap_traces(h:pd.DataFrame, bins:int=None)->list:
     return tr
 
 # %% ../nbs/05_figures.ipynb #783730db
-RANK_COLORS = (BLUE, ORANGE, '#2ca02c', '#9467bd', '#8c564b', '#e377c2', '#7f7f7f', '#bcbd22', '#17becf')   # red is for NaN
+# red is for NaN
+RANK_COLORS = (BLUE, ORANGE, '#2ca02c', '#9467bd', '#8c564b', '#e377c2', '#7f7f7f', '#bcbd22', '#17becf')
 
 def rank_traces(h:pd.DataFrame, stats=('mean',))->list:
     "`history_traces` of each rank of `h`, in a colour per rank, names prefixed `rank r`."
@@ -483,7 +486,8 @@ def module_map(run:Run,                  # the run to read
     mid, step, a, b, known, count = vals.T
     with np.errstate(divide='ignore', invalid='ignore'):
         v = np.sqrt(a) if stat == 'norm' else np.sqrt(a / b) if stat == 'std' else a / b if stat in ('mean', 'zero_frac') else a
-    v = np.where((known == count) | ((known > 0) & (stat != 'norm')), v, np.nan)   # a NULL norm: unknown; a NULL std (one element): left out
+    # a NULL norm: unknown; a NULL std (one element): left out
+    v = np.where((known == count) | ((known > 0) & (stat != 'norm')), v, np.nan)
     have = {names[int(i)] for i in np.unique(mid)} | {names[i] for i, _ in bad}
     order = [m for m in forward_order(run, rank=rank) if m in have]
     row_of = np.full(max(names) + 1, -1)
@@ -511,7 +515,8 @@ def _binned_map(run:Run, rank:int, stat:str,
     present = np.unique(col)                                          # columns with no step recorded are left out
     ri, ci = row_of[mid], np.searchsorted(present, col)
     zs = []
-    for j, f in enumerate(agg):                                       # a rollup and the rows after it may share a column
+    # a rollup and the rows after it may share a column
+    for j, f in enumerate(agg):
         z = np.full((len(order), len(present)), np.nan)
         (np.fmax if f == 'MAX' else np.fmin).at(z, (ri, ci), a[:, 2 + j])
         zs.append(z)
@@ -535,7 +540,8 @@ def envelope_traces(e:pd.DataFrame, color:str=BLUE)->list:
         at = e.loc[e['sampled'], 'step']
         tr[-1].name += f" (sampled at steps {at.min()}–{at.max()}: no rollups)"
     bad = e[e['bad_step'].notna()]
-    at = bad['hi'].fillna(bad['lo']).fillna(e['hi'].max() if hi else e['lo'].min() if lo else 0)   # a bin whose stat is NaN: at the top
+    # a bin whose stat is NaN: at the top
+    at = bad['hi'].fillna(bad['lo']).fillna(e['hi'].max() if hi else e['lo'].min() if lo else 0)
     if len(bad): tr.append(go.Scatter(x=bad['bad_step'].astype(int).tolist(), y=_list(at),
                                       mode='markers', name='NaN/Inf (every step)', marker=dict(color=RED, symbol='x', size=9)))
     return tr
@@ -574,7 +580,8 @@ def map_figure(m:dict,               # a `module_map`
     labels = map_labels(m, run)
     with np.errstate(divide='ignore', invalid='ignore'): z = np.log10(np.abs(m['z']))
     floor = np.nanmin(np.where(np.isfinite(z), z, np.nan), initial=0) - 1 if np.isfinite(z).any() else 0
-    z = np.where(np.isfinite(z), z, np.where(m['z'] == 0, floor, np.nan))   # exact zeros (dead grads): a decade below the smallest value
+    # exact zeros (dead grads): a decade below the smallest value
+    z = np.where(np.isfinite(z), z, np.where(m['z'] == 0, floor, np.nan))
     cd, at = step_hover(with_kinds(pd.DataFrame({'step': m['x']}, dtype=int), kinds))
     if m['width'] > 1: at += f" (a column of {m['width']} steps)"
     hm = go.Heatmap(x=m['x'], y=labels, z=z, colorscale='Viridis', name='map', colorbar=dict(title=f'log10 {stat}', len=0.9),
@@ -635,7 +642,8 @@ def fold_map(m:dict,          # a `module_map`
     rows = sorted(rows, key=lambda r: min(members[r]))                      # forward order, by each row's first module
     z, bad = np.full((len(rows), m['z'].shape[1]), np.nan), np.zeros((len(rows), m['z'].shape[1]), bool)
     with warnings.catch_warnings():
-        warnings.simplefilter('ignore', RuntimeWarning)                     # an all-NaN column of a folded row stays NaN
+        # an all-NaN column of a folded row stays NaN
+        warnings.simplefilter('ignore', RuntimeWarning)
         for i, r in enumerate(rows):
             zz = m['z'][members[r]]
             if stat == 'mean': z[i] = np.take_along_axis(zz, np.nanargmax(np.where(np.isnan(zz), -1, np.abs(zz)), 0)[None], 0)[0]
@@ -691,7 +699,8 @@ def scalars_figure(st:pd.DataFrame,        # `Run.steps()` of one rank
             if s not in frame: continue
             d = frame
             if s == 'grad_norm' and 'kind' in frame: d = frame[frame['step'].isin(view_steps(frame, 'weight_grad', frame['step'], all_steps))]
-            elif s not in ('grad_norm', 'weight_norm'): d = frame[frame[s].notna()]   # a logged value: the steps it was logged at, joined
+            # a logged value: the steps it was logged at, joined
+            elif s not in ('grad_norm', 'weight_norm'): d = frame[frame[s].notna()]
             f = d[d['step'].isin(peaks(d['step'], pd.to_numeric(d[s], errors='coerce'), max_points))] if d['step'].is_unique \
                 else d[d['step'].isin(thin(sorted(d['step'].unique()), max_points))]   # several ranks: evenly spaced steps
             cd, at = step_hover(f)
@@ -700,7 +709,8 @@ def scalars_figure(st:pd.DataFrame,        # `Run.steps()` of one rank
                                      hovertemplate=f'{s} %{{y:.4g}} at {at}<extra>{name}</extra>'), row=i // cols + 1, col=i % cols + 1)
     for i, s in enumerate(series):
         fig.update_xaxes(title_text=step_title(st), row=i // cols + 1, col=i % cols + 1)
-        vals = pd.concat([f[s] for f in (st, other) if f is not None and s in f] or [pd.Series(dtype=float)])   # no list of each step
+        # no list of each step
+        vals = pd.concat([f[s] for f in (st, other) if f is not None and s in f] or [pd.Series(dtype=float)])
         if s.endswith('norm'): fig.update_yaxes(**log_axis(vals), row=i // cols + 1, col=i % cols + 1)
         elif (r := flat_range(vals)): fig.update_yaxes(range=r, row=i // cols + 1, col=i % cols + 1)
     if first_bad is not None: fig.add_vline(x=first_bad, line=dict(color=RED, dash='dash', width=1))

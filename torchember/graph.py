@@ -176,7 +176,8 @@ def _root_pre(self:GraphCapture, mod, args, kwargs):
     if torch.compiler.is_compiling(): return
     cap = self.cap
     if cap._depth != 1 or not (cap.recording and cap._open) or cap._skip: return
-    if getattr(cap.compiled, 'seen', False) or is_compiled(cap.model):   # compiled since arming: dynamo would trace the mode
+    # compiled since arming: dynamo would trace the mode
+    if getattr(cap.compiled, 'seen', False) or is_compiled(cap.model):
         self.off = True
         return self._unroot()
     try:
@@ -272,7 +273,8 @@ def on_step(self:GraphCapture, rec):
             self.seen.add(hash(tuple(rec.events)))
         self.done = None
     ev = rec.events
-    if ev and ev != self._last_seen and self.left > 0 and not self.off and sys.exc_info()[1] is None:   # not a forward that raised
+    # not a forward that raised
+    if ev and ev != self._last_seen and self.left > 0 and not self.off and sys.exc_info()[1] is None:
         h = hash(tuple(ev))
         if h not in self.seen: self.seen.add(h); self.request()
     self._last_seen = ev

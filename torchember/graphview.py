@@ -247,7 +247,8 @@ def layered_layout(names:list,           # the nodes, in forward order (the orde
     x, L, R = np.zeros(len(layer)), np.array([e[0] for e in ext], float), np.array([e[1] for e in ext], float)
     dummy = np.arange(len(layer)) >= len(names)
     for r in rows: x[r] = place(np.zeros(len(r)), L[r], R[r], gap)
-    def toward(ns):   # the neighbours a node lines up with: its real ones where it has any (a skip's dummies step aside)
+    # the neighbours a node lines up with: its real ones where it has any (a skip's dummies step aside)
+    def toward(ns):
         real = [v for v in ns if not dummy[v]]
         return np.mean(x[real or ns])
     for k in range(8):                                  # pull each node toward its neighbours, downward then upward
@@ -255,7 +256,8 @@ def layered_layout(names:list,           # the nodes, in forward order (the orde
         for r in (rows if down else rows[::-1]):
             nb = pred if down else succ
             want = np.array([toward(nb[v]) if nb[v] else x[v] for v in r])
-            x[r] = place(want, L[r], R[r], gap, np.where(dummy[r], 1e-3, 1.))   # a long edge bends, not the chain it passes
+            # a long edge bends, not the chain it passes
+            x[r] = place(want, L[r], R[r], gap, np.where(dummy[r], 1e-3, 1.))
     x -= x.min(initial=0)
     paths = {}
     for s, d in E:
@@ -290,7 +292,8 @@ def fold_value(values:list, stat:str)->float:
     return float(v[np.argmax(np.abs(v))] if stat == 'mean' else v.min() if stat == 'min' else v.max())
 
 # %% ../nbs/05c_graphview.ipynb #7d7b19ed
-LAYER_PX, CHAR_PX, STRIP = 64, 6.6, 32   # a layer's height, a label character's width (11px font), squares a strip holds
+# a layer's height, a label character's width (11px font), squares a strip holds
+LAYER_PX, CHAR_PX, STRIP = 64, 6.6, 32
 
 def extent(label:str, kind:str, n:int=0)->tuple:
     "How far a node's box reaches left and right of its marker, in pixels: its label, or its strip of `n` instances."

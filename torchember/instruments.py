@@ -57,7 +57,8 @@ def _sample(x:torch.Tensor, n:int, gens:dict)->torch.Tensor:
     g = gens.get(x.device)
     if g is None:
         try: g = torch.Generator(device=x.device)
-        except RuntimeError: g = torch.Generator()    # a device without generators of its own: indices drawn on the host
+        # a device without generators of its own: indices drawn on the host
+        except RuntimeError: g = torch.Generator()
         g = gens[x.device] = g.manual_seed(0)
     return x[torch.randint(x.numel(), (n,), generator=g, device=g.device).to(x.device)]
 
@@ -82,7 +83,8 @@ def encode_tensor(t:torch.Tensor)->tuple:
     "`(dtype, shape JSON, zlib bytes)` of `t`, for the store: compressed where a quarter of its bytes are zero, else stored."
     t = t.detach().contiguous().cpu()
     raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b''
-    level = 1 if len(raw) and np.count_nonzero(raw) <= len(raw) * 3 // 4 else 0   # 0: zlib's stored blocks, at memory speed
+    # 0: zlib's stored blocks, at memory speed
+    level = 1 if len(raw) and np.count_nonzero(raw) <= len(raw) * 3 // 4 else 0
     return dtype_name(t), json.dumps(list(t.shape)), zlib.compress(raw, level)
 
 def decode_tensor(dtype:str, shape:str, data:bytes)->torch.Tensor:
@@ -137,7 +139,8 @@ class UpdateTracker:
         out = []
         with torch.no_grad():
             for mi, tname, t in items:
-                t, k = local_shard(t), (mi, tname)   # a DTensor's own ops are collectives; the store merges the pieces' norms
+                # a DTensor's own ops are collectives; the store merges the pieces' norms
+                t, k = local_shard(t), (mi, tname)
                 prev, init = self.prev.get(k), self.init.get(k)
                 if prev is None or prev.shape != t.shape or prev.device != t.device or prev.dtype != t.dtype:
                     self.init[k], self.prev[k] = t.detach().clone(), t.detach().clone()

@@ -404,7 +404,8 @@ class Batch:
         "The `(k, 8)` float64 moments of `ts`: tensors that `supports` accepts, of the sizes and dtypes the batch was made for."
         ts = [_dense(t) for t in ts]          # kept referenced until the kernel returns
         if not checked:
-            kinds = bytes(KINDS.get(t.dtype, 255) if type(t) in _PLAIN and t.is_cpu else 255 for t in ts)   # memory of their own, here
+            # memory of their own, here
+            kinds = bytes(KINDS.get(t.dtype, 255) if type(t) in _PLAIN and t.is_cpu else 255 for t in ts)
             if len(ts) != self.k or [t.numel() for t in ts] != self.sizes or kinds != bytes(self.kinds):
                 raise ValueError("tensors of other sizes or dtypes than this Batch was made for, or ones the kernel does not read")
         out = torch.empty((self.k, 8), dtype=torch.float64)

@@ -87,7 +87,8 @@ def records(db, run_id:int, run:str, step=None, module=None, ttype=None, tname=N
         with eng.connect() as c:
             ids = c.execute(select(m.c.id).where(m.c.run_id == run_id, m.c.name.in_(_as_list(module)))).scalars().all()
         if rank is None: rank = run_ranks(db, run_id)
-        q = q.where(s.module_id.in_(ids))   # by id, ranks named: with steps named, SQLite seeks each (run, step, rank, module) key
+        # by id, ranks named: with steps named, SQLite seeks each (run, step, rank, module) key
+        q = q.where(s.module_id.in_(ids))
     if rank is not None: q = q.where(s.rank.in_(_as_list(rank)))
     if ttype is not None: q = q.where(s.ttype.in_(_as_list(ttype)))
     if tname is not None: q = q.where(s.tname.in_(_as_list(tname)))
@@ -115,7 +116,8 @@ class Run:
     def __init__(self, name:str, db=None):
         self.name, self.db = name, db
         with engine(db, create=False).connect() as c:
-            row = c.execute(select(runs_t).where(runs_t.c.name == escaped(name))).mappings().first()   # a name no store holds: not found
+            # a name no store holds: not found
+            row = c.execute(select(runs_t).where(runs_t.c.name == escaped(name))).mappings().first()
         if row is None: raise KeyError(_no_run(name, db))
         self.id, self.model, self.config = row['id'], row['model'], json.loads(row['config'] or '{}')
         self.started, self._tree, self.world_size = row['started'], row['tree'], row['world_size'] or 1
@@ -219,7 +221,8 @@ def applied_steps(kinds:pd.DataFrame)->list:
     "Of `step_kinds`, the training steps whose grads the optimizer applied: each iteration's last (all, if none counted)."
     train = kinds[kinds['kind'] == 'train']
     its = train['iteration']
-    if its.isna().any() or its.nunique() < 2: return train['step'].tolist()   # no optimizer steps seen: every step its own
+    # no optimizer steps seen: every step its own
+    if its.isna().any() or its.nunique() < 2: return train['step'].tolist()
     return train.groupby('iteration', sort=True)['step'].max().tolist()
 
 def _one_rank(run:Run, rank:int=None)->int:
@@ -335,20 +338,23 @@ def steps(self:Run, rank=None)->pd.DataFrame:
         norms = (select(s.step, s.rank, s.ttype, func.sum(s.norm * s.norm), func.count(), func.count(s.norm))
                  .where(s.run_id == self.id, s.ttype.in_(['weight', 'weight_grad'])).group_by(s.step, s.rank, s.ttype))
         if rank is not None: norms = norms.where(s.rank.in_(_as_list(rank)))
-        if len(unsummed) < len(steps) / 2: norms = norms.where(s.step.in_(unsummed))   # a few: one seek each, not a scan
+        # a few: one seek each, not a scan
+        if len(unsummed) < len(steps) / 2: norms = norms.where(s.step.in_(unsummed))
         sq = pd.DataFrame([tuple(r) for r in c.execute(norms)] if unsummed else [], columns=['step', 'rank', 'ttype', 'sq', 'n', 'known'])
     df = raw[_STEPS[:7]].copy()
     df = _old_kinds(df.astype({'step': int, 'rank': int, 'iteration': 'Int64', 'closed': float, 'n_records': 'Int64'}))
     df['closed'], df['training'] = pd.to_datetime(df['closed'], unit='s'), df['training'].astype('boolean')
     key = pd.MultiIndex.from_frame(df[['step', 'rank']])
-    if not unsummed:   # every step's sums kept by the store: its norms are their roots (a NULL sum: a NaN norm, unknown)
+    # every step's sums kept by the store: its norms are their roots (a NULL sum: a NaN norm, unknown)
+    if not unsummed:
         for col, s in (('grad_norm', 'grad_sq'), ('weight_norm', 'weight_sq')): df[col] = raw[s].astype(float).to_numpy() ** .5
     else:
         done = raw[raw['summed'].notna()]
         summed = pd.concat([pd.DataFrame({'step': done['step'], 'rank': done['rank'], 'ttype': tt, 'sq': done[col], 'n': 1, 'known': 1})
                             for tt, col in (('weight', 'weight_sq'), ('weight_grad', 'grad_sq'))], ignore_index=True)
         sq = pd.concat([d for d in (sq, summed) if len(d)] or [sq], ignore_index=True)
-        sq['norm'] = (sq['sq'].astype(float) ** .5).where(sq['n'] == sq['known'])   # a NaN (stored as NULL) norm: unknown
+        # a NaN (stored as NULL) norm: unknown
+        sq['norm'] = (sq['sq'].astype(float) ** .5).where(sq['n'] == sq['known'])
         for tt, col in (('weight_grad', 'grad_norm'), ('weight', 'weight_norm')):
             df[col] = sq[sq['ttype'] == tt].set_index(['step', 'rank'])['norm'].reindex(key).astype(float).to_numpy()
     sc = self.scalars(rank).pivot(index=['step', 'rank'], columns='name', values='value')
@@ -398,9 +404,11 @@ def roll_up(self:Run, again:bool=False)->Run:
             mine = [st.run_id == self.id, st.rank == k]
             lo, hi = c.execute(select(func.min(st.step), func.max(st.step)).where(*mine)).one()
             if lo is None: continue
-            last = hi if hi % w == w - 1 else hi // w * w - 1   # the last bin only if complete: the writer folds it then
+            # the last bin only if complete: the writer folds it then
+            last = hi if hi % w == w - 1 else hi // w * w - 1
             rows = c.execute(select(func.max(st.n_records)).where(*mine)).scalar() or 1   # a step's rows, at most
-            most = min(ROLL_UP_STEPS, max(w, 1 << max(1, ROLL_UP_ROWS // rows).bit_length() - 1))   # steps a span: a power of 2
+            # steps a span: a power of 2
+            most = min(ROLL_UP_STEPS, max(w, 1 << max(1, ROLL_UP_ROWS // rows).bit_length() - 1))
             spans = ([(max(a, lo // w * w), min(a + most - 1, last)) for a in range(lo // most * most, last + 1, most)]
                      if again
                      else bin_spans(unfolded_bins(c, self.id, k, last=last), most))
@@ -689,7 +697,8 @@ def graph(self:Run, step:int=None, rank:int=None)->pd.DataFrame:
     when = select(func.max(f.step)).where(f.run_id == self.id, f.rank == rank)
     if step is not None: when = when.where(f.step <= step)
     with engine(self.db).connect() as c:
-        if 'flows' not in sa.inspect(c).get_table_names(): return pd.DataFrame(columns=cols)   # an archived store from before graphs
+        # an archived store from before graphs
+        if 'flows' not in sa.inspect(c).get_table_names(): return pd.DataFrame(columns=cols)
         at = c.execute(when).scalar()
         rows = [] if at is None else c.execute(select(f.src, f.dst, f.calls, f.dst_calls).where(
             f.run_id == self.id, f.rank == rank, f.step == at)).all()

@@ -101,7 +101,8 @@ SMALL = 2**16   # elements up to which a tensor is small: copied and stacked wit
 
 def _eager8(x):
     "The 8 `MOMENTS` of 1-d `x` with eager kernels; NaN and Inf counts zero (a CPU counts them where the sum isn't finite)."
-    if x.numel() > SMALL:   # sums in float32 (torch's cascade sums): a float64 sum of float32 converts it first, ~30x slower
+    # sums in float32 (torch's cascade sums): a float64 sum of float32 converts it first, ~30x slower
+    if x.numel() > SMALL:
         return native.torch_moments(x if x.dtype in (torch.float32, torch.float64) else x.float())
     if x.dtype not in (torch.float32, torch.float64): x = x.to(F64)   # squares of half-precision values, exact
     mn, mx = torch.aminmax(x)
@@ -156,7 +157,8 @@ def _guarded(compiled, eager):
 
 def _flat(t:torch.Tensor)->torch.Tensor:
     "`t` as a 1-d tensor that is not a view: the compiled kernel then guards on its length alone, one graph for every shape."
-    if type(t) not in native._PLAIN or not t.is_contiguous(): return t.reshape(-1)   # a copy with no base, or a subclass's own
+    # a copy with no base, or a subclass's own
+    if type(t) not in native._PLAIN or not t.is_contiguous(): return t.reshape(-1)
     return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), (t.numel(),), (1,))
 
 def _native(t:torch.Tensor)->bool:
@@ -171,7 +173,8 @@ def native_moments(ts:list, batch=None, checked:bool=False)->torch.Tensor:
     "The `MOMENTS` of CPU tensors `ts` as float64 `(len(ts), 8)`, NaN and Inf counted where a sum isn't finite."
     m = native.moments(ts) if batch is None else batch(ts, checked=checked)
     x = m.numpy()
-    for i in np.flatnonzero(~np.isfinite(x[:, 1]) & (x[:, 6] + x[:, 7] == 0)): m[i] = _counted(ts[i])   # an overflowed float64 sum
+    # an overflowed float64 sum
+    for i in np.flatnonzero(~np.isfinite(x[:, 1]) & (x[:, 6] + x[:, 7] == 0)): m[i] = _counted(ts[i])
     return m
 
 def fused_moments(t:torch.Tensor)->torch.Tensor:
@@ -225,18 +228,22 @@ class StepRecord:
     "Everything recorded for one step, ready to become rows."
     step: int
     events: list = field(default_factory=list)      # (kind, mi, call) in order
-    keys: list = field(default_factory=list)        # (mi, call, ttype, tname, shape, dtype, moment row or -1, extra index or -1)
+    # (mi, call, ttype, tname, shape, dtype, moment row or -1, extra index or -1)
+    keys: list = field(default_factory=list)
     moments: torch.Tensor|None = None                # (rows, 8) float64, on the host once `ready()`
     perm: list = field(default_factory=list)        # moment row of key -> row of `moments`
-    extras: list = field(default_factory=list)      # dicts of custom stats; tensor values replaced by (offset, length, 0-d?)
-    values: torch.Tensor|None = None                 # custom stats' tensor values, flat, float64, on the host once `ready()`
+    # dicts of custom stats; tensor values replaced by (offset, length, 0-d?)
+    extras: list = field(default_factory=list)
+    # custom stats' tensor values, flat, float64, on the host once `ready()`
+    values: torch.Tensor|None = None
     done: object = None                              # an accelerator event that marks the transfer complete
     closed: bool = True                              # False for grads that arrive after their step was written
     training: bool|None = None                       # the root module's mode in this step
     iteration: int|None = None                       # optimizer steps completed when the step began
     iteration_after: int|None = None                 # ... and when it closed (where a resumed run counts on from)
     kind: str|None = None                            # 'train', 'eval' or 'no_grad' (`core.STEP_KINDS`)
-    calls: list = field(default_factory=list)       # (mi, call, training, fwd start, fwd end, bwd start, bwd end) when timed
+    # (mi, call, training, fwd start, fwd end, bwd start, bwd end) when timed
+    calls: list = field(default_factory=list)
     scalars: dict = field(default_factory=dict)     # name -> number or 0-d tensor, from `te.log`
     snapshots: list = field(default_factory=list)   # (mi, call, ttype, tname, tensor on the host)
 
@@ -349,7 +356,8 @@ class Recorder:
         self._warmed = set()       # custom stat functions called before: a first call's time is not counted
         self.on_tensor = None      # called as `(rec, mi, call, ttype, tname, t)` for every recorded tensor (snapshots)
         self.param_extras = None   # called as `(ttype, items)`: per item a dict of more stats of weights, or None
-        self._batchable = {}       # (module, ttype, name) -> seen unchanged after its hook (True), or changed (False: for good)
+        # (module, ttype, name) -> seen unchanged after its hook (True), or changed (False: for good)
+        self._batchable = {}
 
     def open(self, step:int, training:bool=None, iteration:int=None, kind:str=None):
         "Start recording `step`: everything of the open step is in the attributes `_STEP_STATE` names."
@@ -360,7 +368,8 @@ class Recorder:
         self._later, self._watch, self._held = [], [], 0   # activations batched for the Triton kernels (`_at_hook`)
         self._batch = os.environ.get('TORCHEMBER_LATER') != '0'   # looked up once a step
         self._nat = native.library() is not None     # looked up once a step
-        self._spent, self._t0, self._t1 = {}, time.perf_counter(), None   # seconds per custom stat function; the step's start, finish
+        # seconds per custom stat function; the step's start, finish
+        self._spent, self._t0, self._t1 = {}, time.perf_counter(), None
 
     def set_kind(self, kind:str):
         "What the open step turned out to be, once its forward is over (a train-mode call that built no graph: 'no_grad')."
@@ -409,7 +418,8 @@ def _repeated(self, s, mi, call, ttype, tname, t, version, fn)->bool:
 @patch_to(Recorder)
 def tensor(self, mi, call, ttype, tname, t):
     "Record tensor `t` of module `mi`'s `call`."
-    if _transforms_on(): t = unwrapped(t)   # a model called inside torch.func's transforms: its values have no storage of their own
+    # a model called inside torch.func's transforms: its values have no storage of their own
+    if _transforms_on(): t = unwrapped(t)
     if self.on_tensor is not None: self.on_tensor(self.rec, mi, call, ttype, tname, t)
     fn = self.stat_fns[ttype]
     keys, key = self.rec.keys, id(t)
@@ -510,7 +520,8 @@ def _custom(self, fn, t, mi, ttype, tname):
 @patch_to(Recorder)
 def _run_custom(self, fn, t, mi, ttype, tname):
     name = getattr(fn, '__name__', repr(fn))
-    if (shard := local_shard(t)) is not t:   # a DTensor's own ops are collectives: a function of it could hang ranks that do not record
+    # a DTensor's own ops are collectives: a function of it could hang ranks that do not record
+    if (shard := local_shard(t)) is not t:
         t = shard
         self._warn(('shard', name), f"stat function {name!r} is given this rank's shard of sharded tensors (a DTensor's to_local()): "
                                     "of weights and grads, the default stats it returns are merged into the whole parameter's; "
@@ -624,7 +635,8 @@ def _failed(self, what:str, e:Exception):
 @patch_to(Recorder)
 def params(self, step, ttype, items):
     "Record a batch of `(mi, tname, tensor)` weights or grads for `step` (nothing raises out of it but with `strict`)."
-    if _transforms_on(): items = [(mi, tn, unwrapped(t)) for mi, tn, t in items]   # e.g. the weights `torch.func.functional_call` swapped in
+    # e.g. the weights `torch.func.functional_call` swapped in
+    if _transforms_on(): items = [(mi, tn, unwrapped(t)) for mi, tn, t in items]
     if self.rec is None or self.rec.step != step:
         with self._late(step): return self.params(step, ttype, items)
     try: self._params(ttype, items)
@@ -789,7 +801,8 @@ def _plan(batches, nat:bool=False)->tuple:
             elif type(t) not in native._PLAIN or t.dtype not in FLOATS or t.layout != torch.strided or t.is_nested or t.device.type == 'meta': other.append(j)
             elif t.numel() > SMALL: large.append(j)
             else: groups.setdefault((t.device, t.dtype, t.shape), []).append(j)
-    return metas, natives, native.Batch(nts) if nts else None, list(groups.values()), large, other, {}   # memo: Triton's layout
+    # memo: Triton's layout
+    return metas, natives, native.Batch(nts) if nts else None, list(groups.values()), large, other, {}
 
 _PLANS = {}
 
@@ -857,7 +870,8 @@ def _to_host(ts:list):
     "Concatenate float64 tensors and copy them to the host without blocking; the result and an event (or None)."
     if not ts: return None, None
     devs = {t.device for t in ts}
-    if len(devs) > 1:   # custom stats on two devices, or rows made on the host: joined on one accelerator, not all copied to the host
+    # custom stats on two devices, or rows made on the host: joined on one accelerator, not all copied to the host
+    if len(devs) > 1:
         dev = next(d for d in sorted(devs, key=str) if d.type != 'cpu')
         ts = [t.to(dev, non_blocking=True) for t in ts]
     x = torch.cat(ts)

@@ -15,7 +15,8 @@ import sqlalchemy as sa
 from sqlalchemy import (BigInteger, Column, Float, ForeignKey, Integer, LargeBinary, MetaData, PrimaryKeyConstraint, String,
                         Table, Text, bindparam, event, insert, select, update, func)
 from sqlalchemy.dialects.postgresql import insert as pg_insert
-from .kinds import merge_stats, NORM_EXTRAS, TTYPES, STATS_REGISTRY, stat_names   # not `stats`: the store, and its writer process, need no torch
+# not `stats`: the store, and its writer process, need no torch
+from .kinds import merge_stats, NORM_EXTRAS, TTYPES, STATS_REGISTRY, stat_names
 
 # %% auto #0
 __all__ = ['SCHEMA_VERSION', 'MEMORY', 'metadata', 'STAT_COLS', 'Str', 'Size', 'meta_t', 'runs_t', 'ranks_t', 'modules_t',
@@ -69,8 +70,10 @@ def escaped(s):
 # %% ../nbs/02_store.ipynb #6a4bd03f
 metadata = MetaData()
 STAT_COLS = stat_names()   # a float column for each declared stat (`kinds.STATS_REGISTRY`), in its order
-Str = String().with_variant(String(collation='C'), 'postgresql')   # sorts byte by byte, as SQLite does, whatever the locale
-Size = BigInteger().with_variant(Integer(), 'sqlite')              # counts and bytes past 2**31 (SQLite's integers are 64-bit)
+# sorts byte by byte, as SQLite does, whatever the locale
+Str = String().with_variant(String(collation='C'), 'postgresql')
+# counts and bytes past 2**31 (SQLite's integers are 64-bit)
+Size = BigInteger().with_variant(Integer(), 'sqlite')
 
 def _rank(): return Column('rank', Integer, nullable=False, server_default=sa.text('0'))   # 0 in a single-process run
 
@@ -126,7 +129,8 @@ shards_t = Table('shards', metadata,   # each rank's piece of a sharded weight o
     Column('piece', Str), Column('full_shape', Str), Column('shape', Str), Column('dtype', Str),
     *[Column(c, Float) for c in STAT_COLS], Column('extra', Text), Column('nbytes', Size),
     PrimaryKeyConstraint('run_id', 'step', 'rank', 'module_id', 'call', 'ttype', 'tname'), sqlite_with_rowid=False)
-rollups_t = Table('rollups', metadata,   # per module, ttype and bin of `width` steps: the extremes of its per-step values
+# per module, ttype and bin of `width` steps: the extremes of its per-step values
+rollups_t = Table('rollups', metadata,
     Column('run_id', Integer, nullable=False), _rank(), Column('ttype', Str, nullable=False),
     Column('width', Integer, nullable=False), Column('bin', Integer, nullable=False), Column('module_id', Integer, nullable=False),
     *[Column(c, Float) for c in ('norm_sq', 'std_sq', 'mean_hi', 'mean_lo', 'zero_frac', 'hi', 'lo')], Column('bad_step', Integer),
@@ -175,7 +179,8 @@ VIEWS = {
 class StoreError(Exception):
     "A store that cannot be used: not a database, a newer schema, not writable, or a run another live process records."
 
-_engines, _opened, _lock = {}, {}, threading.Lock()   # url -> engine; url -> (path, (st_dev, st_ino)) of the SQLite file it opened
+# url -> engine; url -> (path, (st_dev, st_ino)) of the SQLite file it opened
+_engines, _opened, _lock = {}, {}, threading.Lock()
 
 def _sqlite_pragmas(dbapi_conn, _):
     "Every connection's settings; none writes the file (WAL is switched on by `_wal` once the file is known to be a store)."
@@ -235,7 +240,8 @@ def engine(db=None, create:bool=True)->sa.Engine:
         u = sa.make_url(url)
         sqlite, memory = u.get_backend_name() == 'sqlite', url == MEMORY
         path = u.database if sqlite and not memory else None
-        _engines.pop(url, None)    # a file deleted or replaced: its engine stays with whoever holds it, refusing to write
+        # a file deleted or replaced: its engine stays with whoever holds it, refusing to write
+        _engines.pop(url, None)
         if path:
             if not create and not Path(path).exists(): raise StoreError(f"there is no torchember store at {path!r}")
             _prepare_file(u)
@@ -287,13 +293,16 @@ def _archive_engine(u:sa.URL)->sa.Engine:
 def _init_schema(eng, tries:int=3):
     try:
         with eng.begin() as c:
-            if c.dialect.name == 'postgresql': c.exec_driver_sql('SELECT pg_advisory_xact_lock(7461)')  # one creator at a time, till commit
-            else: _begin_immediate(c)   # Python's sqlite3 begins no transaction before DDL: each CREATE would commit alone
+            # one creator at a time, till commit
+            if c.dialect.name == 'postgresql': c.exec_driver_sql('SELECT pg_advisory_xact_lock(7461)')
+            # Python's sqlite3 begins no transaction before DDL: each CREATE would commit alone
+            else: _begin_immediate(c)
             insp = sa.inspect(c)
             tables = set(insp.get_table_names())
             ours = 'meta' in tables and {'key', 'value'} <= {col['name'] for col in insp.get_columns('meta')}
             ver = _stored_version(c, eng) if ours else None    # refuses a newer or garbled store before touching it
-            if tables and ver is None:   # a store is made whole, version included, in one transaction: this is another's
+            # a store is made whole, version included, in one transaction: this is another's
+            if tables and ver is None:
                 raise StoreError(f"{eng.url.render_as_string(hide_password=True)} is a database but not a torchember store "
                                  f"(it has tables {', '.join(sorted(tables)[:5])}); choose another file")
             metadata.create_all(c)
@@ -317,7 +326,8 @@ def _begin_immediate(c):
 
 def _lost_race(err)->bool:
     "Whether `err` says another process created the schema at the same moment (SQLite's messages, PostgreSQL's SQLSTATEs)."
-    return (getattr(err, 'sqlstate', None) in ('23505', '42P07', '42710', '42701')   # unique violation, duplicate table/object/column
+    # unique violation, duplicate table/object/column
+    return (getattr(err, 'sqlstate', None) in ('23505', '42P07', '42710', '42701')
             or any(m in str(err) for m in ('already exists', 'UNIQUE constraint', 'duplicate column')))
 
 def _create_views(c):
@@ -325,7 +335,8 @@ def _create_views(c):
     if c.dialect.name == 'sqlite':
         for name, q in VIEWS.items(): c.exec_driver_sql(f'CREATE VIEW IF NOT EXISTS {name} AS {q}')
         return
-    have = set(sa.inspect(c).get_view_names())   # not CREATE OR REPLACE: that locks out readers of the view each time a store opens
+    # not CREATE OR REPLACE: that locks out readers of the view each time a store opens
+    have = set(sa.inspect(c).get_view_names())
     for name, q in VIEWS.items():
         if name not in have: c.exec_driver_sql(f'CREATE VIEW {name} AS {q}')
 
@@ -380,7 +391,8 @@ def create_run(eng, name:str, model:str, modules:list, tree:dict, config:dict=No
     "Create run `name`, join it as another `rank`, or find it with `resume`; its id (and with `resume` the last step)."
     check_name(name, 'run name')
     if overwrite and (resume or world_size > 1): raise ValueError("overwrite=True replaces a single process's run and cannot resume it; delete a run of several ranks with torchember.delete_run")
-    model, modules = escaped(model), [(escaped(n), escaped(t), *rest) for n, t, *rest in modules]   # names the model gave
+    # names the model gave
+    model, modules = escaped(model), [(escaped(n), escaped(t), *rest) for n, t, *rest in modules]
     for attempt in range(3):
         try: return _create_run(eng, name, model, modules, tree, config, resume, rank, world_size, overwrite)
         except sa.exc.IntegrityError:   # another rank created the run (or claimed the rank) at the same moment
@@ -391,7 +403,8 @@ def create_run(eng, name:str, model:str, modules:list, tree:dict, config:dict=No
 
 def _create_run(eng, name, model, modules, tree, config, resume, rank, world_size, overwrite=False):
     with eng.begin() as c:
-        if c.dialect.name == 'sqlite':   # take the write lock first: two processes that resume at once claim the rank in turn
+        # take the write lock first: two processes that resume at once claim the rank in turn
+        if c.dialect.name == 'sqlite':
             c.execute(update(meta_t).where(meta_t.c.key == 'schema_version').values(value=meta_t.c.value))
         row = c.execute(select(runs_t.c.id, runs_t.c.world_size).where(runs_t.c.name == name)).first()
         if row is not None and overwrite: row = drop_run(c, row.id) and None
@@ -505,7 +518,8 @@ def _pg_lock(eng, run_id:int, rank:int)->bool:
     with _lock:
         key = _pg_key(run_id, rank)
         for attempt in (0, 1):
-            if url not in _claims or _claims[url].closed or attempt:   # none yet, or the last one was lost (a server restart)
+            # none yet, or the last one was lost (a server restart)
+            if url not in _claims or _claims[url].closed or attempt:
                 _claims[url] = sa.create_engine(url, poolclass=sa.pool.NullPool, isolation_level='AUTOCOMMIT').connect()
             try: return bool(_claims[url].exec_driver_sql('SELECT pg_try_advisory_lock(%(k)s)', dict(k=key)).scalar())
             except sa.exc.DBAPIError:
@@ -542,11 +556,13 @@ def _insert(table:Table, replace:bool, dialect):
     "An `insert` into `table` for drivers other than SQLite's; `replace`: PostgreSQL replaces a row with the same key."
     if replace and dialect.name == 'postgresql':
         ins = pg_insert(table)
-        return ins.on_conflict_do_update(constraint=f'{table.name}_pkey',   # the key the store has (without rank in old ones)
+        # the key the store has (without rank in old ones)
+        return ins.on_conflict_do_update(constraint=f'{table.name}_pkey',
                                          set_={col.name: ins.excluded[col.name] for col in table.columns if not col.primary_key})
     return insert(table)
 
-ROWS_PER_INSERT = (256, 64, 16)   # rows a multi-row statement takes, largest first: few statements a step, few sizes to prepare
+# rows a multi-row statement takes, largest first: few statements a step, few sizes to prepare
+ROWS_PER_INSERT = (256, 64, 16)
 
 def _max_variables(c)->int:
     "How many parameters one statement may take on SQLite connection `c` (999 before SQLite 3.32)."
@@ -613,7 +629,8 @@ _PACKED = {}   # id of a list of packed keys -> (the list, what `_packed_layout`
 def _packed_layout(keys:list)->dict:
     "What writing the steps whose packed keys are the list `keys` needs of it, worked out once (`StepRecord.packed`)."
     def make(keys):
-        row = np.empty((len(keys), len(stats_t.columns)), dtype=object)   # run_id, step, rank; six keys; the stats; extra, nbytes
+        # run_id, step, rank; six keys; the stats; extra, nbytes
+        row = np.empty((len(keys), len(stats_t.columns)), dtype=object)
         if keys:
             row[:, 3:9] = np.array([k[:6] for k in keys], dtype=object)
             row[:, -1] = [k[6] for k in keys]
@@ -644,7 +661,8 @@ _PG_TYPES = {}   # (store URL, table) -> its columns' types as the store has the
 def _copy_rows(c, table:Table, m:np.ndarray):
     "Insert the rows of object matrix `m` (`table`'s columns in order) into a PostgreSQL store with one binary `COPY`."
     key = (c.engine.url, table.name)
-    if key not in _PG_TYPES:   # an older store may have other types than `metadata` says (binary COPY takes them exactly)
+    # an older store may have other types than `metadata` says (binary COPY takes them exactly)
+    if key not in _PG_TYPES:
         got = dict(c.exec_driver_sql("SELECT attname, atttypid::regtype::text FROM pg_attribute WHERE attrelid = "
                                      "%(t)s::regclass AND attnum > 0 AND NOT attisdropped", dict(t=table.name)).all())
         _PG_TYPES[key] = [got[col.name] for col in table.columns]
@@ -656,7 +674,8 @@ def _copy_rows(c, table:Table, m:np.ndarray):
 
 def rows_digest(rows:list)->str|None:
     "A digest of a step's stat rows as written (equal rows in equal order: equal digests); None if unpicklable."
-    try: return hashlib.sha256(pickle.dumps(rows, protocol=5)).hexdigest()[:32]   # ~70 µs for an MLP's 258 rows, SHA in hardware
+    # ~70 µs for an MLP's 258 rows, SHA in hardware
+    try: return hashlib.sha256(pickle.dumps(rows, protocol=5)).hexdigest()[:32]
     except Exception: return None
 
 def packed_sums(keys:list, stats:np.ndarray)->tuple:
@@ -703,7 +722,8 @@ def _stats_rows(out:list, m):
     else: out.append([m])
 
 BUSY_WAIT_S = 30         # how long a write waits for SQLite's write lock (as `PRAGMA busy_timeout` does)
-LOCK_POLL_S = 0.0005     # ... tried this often: SQLite's own wait sleeps up to 100 ms a try, so one writer of several starves
+# ... tried this often: SQLite's own wait sleeps up to 100 ms a try, so one writer of several starves
+LOCK_POLL_S = 0.0005
 
 def _write_lock(c):
     "Begin SQLite transaction `c` with the write lock, tried every `LOCK_POLL_S` for `BUSY_WAIT_S` (then SQLite's busy error)."
@@ -730,7 +750,8 @@ def write_steps(eng, run_id:int, steps:list, rank:int=0):
             step, rows, closed, pieces = s['step'], _all_stats(s.get('rows') or []), s.get('closed', True), s.get('pieces') or []
             keys, st = s.get('packed') or (None, None)   # `StepRecord.packed`, in place of `rows`
             head = (run_id, step, rank)
-            if keys and closed and postgres and _copyable(keys): copied.append(_packed_rows(head, keys, st))   # one COPY
+            # one COPY
+            if keys and closed and postgres and _copyable(keys): copied.append(_packed_rows(head, keys, st))
             elif keys: _stats_rows(stats, _packed_rows(head, keys, st))
             elif rows: _stats_rows(stats, (head, rows))
             if pieces:
@@ -746,7 +767,8 @@ def write_steps(eng, run_id:int, steps:list, rank:int=0):
                 rows_of[snapshots_t] += [(run_id, m, tt, tn, call, step, rank, *rest) for m, tt, tn, call, *rest in snapshots]
             events, events_step, training = s.get('events') or (), s.get('events_step'), s.get('training')
             if events and events_step is None: rows_of[events_t] += [(*head, i, *e) for i, e in enumerate(events)]
-            n, sums = len(rows if keys is None else keys), (None, None, None)   # the sums of rows: set below, once they are in
+            # the sums of rows: set below, once they are in
+            n, sums = len(rows if keys is None else keys), (None, None, None)
             if keys and closed and not pieces: sums = (*packed_sums(keys, st), 1)
             elif _brings_rows(s): in_sql.add(step)   # rows to sum in SQL, with any the step has already
             if closed: closes.append((*head, time.time(), n, step if events_step is None else events_step,
@@ -755,8 +777,10 @@ def write_steps(eng, run_id:int, steps:list, rank:int=0):
         with (nullcontext(eng) if isinstance(eng, sa.Connection) else eng.begin()) as c:
             if c.dialect.name == 'sqlite' and not isinstance(eng, sa.Connection): _write_lock(c)
             if pieced and postgres:
-                c.exec_driver_sql('SELECT pg_advisory_xact_lock(%(k)s)', dict(k=_pg_key(run_id, -1)))   # merging ranks take turns
-            for m in stats:   # each table's rows in the order they came (a later row replaces an earlier one of its key)
+                # merging ranks take turns
+                c.exec_driver_sql('SELECT pg_advisory_xact_lock(%(k)s)', dict(k=_pg_key(run_id, -1)))
+            # each table's rows in the order they came (a later row replaces an earlier one of its key)
+            for m in stats:
                 if isinstance(m, list): _insert_matrix(c, stats_t, np.concatenate(m) if len(m) > 1 else m[0], replace=True)
                 else: _insert_rows(c, stats_t, *m, replace=True)
             for t, got in rows_of.items():
@@ -781,7 +805,8 @@ def merge_pieces(c, run_id:int, steps:list):
     sh, st = shards_t.c, steps_t.c
     world = c.execute(select(runs_t.c.world_size).where(runs_t.c.id == run_id)).scalar() or 1
     closed = select(st.step).where(st.run_id == run_id, st.step.in_(sorted(set(steps)))).group_by(st.step)
-    ready = c.execute(closed.having(func.count() >= world)).scalars().all()   # every rank has written the step: a few rows read
+    # every rank has written the step: a few rows read
+    ready = c.execute(closed.having(func.count() >= world)).scalars().all()
     if not ready: return
     q = (select(sh.step, sh.rank, sh.module_id, sh.call, sh.ttype, sh.tname, sh.piece, sh.full_shape, sh.shape, sh.dtype,
                 *[stat_value(sh[k], k) for k in STAT_COLS], sh.extra, sh.nbytes)
@@ -803,7 +828,8 @@ def merge_pieces(c, run_id:int, steps:list):
         w = ROLLUP_WIDTHS[0]
         roll_up(c, run_id, steps=[s for s, k in out if k == rank and last is not None and s // w < last // w], ranks=[rank])
 
-ROLLUP_WIDTHS = (8, 32, 128, 512, 2048)   # steps a bin of `rollups`, each 4 bins of the width before: views read bins, not rows
+# steps a bin of `rollups`, each 4 bins of the width before: views read bins, not rows
+ROLLUP_WIDTHS = (8, 32, 128, 512, 2048)
 _ROLLED = dict(norm_sq='max', std_sq='max', mean_hi='max', mean_lo='min', zero_frac='max', hi='max', lo='min', bad_step='min',
                bad_steps='sum')
 
@@ -822,7 +848,8 @@ def module_steps_sql(where:str)->str:
 
 def _upsert_rollups(dialect:str, select_sql:str, merge:bool)->str:
     "SQL inserting the bins `select_sql` reads into `rollups`; a stored bin keeps both's extremes (`merge`) or takes the new."
-    new = lambda col, f: _extreme(dialect, 'max' if f == 'sum' else f, col) if merge else f'excluded.{col}'   # a bin folded whole again
+    # a bin folded whole again
+    new = lambda col, f: _extreme(dialect, 'max' if f == 'sum' else f, col) if merge else f'excluded.{col}'
     return (f"INSERT INTO rollups (run_id, rank, ttype, width, bin, module_id, {', '.join(_ROLLED)}) {select_sql} "
             f"ON CONFLICT (run_id, rank, ttype, width, bin, module_id) DO UPDATE SET "
             + ', '.join(f'{col} = {new(col, f)}' for col, f in _ROLLED.items()))
@@ -857,7 +884,8 @@ def roll_up(c, run_id:int,
     "In transaction `c`, fold run `run_id`'s `steps` (or `first`..`last`) into `rollups`, every width, whole bins."
     rid, d = int(run_id), c.dialect.name
     if ranks is None: ranks = c.exec_driver_sql(f'SELECT DISTINCT rank FROM steps WHERE run_id = {rid}').scalars().all()
-    w8 = ROLLUP_WIDTHS[0]   # bins are folded whole, so that a bin's count of NaN steps is right however often it is folded
+    # bins are folded whole, so that a bin's count of NaN steps is right however often it is folded
+    w8 = ROLLUP_WIDTHS[0]
     if steps is not None:
         bins = sorted({int(s) // w8 for s in steps})
         if not bins: return
@@ -888,7 +916,8 @@ def _refold(c, rid:int, rk:str, first:int, last:int, widths=ROLLUP_WIDTHS[1:]):
 def roll_up_closed(c, run_id:int, rank:int, closed:list, written:list=()):
     "Fold the bins of `rank` that steps `closed` (if any) completed, and completed bins that late rows of `written` reach."
     w, rid = ROLLUP_WIDTHS[0], int(run_id)
-    before = f' AND step < {min(closed)}' if closed else ''   # no step closed: the bins before the last step's are complete
+    # no step closed: the bins before the last step's are complete
+    before = f' AND step < {min(closed)}' if closed else ''
     prev = c.exec_driver_sql(f'SELECT MAX(step) FROM steps WHERE run_id = {rid} AND rank = {int(rank)}{before}').scalar()
     if not closed and prev is None: return
     start = (min(closed) if prev is None else prev) // w * w
@@ -899,7 +928,8 @@ def roll_up_closed(c, run_id:int, rank:int, closed:list, written:list=()):
 def rolled_steps(c, run_id:int, rank:int)->tuple|None:
     "`(first, last)`: the steps of `rank` of run `run_id` that its `rollups` cover, bins whole; None if none."
     w, r = ROLLUP_WIDTHS[0], rollups_t.c
-    ends = [c.execute(select(f(r.bin)).where(r.run_id == run_id, r.rank == rank, r.ttype == t, r.width == w)).scalar()   # a seek each
+    # a seek each
+    ends = [c.execute(select(f(r.bin)).where(r.run_id == run_id, r.rank == rank, r.ttype == t, r.width == w)).scalar()
             for t in TTYPES for f in (func.min, func.max)]
     firsts, lasts = [e for e in ends[::2] if e is not None], [e for e in ends[1::2] if e is not None]
     if not firsts: return None
@@ -948,7 +978,8 @@ def bin_spans(bins:list, most:int=None)->list:
         else: out.append((b * w, b * w + w - 1))
     return out
 
-THINNED = ('stats', 'shards', 'calls')   # the tables whose rows of a thinned step go; `steps`, `scalars`, `events` and `rollups` stay
+# the tables whose rows of a thinned step go; `steps`, `scalars`, `events` and `rollups` stay
+THINNED = ('stats', 'shards', 'calls')
 
 def thin_steps(c, run_id:int, steps:list)->dict:
     "In transaction `c`, delete run `run_id`'s rows of `steps` from `THINNED` and `digests`: table -> rows deleted."
@@ -987,7 +1018,8 @@ def _grouped(keys:tuple)->tuple:
     g = _GROUPS.get(keys)
     if g is None:                       # worked out once per layout
         if len(_GROUPS) > 64: _GROUPS.clear()
-        uniq = tuple(sorted(set(keys)))   # in key order, not the rows': steps whose rows came in another order fold together
+        # in key order, not the rows': steps whose rows came in another order fold together
+        uniq = tuple(sorted(set(keys)))
         pos = {k: i for i, k in enumerate(uniq)}
         idx = np.array([pos[k] for k in keys], dtype=np.intp)
         order = np.argsort(idx, kind='stable')
@@ -1012,7 +1044,8 @@ def module_values(rows:list, stats:np.ndarray=None)->tuple:
         terms = np.stack([numel, norm * norm, std * std * numel, mean * numel, zf * numel], 1)
         ok = ~np.isnan(terms)
         sums = np.add.reduceat(np.where(ok, terms, 0.), starts, 0)
-        sums[np.add.reduceat(ok.view(np.int8), starts, 0) == 0] = np.nan   # SQL's SUM: NULL terms left out, NULL where there are none
+        # SQL's SUM: NULL terms left out, NULL where there are none
+        sums[np.add.reduceat(ok.view(np.int8), starts, 0) == 0] = np.nan
         den = sums[:, 0]
         den[den == 0] = np.nan          # NULLIF(SUM(numel), 0)
         out[:, 0] = sums[:, 1]
@@ -1040,7 +1073,8 @@ def _fold_known(c, rid:int, rank:int, first:int, last:int)->bool:
     here = c.exec_driver_sql(f'SELECT step FROM steps WHERE run_id = {rid} AND rank = {rank} AND step BETWEEN {first} AND {last}').scalars().all()
     got = [steps.get(s) for s in here]
     for s in [s for s in steps if s <= last]: del steps[s]   # folded now, one way or the other
-    if any(g is None for g in got) or len({k for k, _ in got}) > 1: return False   # a step not known whole, or modules that changed
+    # a step not known whole, or modules that changed
+    if any(g is None for g in got) or len({k for k, _ in got}) > 1: return False
     try: bins = _known_bins(here, got)
     except Exception: return False   # never a write lost to this shortcut: the SQL fold does it
     if bins:
@@ -1084,7 +1118,8 @@ def _bin_rows(rid:int, rank:int, width:int, keys:tuple, bins, which:np.ndarray=N
     return rows
 
 _PG_TYPES_BINS = ['integer'] * 2 + ['text'] + ['integer'] * 3 + ['float8'] * 7 + ['integer'] * 2   # `rollups` columns
-_PG_BINS = 'SELECT * FROM unnest(' + ', '.join(f'%b::{t}[]' for t in _PG_TYPES_BINS) + ')'   # its rows as arrays, in binary
+# its rows as arrays, in binary
+_PG_BINS = 'SELECT * FROM unnest(' + ', '.join(f'%b::{t}[]' for t in _PG_TYPES_BINS) + ')'
 
 def _upsert_bins(c, rows:list, merge:bool):
     "Write `rollups` rows: a stored bin keeps the extremes of both (`merge`), or takes the new row's values."
@@ -1095,7 +1130,8 @@ def _upsert_bins(c, rows:list, merge:bool):
     mark = '?' if c.dialect.paramstyle == 'qmark' else '%s'
     c.exec_driver_sql(_upsert_rollups(c.dialect.name, f"VALUES ({', '.join([mark] * 15)})", merge=merge), rows)
 
-_wide = weakref.WeakKeyDictionary()   # engine -> {(run_id, rank): {width: (bin, keys, values)}}: the wider bins being filled
+# engine -> {(run_id, rank): {width: (bin, keys, values)}}: the wider bins being filled
+_wide = weakref.WeakKeyDictionary()
 
 def _fold_wider(c, rid:int, rank:int, keys:tuple, bins:list):
     "Fold the wider bins that new bins of 8 `bins` fall in: from the bins of 8 this writer folded, else again in SQL."
@@ -1114,7 +1150,8 @@ def _fold_wider(c, rid:int, rank:int, keys:tuple, bins:list):
 def _wider(c, rid:int, rank:int, w:int, st, keys:tuple, bins:list)->tuple:
     "`(state, {bin: (values, stored values or None)}, [bins for SQL])` of width `w`, `bins` of 8 folded into `st`."
     w8, done, sql = ROLLUP_WIDTHS[0], {}, []
-    first, stored = (st[0], st[2]) if st is not None and st[1] == keys else (None, None)   # the bin being filled, as stored
+    # the bin being filled, as stored
+    first, stored = (st[0], st[2]) if st is not None and st[1] == keys else (None, None)
     for b, agg in bins:
         at = b * w8 // w
         if at in sql: continue
@@ -1122,7 +1159,8 @@ def _wider(c, rid:int, rank:int, w:int, st, keys:tuple, bins:list)->tuple:
         elif (st is None or st[0] != at) and (b * w8 == at * w or c.exec_driver_sql(
                 f'SELECT 1 FROM steps WHERE run_id = {rid} AND rank = {rank} AND step BETWEEN {at * w} AND {b * w8 - 1} LIMIT 1').first() is None):
             st = (at, keys, agg)   # a bin begun here: no step of it came before
-        else:                      # steps of it came before this writer folded from memory (a resumed run, a bin in SQL)
+        # steps of it came before this writer folded from memory (a resumed run, a bin in SQL)
+        else:
             st = None
             sql.append(at)
             continue
@@ -1136,7 +1174,8 @@ def _changed(a:np.ndarray, b:np.ndarray)->np.ndarray:
 def _forget_wider(eng, rid:int, ranks=None):
     "Forget the wider bins of engine `eng` being filled for `ranks` (None: all) of run `rid`: folded in SQL, or not stored."
     held = _wide.get(eng, {})
-    for key in [k for k in list(held) if k[0] == rid and (ranks is None or k[1] in ranks)]: held.pop(key, None)   # a reader's thread, maybe
+    # a reader's thread, maybe
+    for key in [k for k in list(held) if k[0] == rid and (ranks is None or k[1] in ranks)]: held.pop(key, None)
 
 
 # %% ../nbs/02_store.ipynb #8cb47b5c
@@ -1153,7 +1192,8 @@ LINGER_S = 0.25                                   # the longest a submitted item
 PENDING_STEPS, PENDING_BYTES = 1024, 256 << 20    # the most that waits in memory while the store cannot take it
 RETRY_S = 0.1                                     # pause before writing again to a store that said it was locked
 GONE_RETRY_S = 0.5                                # ... and to a server that could not be reached
-BEHIND_S = 0.3                                    # an item waiting longer while the store takes others: the writer thins
+# an item waiting longer while the store takes others: the writer thins
+BEHIND_S = 0.3
 WITHIN_S = 0.8                                    # ... so that each left is written within this long of its arrival
 RATE_S = 5                                        # the span the rates in the warnings are measured over
 STUCK_S = 2                                       # a write taking longer waits for a lock (SQLite's busy wait), maybe
@@ -1215,18 +1255,22 @@ class Writer:
         self.rows, self.keep = rows or (lambda item: 1), keep or (lambda item: False)
         self.linger = LINGER_S if linger is None else linger
         self.max_steps, self.max_bytes, self.behind = PENDING_STEPS, PENDING_BYTES, BEHIND_S
-        self.pending, self.nbytes, self.errors = deque(), 0, []   # [arrival, item, bytes, rows, kept, number], oldest 1st
-        self.dropped = self.failed = 0                            # items dropped past the bound; items whose write failed
+        # [arrival, item, bytes, rows, kept, number], oldest 1st
+        self.pending, self.nbytes, self.errors = deque(), 0, []
+        # items dropped past the bound; items whose write failed
+        self.dropped = self.failed = 0
         self.made = self.taken = 0                                # rows submitted; rows written
         self._cv = threading.Condition(threading.RLock())         # reentrant: a signal handler may wait inside `submit`
         self._busy, self._urgent, self._stop = None, 0, False     # the batch being written; flushes waiting; closing
-        self._lost, self._error, self._drops = 0, None, 0         # the current episodes: items lost and the first error; items dropped
+        # the current episodes: items lost and the first error; items dropped
+        self._lost, self._error, self._drops = 0, None, 0
         self._out = None                                          # the store takes nothing: (kind, since, drops before)
         self._took = self._thinned = self._back = 0.              # last write; last thinning; store back
         self._rates = deque([(time.monotonic(), 0, 0)])           # (time, made, taken), one every second at most
         self._late_said, self._lagging = False, False             # `flush` said items still wait; falling behind
         self._since, self._n, self._why = 0., 0, None             # batch taken at; items submitted; why dropped
-        self.paced, self._left, self._pace_said = 0., None, False  # s submitters waited for the writer; last submit's end
+        # s submitters waited for the writer; last submit's end
+        self.paced, self._left, self._pace_said = 0., None, False
         self._t = threading.Thread(target=self._run, name='torchember-writer', daemon=True)
         self._t.start()
         _writers.add(self)
@@ -1294,7 +1338,8 @@ class Writer:
         made, taken = self.rates(now)
         steady = now - self._rates[0][0] >= 1   # rates over a second at least: a slow moment is no trend
         if behind and steady and 0 < taken * 1.05 < made:   # (taking what comes, it catches up: a backlog drains)
-            rows, most = sum(e[3] for e in p), taken * max(0.1, WITHIN_S - (now - p[0][0]))   # the oldest written in time
+            # the oldest written in time
+            rows, most = sum(e[3] for e in p), taken * max(0.1, WITHIN_S - (now - p[0][0]))
             if rows > most: need = math.ceil((rows - most) * n / rows)
             if self._lagging: need = max(need, round(sum(e[0] > since for e in p) * (1 - taken / made)))
             self._lagging = True
@@ -1407,7 +1452,8 @@ class Writer:
             self.taken += sum(e[3] for e in entries)
             self._sample(now)
             out, self._out = self._out, None
-            if out or not self._took: self._back, self._rates = now, deque([(now, self.made, self.taken)])   # rates anew
+            # rates anew
+            if out or not self._took: self._back, self._rates = now, deque([(now, self.made, self.taken)])
             self._took = now   # (the first write: what waited for the store to open is written, not thinned)
             lost, error, self._lost, self._error = self._lost, self._error, 0, None
             waited = len(self.pending) + len(self._busy or ())   # the first write after an outage: what waited for it

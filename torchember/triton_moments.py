@@ -138,7 +138,8 @@ def _layout(ts:list)->tuple:
         g = programs(n, t.element_size())
         classes.setdefault((t.dtype, g.bit_length()), []).append((i, n, g))
     launches, order, ns = [], [], []
-    for (dtype, _), ms in classes.items():   # a launch a class; its segments' first rows from the buffer's first free one
+    # a launch a class; its segments' first rows from the buffer's first free one
+    for (dtype, _), ms in classes.items():
         g = max(g for _, _, g in ms)
         launches.append((dtype, g, len(ms), np.array([(k * g, g, n) for k, (_, n, _) in enumerate(ms)], dtype=np.int64)))
         order += [i for i, _, _ in ms]

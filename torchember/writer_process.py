@@ -17,7 +17,8 @@ from fastcore.basics import patch
 from .store import db_url, engine, write_steps, StoreError, MEMORY
 
 # %% ../nbs/02a_writer_process.ipynb #aed3ebd8
-WRITER_ENV = 'TORCHEMBER_WRITER'   # 'process' or 'thread'; unset: a process where a core is spare beside torch's threads
+# 'process' or 'thread'; unset: a process where a core is spare beside torch's threads
+WRITER_ENV = 'TORCHEMBER_WRITER'
 
 def cores()->int:
     "The cores this process may run on."
@@ -81,8 +82,10 @@ def serve(down:int, up:int):
                     for i, s in enumerate(steps):
                         if 'packed' not in s: continue
                         if s['packed'][0] is not None: last[run_id, rank] = s['packed'][0]
-                        else: steps[i] = with_keys(s, last[run_id, rank])   # a KeyError if the parent's memory is wrong: it sends them again
-                    eng = eng or engine(url)   # opened here, so that a server down as the child starts is an answer, not its end
+                        # a KeyError if the parent's memory is wrong: it sends them again
+                        else: steps[i] = with_keys(s, last[run_id, rank])
+                    # opened here, so that a server down as the child starts is an answer, not its end
+                    eng = eng or engine(url)
                     write_steps(eng, run_id, steps, rank=rank)
                     err = None
                 except Exception as e: err = e
@@ -122,7 +125,8 @@ class WriterProcess:
         "`(steps to send, the packed keys the child then holds)`: packed keys the child holds already sent as None."
         held, out = self._keys.get((run_id, rank)), []
         for s in steps:
-            if s.get('events_step') is not None and s.get('events'): s = {**s, 'events': ()}   # written with an earlier step: not read
+            # written with an earlier step: not read
+            if s.get('events_step') is not None and s.get('events'): s = {**s, 'events': ()}
             if 'packed' in s:
                 keys, stats = s['packed']
                 if keys == held: s = {**s, 'packed': (None, stats)}
