@@ -6,33 +6,32 @@ Docs: https://torchember.github.io/torchember/diagnose.html.md"""
 
 # %% ../nbs/03a_diagnose.ipynb #2ec93591
 from __future__ import annotations
-import importlib, inspect, json, math, os, re, warnings
+import importlib, inspect, math, os, re, warnings
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable
 from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pandas as pd
-import sqlalchemy as sa
-from sqlalchemy import select, func, Float
 from fastcore.basics import patch
-from .store import (engine, db_url, modules_t, stats_t, steps_t, digests_t, scalars_t, rollups_t, STAT_COLS,
-                              ROLLUP_WIDTHS, NONFINITE_ROWS)
+from .store import engine, db_url, ROLLUP_WIDTHS
 from fnmatch import fnmatchcase
-from .query import Run, flow_order, _one_rank, applied_steps, nonfinite_from
+from .query import Run, flow_order, _one_rank
 from .diagnose_reads import (WATCHED, GRAD_NORM, GRADS, _names, eval_steps, micro_steps, module_norms, signals,
-                                       module_rms, rollup_norms, zero_inputs, weight_updates, _grads_only)
+                                       module_rms, rollup_norms, zero_inputs, weight_updates, _grads_only, COMPARED,
+                                       _KEY, _fetch, _plain, _sums, fingerprints, step_digests, _prints, module_prints,
+                                       _frame, stat_rows, _pairs_sql, _step_range, run_steps, nonfinite_steps)
 
 # %% auto #0
 __all__ = ['COLUMNS', 'SEVERITIES', 'MAD_SIGMA', 'FINDINGS', 'PARAMS', 'OWN', 'KINDS', 'BEYOND', 'RANGE', 'MIN_BAND', 'ORDER',
            'GAP', 'PERSIST', 'DRIFTS', 'DEPARTURE_COLUMNS', 'SLACK', 'FULL_STEPS', 'LOOK_BACK', 'COARSE_BINS',
            'MOST_POINTED', 'FOLLOW_MIN', 'MOST_CAUSES', 'SPIKE', 'FACTOR', 'LEAD', 'ORDERS', 'DEAD', 'UPDATE_BAND',
-           'DIFF_COLUMNS', 'COMPARED', 'finding', 'findings', 'positive', 'Param', 'FindingKind', 'register_finding',
-           'detector', 'bands', 'trailing_range', 'band_edges', 'left_band', 'upward_edges', 'model_input', 'onset',
-           'departures', 'causal_key', 'episodes', 'rolled_departures', 'run_episodes', 'attach', 'root_words',
-           'cause_finding', 'signal_spikes', 'loss_followed', 'dead_modules', 'across_depth', 'over_steps',
-           'update_ratios', 'nonfinite_finding', 'Look', 'with_iterations', 'followed', 'with_causes', 'load_findings',
-           'findings_table', 'fingerprints', 'step_digests', 'module_prints', 'stat_rows', 'diff']
+           'DIFF_COLUMNS', 'finding', 'findings', 'positive', 'Param', 'FindingKind', 'register_finding', 'detector',
+           'bands', 'trailing_range', 'band_edges', 'left_band', 'upward_edges', 'model_input', 'onset', 'departures',
+           'causal_key', 'episodes', 'rolled_departures', 'run_episodes', 'attach', 'root_words', 'cause_finding',
+           'signal_spikes', 'loss_followed', 'dead_modules', 'across_depth', 'over_steps', 'update_ratios',
+           'nonfinite_finding', 'Look', 'with_iterations', 'followed', 'with_causes', 'load_findings', 'findings_table',
+           'diff']
 
 # %% ../nbs/03a_diagnose.ipynb #3281537f
 COLUMNS = ['kind', 'severity', 'step', 'iteration', 'module', 'mtype', 'ttype', 'tname', 'stat', 'value', 'expected', 'message']
@@ -771,57 +770,8 @@ load_findings()   # last: a module named in `TORCHEMBER_FINDINGS` imports this o
 
 # %% ../nbs/03a_diagnose.ipynb #c9801c05
 DIFF_COLUMNS = ['step', 'iteration', 'module', 'mtype', 'ttype', 'tname', 'stat', 'a', 'b']
-COMPARED = STAT_COLS   # every declared stat's column (`kinds.STATS_REGISTRY`)
-_KEY = ['step', 'rank', 'module', 'call', 'ttype', 'tname']
 
 def _as_run(run, db)->Run: return run if isinstance(run, Run) else Run(run, db)
-
-def _fetch(c, q)->list:
-    "The rows of `q` as the driver's tuples (no SQLAlchemy `Row` made per row: a third quicker on many rows)."
-    return c.execute(q).cursor.fetchall()
-
-def _plain(c):
-    "Connection `c` set, on PostgreSQL, to sum in one order (no parallel workers) and compile no query (no JIT)."
-    if c.dialect.name == 'postgresql':
-        c.exec_driver_sql('SET LOCAL max_parallel_workers_per_gather = 0')
-        c.exec_driver_sql('SET LOCAL jit = off')
-    return c
-
-def _sums(run:Run, keys:list, *where)->pd.DataFrame:
-    "Row count and the sums of norm, mean and std of `run`'s stats rows by `keys` (indexed by them) where `where`."
-    s = stats_t.c
-    q = (select(*[s[k] for k in keys], func.count(), func.sum(s.norm), func.sum(s.mean), func.sum(s.std))
-         .where(s.run_id == run.id, *where).group_by(*[s[k] for k in keys]))
-    with engine(run.db).connect() as c: rows = _fetch(_plain(c), q)
-    return pd.DataFrame(rows, columns=[*keys, 'n', 'norm', 'mean', 'std']).set_index(keys).astype(float)
-
-def fingerprints(run:Run, lo:int, hi:int)->pd.DataFrame:
-    "Per step of `lo..hi`: row count and the sums of norm, mean and std; runs whose rows are equal have equal fingerprints."
-    return _sums(run, ['step'], stats_t.c.step.between(lo, hi))
-
-def step_digests(run:Run, lo:int, hi:int)->pd.DataFrame|None:
-    "Per step of `lo..hi`: its ranks' stored digests (`store.rows_digest`) as one text; None if a step has none."
-    st, dg = steps_t.c, digests_t.c
-    on = sa.and_(dg.run_id == st.run_id, dg.step == st.step, dg.rank == st.rank)
-    q = (select(st.step, st.rank, dg.digest).select_from(steps_t.outerjoin(digests_t, on))
-         .where(st.run_id == run.id, st.step.between(lo, hi)).order_by(st.step, st.rank))
-    late = select(dg.step).where(dg.run_id == run.id, dg.step.between(lo, hi), dg.digest.is_(None)).limit(1)   # rows after the close
-    with engine(run.db).connect() as c:
-        if c.execute(late).first() is not None: return None
-        rows = _fetch(c, q)
-    if any(d is None for _, _, d in rows): return None
-    per = {}
-    for step, rank, d in rows: per[step] = f"{per[step]} {rank}:{d}" if step in per else f"{rank}:{d}"
-    return pd.DataFrame({'digest': pd.Series(per, dtype=object)}).rename_axis('step')
-
-def _prints(run:Run, lo:int, hi:int)->pd.DataFrame:
-    "What tells the steps of `lo..hi` that may differ: `step_digests` where every step has them, else `fingerprints`."
-    d = step_digests(run, lo, hi)
-    return fingerprints(run, lo, hi) if d is None else d
-
-def module_prints(run:Run, steps:list)->pd.DataFrame:
-    "The fingerprints of `steps` one level down: per step, rank and module id."
-    return _sums(run, ['step', 'rank', 'module_id'], stats_t.c.step.in_(steps))
 
 def _suspects(fa:pd.DataFrame,  # `fingerprints` (or `module_prints`) of run a
               fb:pd.DataFrame,  # ... and of run b, over the same steps
@@ -836,22 +786,6 @@ def _suspects(fa:pd.DataFrame,  # `fingerprints` (or `module_prints`) of run a
     return j.loc[~eq, ['n_a', 'n_b']].fillna(0).astype(int)
 
 # %% ../nbs/03a_diagnose.ipynb #1f9cd82b
-_STR = pd.Series(['']).dtype   # the dtype pandas gives strings (`str` from pandas 3), also for no rows
-_ROW = ['step', 'rank', 'module_id', 'call', 'ttype', 'tname', *COMPARED]
-
-def _frame(rows:list, names:pd.DataFrame)->pd.DataFrame:
-    "Stats rows (tuples in `_ROW` order) keyed by module name, as `stat_rows` returns them."
-    df = pd.DataFrame.from_records(rows, columns=_ROW, coerce_float=True)
-    types = {'step': int, 'rank': int, 'call': int, 'ttype': _STR, 'tname': _STR, **{c: float for c in COMPARED}}
-    return df.astype(types).join(names, on='module_id').drop(columns='module_id')
-
-def stat_rows(run:Run, steps:list, names:pd.DataFrame, modules:list=None)->pd.DataFrame:
-    "The stat rows of `steps` (of modules with ids `modules`, default all), keyed by module name, with the compared stats."
-    s = stats_t.c
-    only = [] if modules is None else [s.module_id.in_(modules)]
-    with engine(run.db).connect() as c: rows = _fetch(c, select(*[s[c] for c in _ROW]).where(s.run_id == run.id, s.step.in_(steps), *only))
-    return _frame(rows, names)
-
 def _paired(a:pd.DataFrame, b:pd.DataFrame)->pd.DataFrame:
     "Two runs' `stat_rows` side by side (suffixes `_a`, `_b`), matched and sorted on `_KEY`; `_merge` says who has it."
     return a.merge(b, on=_KEY, how='outer', suffixes=('_a', '_b'), indicator=True)
@@ -870,59 +804,6 @@ def _differing(m:pd.DataFrame, rtol:float)->pd.DataFrame:
         if c != 'row': same |= m['_merge'] != 'both'
         out.append(m.loc[~same, _KEY + ['mtype']].assign(stat=c, a=va[~same], b=vb[~same]))
     return pd.concat(out, ignore_index=True)
-
-# %% ../nbs/03a_diagnose.ipynb #9440c7c8
-def _nan_free(c, x):
-    "Column `x` with NaN read as NULL: as SQLite stores it; PostgreSQL keeps NaN, equal to NaN and larger than any number."
-    return func.nullif(x, sa.literal(float('nan'), Float)) if c.dialect.name == 'postgresql' else x
-
-def _larger(x, y): return sa.case((x >= y, x), else_=y)   # both dialects: SQLite's max(x, y) is PostgreSQL's greatest
-
-def _may_differ(c, a, b, rtol:float):
-    "SQL, true where stats rows `a` and `b` may differ by more than `rtol` (as `_differing`), never false where they do."
-    ors = []
-    for col in COMPARED:
-        x, y = _nan_free(c, a.c[col]), _nan_free(c, b.c[col])
-        if rtol == 0: ors.append(x.is_distinct_from(y)); continue   # with rtol 0 only equal values agree (0 · inf is NaN)
-        scale = _larger(func.abs(x), func.abs(y))
-        if col == 'mean':
-            std = [func.coalesce(func.abs(_nan_free(c, t.c.std)), 0.0) for t in (a, b)]
-            scale = _larger(scale, _larger(*std))
-        ors.append(sa.and_(x.is_distinct_from(y), sa.or_(x.is_(None), y.is_(None), func.abs(x - y) > sa.literal(rtol, Float) * scale)))
-    return sa.or_(*ors)
-
-def _pairs_sql(ra:Run, rb:Run,          # two runs of one store
-               steps:list,              # the steps to compare
-               na:pd.DataFrame, nb:pd.DataFrame,   # their `_names`
-               rtol:float,
-               by_id:bool,              # the runs' module ids name the same modules: join on them, not through `modules`
-               counts:pd.DataFrame=None,  # `_suspects` of these steps (their row counts); None: look for b's extra rows at every step
-              )->pd.DataFrame:          # as `_paired`, only the rows that may differ
-    "The row pairs of `steps` that may differ, found by the store's database."
-    a, b, ma, mb = stats_t.alias('a'), stats_t.alias('b'), modules_t.alias('ma'), modules_t.alias('mb')
-    key = lambda t, mid: [t.c.step, t.c.rank, mid, t.c.call, t.c.ttype, t.c.tname]
-    same = sa.and_(b.c.step == a.c.step, b.c.rank == a.c.rank, b.c.module_id == (a.c.module_id if by_id else mb.c.id),
-                   b.c.call == a.c.call, b.c.ttype == a.c.ttype, b.c.tname == a.c.tname)
-    src = a if by_id else a.join(ma, sa.and_(ma.c.run_id == ra.id, ma.c.id == a.c.module_id)).outerjoin(
-        mb, sa.and_(mb.c.run_id == rb.id, mb.c.name == ma.c.name))
-    n = len(COMPARED)
-    with engine(ra.db).connect() as c:
-        q = (select(*key(a, a.c.module_id), b.c.module_id, *[a.c[x] for x in COMPARED], *[b.c[x] for x in COMPARED])
-             .select_from(src.outerjoin(b, sa.and_(b.c.run_id == rb.id, same)))
-             .where(a.c.run_id == ra.id, a.c.step.in_(steps), sa.or_(b.c.module_id.is_(None), _may_differ(c, a, b, rtol))))
-        left, right, b_steps = _fetch(_plain(c), q), [], steps
-        if counts is not None:   # b's rows that a lacks: n_b - (n_a - a's rows that b lacks)
-            a_only = pd.Series([r[0] for r in left if r[6] is None], dtype=int).value_counts()
-            extra = (counts['n_b'] - counts['n_a'] + a_only.reindex(counts.index, fill_value=0)).reindex(steps)
-            b_steps = [int(s) for s in extra.index[extra > 0]]
-        if b_steps:
-            by_name = [] if by_id else [ma.c.run_id == ra.id, ma.c.id == a.c.module_id, ma.c.name == mb.c.name]
-            q = (select(*key(b, b.c.module_id), *[b.c[x] for x in COMPARED])
-                 .select_from(b if by_id else b.join(mb, sa.and_(mb.c.run_id == rb.id, mb.c.id == b.c.module_id)))
-                 .where(b.c.run_id == rb.id, b.c.step.in_(b_steps), ~sa.exists().where(a.c.run_id == ra.id, same, *by_name)))
-            right = _fetch(c, q)
-    return _paired(_frame([r[:6] + r[7:7 + n] for r in left], na),
-                   _frame([(*r[:2], r[6], *r[3:6], *r[7 + n:]) for r in left if r[6] is not None] + right, nb))
 
 # %% ../nbs/03a_diagnose.ipynb #99bcd70d
 def diff(run_a,                # a run's name, or a `Run`
@@ -950,7 +831,7 @@ def diff(run_a,                # a run's name, or a `Run`
             if in_sql:
                 halves = [some[:len(some) // 2], some[len(some) // 2:]] if len(some) >= 64 else [some]   # one a core
                 known = counts if counts is not None and 'n_a' in counts else None   # row counts, where fingerprints gave them
-                return _differing(pd.concat(pool.map(lambda h: _pairs_sql(ra, rb, h, na, nb, rtol, same_modules, known), halves),
+                return _differing(pd.concat(pool.map(lambda h: _paired(*_pairs_sql(ra, rb, h, na, nb, rtol, same_modules, known)), halves),
                                             ignore_index=True), rtol)
             mods = _suspects(*pool.map(module_prints, (ra, rb), (some, some))) if same_modules else None   # read only the modules that differ
             if mods is not None and mods.empty: return []
@@ -983,12 +864,7 @@ def diff(run_a,                # a run's name, or a `Run`
     out['iteration'] = pd.array(out['step'].map(its), dtype='Int64')
     return out[DIFF_COLUMNS]
 
-def _step_range(run:Run)->tuple:
-    "The first and last step of `run` (0, -1 if none)."
-    s = stats_t.c
-    with engine(run.db).connect() as c:
-        lo, hi = (c.execute(select(f(s.step)).where(s.run_id == run.id)).scalar() for f in (func.min, func.max))   # apart: each one seek
-    return (0, -1) if lo is None else (int(lo), int(hi))
+
 
 # %% ../nbs/03a_diagnose.ipynb #01e56167
 from .store import thin_steps
@@ -1003,10 +879,7 @@ def thin(self:Run,
     "Delete the rows of all but one step in `every` before `before`, but those with findings or NaN/Inf; rollups, steps stay."
     _need(_isint(every) and every >= 1, 'thin', 'every', every, 'an int >= 1', ValueError)
     _need(before is None or _isint(before), 'thin', 'before', before, 'an int or None')
-    with engine(self.db).connect() as c:
-        steps = c.execute(select(steps_t.c.step).where(steps_t.c.run_id == self.id).distinct()).scalars().all()
-        bad = c.exec_driver_sql(f"SELECT DISTINCT step FROM {nonfinite_from(c) or 'stats'} "   # the NaN/Inf rows only
-                                f"WHERE run_id = {int(self.id)} AND ({NONFINITE_ROWS})").scalars().all()
+    steps, bad = run_steps(self), nonfinite_steps(self)
     fs = self.diagnose() if self.last_step is not None else None
     kept = set(keep) | set(bad) | (set(fs['step'].dropna().astype(int)) if fs is not None and len(fs) else set())
     gone = sorted(k for k in steps if (before is None or k < before) and k % every and k not in kept)

@@ -1,4 +1,4 @@
-"""Named reads of the store for `diagnose`: module norms and RMS, logged signals and the grad norm, rollups, zero fractions, updates and NaN rows, as DataFrames.
+"""Named reads of the store for `diagnose` and `diff`: norms, signals, rollups, updates, NaN rows, stats, as DataFrames.
 
 Docs: https://torchember.github.io/torchember/diagnose_reads.html.md"""
 
@@ -10,13 +10,15 @@ import json
 import numpy as np
 import pandas as pd
 import sqlalchemy as sa
-from sqlalchemy import select, func
-from .store import engine, modules_t, stats_t, steps_t, scalars_t, rollups_t, NONFINITE_ROWS
+from sqlalchemy import select, func, Float
+from .store import (engine, modules_t, stats_t, steps_t, scalars_t, rollups_t, digests_t, NONFINITE_ROWS,
+                              STAT_COLS)
 from .query import Run, applied_steps, nonfinite_from
 
 # %% auto #0
-__all__ = ['WATCHED', 'GRAD_NORM', 'GRADS', 'SERIES_STATS', 'eval_steps', 'micro_steps', 'module_norms', 'signals', 'module_rms',
-           'rollup_norms', 'zero_inputs', 'weight_updates', 'step_span', 'scalar_series', 'tensor_series']
+__all__ = ['WATCHED', 'GRAD_NORM', 'GRADS', 'SERIES_STATS', 'COMPARED', 'eval_steps', 'micro_steps', 'module_norms', 'signals',
+           'module_rms', 'rollup_norms', 'zero_inputs', 'weight_updates', 'step_span', 'scalar_series', 'tensor_series',
+           'fingerprints', 'step_digests', 'module_prints', 'stat_rows', 'run_steps', 'nonfinite_steps']
 
 # %% ../nbs/03a0_diagnose_reads.ipynb #e407b581
 WATCHED = ('output', 'weight', 'weight_grad')   # the tensors whose norms `diagnose` follows per module
@@ -35,7 +37,7 @@ def eval_steps(run:Run, rank:int)->set:
     return set(k.loc[k['kind'] != 'train', 'step'])
 
 def micro_steps(run:Run, rank:int)->set:
-    "The training steps of `rank` whose grads the optimizer did not apply as they are: accumulation's earlier micro-steps."
+    "The training steps of `rank` whose grads the optimizer did not apply as they are: accumulation's micro-steps."
     k = run.step_kinds(rank)
     train = k.loc[k['kind'] == 'train', 'step']
     return set(train) - set(applied_steps(k))
@@ -47,11 +49,12 @@ def module_norms(run:Run, rank:int, lo:int, hi:int)->pd.DataFrame:
          .where(s.run_id == run.id, s.rank == rank, s.step.between(lo, hi), s.ttype.in_(WATCHED))
          .group_by(s.step, s.module_id, s.ttype))
     with engine(run.db).connect() as c:
-        if c.dialect.name == 'postgresql':   # a sort of 2·window steps' rows in memory, compiled by no JIT (it costs more than it saves here)
+        if c.dialect.name == 'postgresql':   # a sort of 2·window steps' rows in memory, no JIT (it costs more)
             c.exec_driver_sql("SET LOCAL work_mem = '64MB'"); c.exec_driver_sql('SET LOCAL jit = off')
         rows = c.execute(q).cursor.fetchall()
     df = pd.DataFrame(rows, columns=['step', 'module_id', 'ttype', 'sq', 'numel', 'zero_frac'])
-    df = df[~df['step'].isin(eval_steps(run, rank)) & ~(df['ttype'].eq('weight_grad') & df['step'].isin(micro_steps(run, rank)))]
+    micro = df['ttype'].eq('weight_grad') & df['step'].isin(micro_steps(run, rank))
+    df = df[~df['step'].isin(eval_steps(run, rank)) & ~micro]
     df = df.astype({'sq': float, 'numel': float, 'zero_frac': float})
     return df.assign(norm=df['sq'] ** .5, rms=(df['sq'] / df['numel'].where(df['numel'] > 0)) ** .5)
 
@@ -60,31 +63,37 @@ def signals(run:Run, rank:int, hi:int, grads_from:int)->pd.DataFrame:
     s, st, k = scalars_t.c, stats_t.c, steps_t.c
     kept = select(k.step, k.grad_sq, k.summed).where(k.run_id == run.id, k.rank == rank, k.step.between(grads_from, hi))
     with engine(run.db).connect() as c:
-        rows = c.execute(select(s.step, s.name, s.value).where(s.run_id == run.id, s.rank == rank, s.step <= hi)).cursor.fetchall()
-        sums = c.execute(kept).cursor.fetchall()   # the store keeps each step's sum: NULL where a norm was NaN, or none was
+        logged = select(s.step, s.name, s.value).where(s.run_id == run.id, s.rank == rank, s.step <= hi)
+        rows = c.execute(logged).cursor.fetchall()
+        sums = c.execute(kept).cursor.fetchall()   # each step's sum, kept: NULL where a norm was NaN, or none was
         grads = [(step, GRAD_NORM, sq ** .5) for step, sq, summed in sums if summed is not None and sq is not None]
         if any(summed is None for _, _, summed in sums):   # steps written before the store kept sums: summed here
             old = kept.with_only_columns(k.step).where(k.summed.is_(None))   # a subquery: no bound parameter a step
-            gn = (select(st.step, func.sum(st.norm * st.norm)).where(st.run_id == run.id, st.rank == rank, st.step.in_(old),
+            gn = (select(st.step, func.sum(st.norm * st.norm)).where(st.run_id == run.id, st.rank == rank,
+                                                                     st.step.in_(old),
                                                                      st.ttype == 'weight_grad').group_by(st.step))
-            grads += [(step, GRAD_NORM, None if sq is None else sq ** .5) for step, sq in c.execute(gn).cursor.fetchall()]
+            summed = c.execute(gn).cursor.fetchall()
+            grads += [(step, GRAD_NORM, None if sq is None else sq ** .5) for step, sq in summed]
     micro = micro_steps(run, rank)
     grads = [g for g in grads if g[0] not in micro]
-    df = pd.DataFrame(rows + grads, columns=['step', 'name', 'value']).astype({'value': float})   # the driver's tuples: no Row each
+    df = pd.DataFrame(rows + grads, columns=['step', 'name', 'value']).astype({'value': float})   # the driver's tuples
     df = df[~df['step'].isin(eval_steps(run, rank))]
     return df.drop_duplicates(['step', 'name']).pivot(index='step', columns='name', values='value')
 
 # %% ../nbs/03a0_diagnose_reads.ipynb #469899c1
 def module_rms(run:Run, rank:int, lo:int, hi:int, root:int=None)->pd.DataFrame:
-    "Training steps `lo..hi` x (module id, ttype): the RMS of each module's weights, outputs, weight grads; `root`'s input."
+    "Training steps `lo..hi` x (module id, ttype): RMS of each module's weights, outputs, weight grads; `root`'s input."
     s = stats_t.c
-    tt = s.ttype.in_(WATCHED) if root is None else sa.or_(s.ttype.in_(WATCHED), sa.and_(s.ttype == 'input', s.module_id == root))
-    sq = sa.case((func.count(s.norm) == func.count(), func.sum(s.norm * s.norm)))   # a NaN norm (NULL in SQLite): no RMS
+    tt = s.ttype.in_(WATCHED)
+    if root is not None: tt = sa.or_(tt, sa.and_(s.ttype == 'input', s.module_id == root))
+    sq = sa.case((func.count(s.norm) == func.count(), func.sum(s.norm * s.norm)))   # a NaN norm (NULL): no RMS
     q = (select(s.step, s.module_id, s.ttype, sq, func.sum(s.numel))
          .where(s.run_id == run.id, s.rank == rank, s.step.between(lo, hi), tt).group_by(s.step, s.module_id, s.ttype))
     with engine(run.db).connect() as c: rows = c.execute(q).cursor.fetchall()
-    df = pd.DataFrame(rows, columns=['step', 'module_id', 'ttype', 'sq', 'numel']).astype({'sq': float, 'numel': float})   # None: NaN
-    df = df[~df['step'].isin(eval_steps(run, rank)) & ~(df['ttype'].eq('weight_grad') & df['step'].isin(micro_steps(run, rank)))]
+    df = pd.DataFrame(rows, columns=['step', 'module_id', 'ttype', 'sq', 'numel'])
+    df = df.astype({'sq': float, 'numel': float})   # None: NaN
+    micro = df['ttype'].eq('weight_grad') & df['step'].isin(micro_steps(run, rank))
+    df = df[~df['step'].isin(eval_steps(run, rank)) & ~micro]
     df['rms'] = (df['sq'] / df['numel'].where(df['numel'] > 0)) ** .5
     return df.pivot_table(index='step', columns=['module_id', 'ttype'], values='rms', aggfunc='first', dropna=False)
 
@@ -95,7 +104,8 @@ def rollup_norms(run:Run, rank:int, lo:int, hi:int,
     "The largest norm of each module's watched tensors in each `rollups` bin of `width` steps over `lo..hi`."
     r = rollups_t.c
     q = select(r.bin, r.module_id, r.ttype, r.norm_sq).where(r.run_id == run.id, r.rank == rank, r.width == width,
-                                                              r.ttype.in_(WATCHED), r.bin.between(lo // width, hi // width))
+                                                              r.ttype.in_(WATCHED), r.bin.between(lo // width,
+                                                                                                   hi // width))
     with engine(run.db).connect() as c: rows = c.execute(q).cursor.fetchall()
     df = pd.DataFrame(rows, columns=['bin', 'module_id', 'ttype', 'norm_sq']).astype({'norm_sq': float})
     if df.empty: return pd.DataFrame()
@@ -103,16 +113,17 @@ def rollup_norms(run:Run, rank:int, lo:int, hi:int,
 
 # %% ../nbs/03a0_diagnose_reads.ipynb #beb30d4b
 def zero_inputs(run:Run, rank:int, lo:int, hi:int, modules:list)->pd.Series:
-    "Of `modules` (ids), the smallest zero fraction of their inputs over steps `lo..hi`: near 1, they were handed zeros."
+    "Of `modules` (ids), the least zero fraction of their inputs over steps `lo..hi`: near 1, they were handed zeros."
     s = stats_t.c
     if not modules: return pd.Series(dtype=float)
-    q = (select(s.module_id, func.min(s.zero_frac)).where(s.run_id == run.id, s.rank == rank, s.step.between(lo, hi), s.ttype == 'input',
-                                                         s.module_id.in_([int(m) for m in modules])).group_by(s.module_id))
+    q = (select(s.module_id, func.min(s.zero_frac))
+         .where(s.run_id == run.id, s.rank == rank, s.step.between(lo, hi), s.ttype == 'input',
+                s.module_id.in_([int(m) for m in modules])).group_by(s.module_id))
     with engine(run.db).connect() as c: rows = c.execute(q).all()
     return pd.Series({m: z for m, z in rows if z is not None}, dtype=float)
 
 def weight_updates(run:Run, rank:int, lo:int, hi:int)->pd.DataFrame:
-    "Each weight's norm and update norm (‖Δw‖, `track_updates=True`) at steps `lo..hi`: step, module_id, tname, update, norm."
+    "Each weight's norm and update norm (‖Δw‖, `track_updates=True`) at steps `lo..hi`."
     s = stats_t.c
     q = select(s.step, s.module_id, s.tname, s.norm, s.extra).where(
         s.run_id == run.id, s.rank == rank, s.step.between(lo, hi), s.ttype == 'weight', s.extra.isnot(None))
@@ -138,7 +149,8 @@ def step_span(run:Run, step:int, rank:int, before:int, after:int)->tuple:
     st = steps_t.c
     on = [st.run_id == run.id, st.rank == rank]
     with engine(run.db).connect() as c:
-        back = c.execute(select(st.step).where(*on, st.step <= step).order_by(st.step.desc()).limit(before)).scalars().all()
+        back = select(st.step).where(*on, st.step <= step).order_by(st.step.desc()).limit(before)
+        back = c.execute(back).scalars().all()
         fwd = c.execute(select(st.step).where(*on, st.step > step).order_by(st.step).limit(after)).scalars().all()
     return (min(back, default=step), max(fwd, default=step))
 
@@ -149,7 +161,8 @@ def scalar_series(run:Run, rank:int, name:str, lo:int, hi:int)->pd.Series:
         q = select(s.step, func.sqrt(func.sum(s.norm * s.norm))).where(s.run_id == run.id, s.rank == rank,
                                                                        s.ttype == 'weight_grad', s.step.between(lo, hi))
         q = q.group_by(s.step)
-    else: q = select(sc.step, sc.value).where(sc.run_id == run.id, sc.rank == rank, sc.name == name, sc.step.between(lo, hi))
+    else: q = select(sc.step, sc.value).where(sc.run_id == run.id, sc.rank == rank, sc.name == name,
+                                              sc.step.between(lo, hi))
     with engine(run.db).connect() as c: rows = c.execute(q).all()
     return pd.Series({int(k): v for k, v in rows}, dtype=float).sort_index()
 
@@ -174,6 +187,152 @@ def tensor_series(run:Run, rank:int, module:str, ttype:str,
             ratio = {int(k): (json.loads(x).get('update_norm') or np.nan) / n if n else np.nan for k, n, x in rows}
             return pd.Series(ratio, dtype=float).sort_index()
         rows = c.execute(select(s.step, *_AGG[stat](s)).where(*where).group_by(s.step)).all()
-    val = {'norm': lambda r: np.sqrt(float(r[1])), 'rms': lambda r: np.sqrt(float(r[1]) / float(r[2]))}.get(stat, lambda r: float(r[1]))
+    val = {'norm': lambda r: np.sqrt(float(r[1])), 'rms': lambda r: np.sqrt(float(r[1]) / float(r[2]))}
+    val = val.get(stat, lambda r: float(r[1]))
     with np.errstate(divide='ignore', invalid='ignore'):
         return pd.Series({int(r[0]): val(r) if r[1] is not None else np.nan for r in rows}, dtype=float).sort_index()
+
+# %% ../nbs/03a0_diagnose_reads.ipynb #480c4747
+COMPARED = STAT_COLS   # every declared stat's column (`kinds.STATS_REGISTRY`)
+_KEY = ['step', 'rank', 'module', 'call', 'ttype', 'tname']
+
+def _fetch(c, q)->list:
+    "The rows of `q` as the driver's tuples (no SQLAlchemy `Row` made per row: a third quicker on many rows)."
+    return c.execute(q).cursor.fetchall()
+
+def _plain(c):
+    "Connection `c` set, on PostgreSQL, to sum in one order (no parallel workers) and compile no query (no JIT)."
+    if c.dialect.name == 'postgresql':
+        c.exec_driver_sql('SET LOCAL max_parallel_workers_per_gather = 0')
+        c.exec_driver_sql('SET LOCAL jit = off')
+    return c
+
+def _sums(run:Run, keys:list, *where)->pd.DataFrame:
+    "Row count and the sums of norm, mean and std of `run`'s stats rows by `keys` (indexed by them) where `where`."
+    s = stats_t.c
+    q = (select(*[s[k] for k in keys], func.count(), func.sum(s.norm), func.sum(s.mean), func.sum(s.std))
+         .where(s.run_id == run.id, *where).group_by(*[s[k] for k in keys]))
+    with engine(run.db).connect() as c: rows = _fetch(_plain(c), q)
+    return pd.DataFrame(rows, columns=[*keys, 'n', 'norm', 'mean', 'std']).set_index(keys).astype(float)
+
+def fingerprints(run:Run, lo:int, hi:int)->pd.DataFrame:
+    "Per step of `lo..hi`: row count and the sums of norm, mean and std; equal rows give equal fingerprints."
+    return _sums(run, ['step'], stats_t.c.step.between(lo, hi))
+
+def step_digests(run:Run, lo:int, hi:int)->pd.DataFrame|None:
+    "Per step of `lo..hi`: its ranks' stored digests (`store.rows_digest`) as one text; None if a step has none."
+    st, dg = steps_t.c, digests_t.c
+    on = sa.and_(dg.run_id == st.run_id, dg.step == st.step, dg.rank == st.rank)
+    q = (select(st.step, st.rank, dg.digest).select_from(steps_t.outerjoin(digests_t, on))
+         .where(st.run_id == run.id, st.step.between(lo, hi)).order_by(st.step, st.rank))
+    late = select(dg.step).where(dg.run_id == run.id, dg.step.between(lo, hi), dg.digest.is_(None))   # written late
+    late = late.limit(1)
+    with engine(run.db).connect() as c:
+        if c.execute(late).first() is not None: return None
+        rows = _fetch(c, q)
+    if any(d is None for _, _, d in rows): return None
+    per = {}
+    for step, rank, d in rows: per[step] = f"{per[step]} {rank}:{d}" if step in per else f"{rank}:{d}"
+    return pd.DataFrame({'digest': pd.Series(per, dtype=object)}).rename_axis('step')
+
+def _prints(run:Run, lo:int, hi:int)->pd.DataFrame:
+    "What tells the steps of `lo..hi` that may differ: `step_digests` where every step has them, else `fingerprints`."
+    d = step_digests(run, lo, hi)
+    return fingerprints(run, lo, hi) if d is None else d
+
+def module_prints(run:Run, steps:list)->pd.DataFrame:
+    "The fingerprints of `steps` one level down: per step, rank and module id."
+    return _sums(run, ['step', 'rank', 'module_id'], stats_t.c.step.in_(steps))
+
+# %% ../nbs/03a0_diagnose_reads.ipynb #a77a69e1
+_STR = pd.Series(['']).dtype   # the dtype pandas gives strings (`str` from pandas 3), also for no rows
+_ROW = ['step', 'rank', 'module_id', 'call', 'ttype', 'tname', *COMPARED]
+
+def _frame(rows:list, names:pd.DataFrame)->pd.DataFrame:
+    "Stats rows (tuples in `_ROW` order) keyed by module name, as `stat_rows` returns them."
+    df = pd.DataFrame.from_records(rows, columns=_ROW, coerce_float=True)
+    types = {'step': int, 'rank': int, 'call': int, 'ttype': _STR, 'tname': _STR, **{c: float for c in COMPARED}}
+    return df.astype(types).join(names, on='module_id').drop(columns='module_id')
+
+def stat_rows(run:Run, steps:list, names:pd.DataFrame, modules:list=None)->pd.DataFrame:
+    "The stat rows of `steps` (of modules with ids `modules`, default all), keyed by module name, with compared stats."
+    s = stats_t.c
+    only = [] if modules is None else [s.module_id.in_(modules)]
+    q = select(*[s[c] for c in _ROW]).where(s.run_id == run.id, s.step.in_(steps), *only)
+    with engine(run.db).connect() as c: rows = _fetch(c, q)
+    return _frame(rows, names)
+
+def _step_range(run:Run)->tuple:
+    "The first and last step of `run` (0, -1 if none)."
+    s = stats_t.c
+    with engine(run.db).connect() as c:
+        lo, hi = (c.execute(select(f(s.step)).where(s.run_id == run.id)).scalar()   # apart: each one seek
+                  for f in (func.min, func.max))
+    return (0, -1) if lo is None else (int(lo), int(hi))
+
+def run_steps(run:Run)->list:
+    "The steps `run` recorded, any rank's."
+    with engine(run.db).connect() as c:
+        return c.execute(select(steps_t.c.step).where(steps_t.c.run_id == run.id).distinct()).scalars().all()
+
+def nonfinite_steps(run:Run)->list:
+    "The steps where a tensor of `run` held NaN or Inf, read through the index of those rows."
+    with engine(run.db).connect() as c:
+        return c.exec_driver_sql(f"SELECT DISTINCT step FROM {nonfinite_from(c) or 'stats'} "   # the NaN/Inf rows only
+                                 f"WHERE run_id = {int(run.id)} AND ({NONFINITE_ROWS})").scalars().all()
+
+# %% ../nbs/03a0_diagnose_reads.ipynb #f7261ec0
+def _nan_free(c, x):
+    "Column `x` with NaN read as NULL, as SQLite stores it (PostgreSQL keeps NaN, equal to NaN and above any number)."
+    return func.nullif(x, sa.literal(float('nan'), Float)) if c.dialect.name == 'postgresql' else x
+
+def _larger(x, y): return sa.case((x >= y, x), else_=y)   # both dialects: SQLite's max(x, y) is PostgreSQL's greatest
+
+def _may_differ(c, a, b, rtol:float):
+    "SQL, true where stats rows `a` and `b` may differ by more than `rtol` (as `_differing`), never false if they do."
+    ors = []
+    for col in COMPARED:
+        x, y = _nan_free(c, a.c[col]), _nan_free(c, b.c[col])
+        if rtol == 0: ors.append(x.is_distinct_from(y)); continue   # rtol 0: only equal values agree (0·inf: NaN)
+        scale = _larger(func.abs(x), func.abs(y))
+        if col == 'mean':
+            std = [func.coalesce(func.abs(_nan_free(c, t.c.std)), 0.0) for t in (a, b)]
+            scale = _larger(scale, _larger(*std))
+        far = func.abs(x - y) > sa.literal(rtol, Float) * scale
+        ors.append(sa.and_(x.is_distinct_from(y), sa.or_(x.is_(None), y.is_(None), far)))
+    return sa.or_(*ors)
+
+def _pairs_sql(ra:Run, rb:Run,          # two runs of one store
+               steps:list,              # the steps to compare
+               na:pd.DataFrame, nb:pd.DataFrame,   # their `_names`
+               rtol:float,
+               by_id:bool,              # the runs' module ids name the same modules: join on them, not on `modules`
+               counts:pd.DataFrame=None,  # `_suspects` of these steps (row counts); None: b's extra rows at any step
+              )->tuple:                 # a's and b's rows (as `stat_rows`) of the pairs that may differ
+    "The rows of `steps` that may differ between two runs, found by the store's database: `_paired` pairs them."
+    a, b, ma, mb = stats_t.alias('a'), stats_t.alias('b'), modules_t.alias('ma'), modules_t.alias('mb')
+    key = lambda t, mid: [t.c.step, t.c.rank, mid, t.c.call, t.c.ttype, t.c.tname]
+    same = sa.and_(b.c.step == a.c.step, b.c.rank == a.c.rank, b.c.module_id == (a.c.module_id if by_id else mb.c.id),
+                   b.c.call == a.c.call, b.c.ttype == a.c.ttype, b.c.tname == a.c.tname)
+    src = a if by_id else a.join(ma, sa.and_(ma.c.run_id == ra.id, ma.c.id == a.c.module_id)).outerjoin(
+        mb, sa.and_(mb.c.run_id == rb.id, mb.c.name == ma.c.name))
+    n = len(COMPARED)
+    with engine(ra.db).connect() as c:
+        q = (select(*key(a, a.c.module_id), b.c.module_id, *[a.c[x] for x in COMPARED], *[b.c[x] for x in COMPARED])
+             .select_from(src.outerjoin(b, sa.and_(b.c.run_id == rb.id, same)))
+             .where(a.c.run_id == ra.id, a.c.step.in_(steps),
+                    sa.or_(b.c.module_id.is_(None), _may_differ(c, a, b, rtol))))
+        left, right, b_steps = _fetch(_plain(c), q), [], steps
+        if counts is not None:   # b's rows that a lacks: n_b - (n_a - a's rows that b lacks)
+            a_only = pd.Series([r[0] for r in left if r[6] is None], dtype=int).value_counts()
+            extra = (counts['n_b'] - counts['n_a'] + a_only.reindex(counts.index, fill_value=0)).reindex(steps)
+            b_steps = [int(s) for s in extra.index[extra > 0]]
+        if b_steps:
+            by_name = [] if by_id else [ma.c.run_id == ra.id, ma.c.id == a.c.module_id, ma.c.name == mb.c.name]
+            q = (select(*key(b, b.c.module_id), *[b.c[x] for x in COMPARED])
+                 .select_from(b if by_id else b.join(mb, sa.and_(mb.c.run_id == rb.id, mb.c.id == b.c.module_id)))
+                 .where(b.c.run_id == rb.id, b.c.step.in_(b_steps),
+                        ~sa.exists().where(a.c.run_id == ra.id, same, *by_name)))
+            right = _fetch(c, q)
+    return (_frame([r[:6] + r[7:7 + n] for r in left], na),
+            _frame([(*r[:2], r[6], *r[3:6], *r[7 + n:]) for r in left if r[6] is not None] + right, nb))
