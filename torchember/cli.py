@@ -79,14 +79,16 @@ def _diff(a, b, db, rtol)->pd.DataFrame:
 def _option(name:str, own)->str: return f'doctor_{name}' if name in own else name
 
 def doctor_options(f):
-    "Decorator: give `f` (`main`) an option for each detector threshold of `diagnose` (`PARAMS`), now and once declared."
+    "Decorator: give `f` (`main`) an option for each threshold of `diagnose`'s detectors (`PARAMS`), now or later."
     base = inspect.signature(f, eval_str=True)
     own = [p for p in base.parameters.values() if p.kind != p.VAR_KEYWORD]
     f._own = tuple(base.parameters)
     def option(p):
         pair = isinstance(p.default, (tuple, list))
-        anno = Annotated[type(p.default[0] if pair else p.default), f"doctor: {p.doc}", {'nargs': len(p.default)} if pair else {}]
-        return inspect.Parameter(_option(p.name, f._own), inspect.Parameter.KEYWORD_ONLY, default=p.default, annotation=anno)
+        typ = type(p.default[0] if pair else p.default)
+        anno = Annotated[typ, f"doctor: {p.doc}", {'nargs': len(p.default)} if pair else {}]
+        kw = inspect.Parameter.KEYWORD_ONLY
+        return inspect.Parameter(_option(p.name, f._own), kw, default=p.default, annotation=anno)
     def refresh(): f.__signature__ = base.replace(parameters=own + [option(p) for p in PARAMS.values()])
     refresh()
     _REGISTERED.append(refresh)   # a finding declared later brings its options
