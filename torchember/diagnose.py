@@ -81,8 +81,10 @@ class FindingKind:
     detect:Callable=None    # detect(look, **params) -> rows of `finding`; None: another kind's detector makes them
     params:tuple=()         # the `Param`s `detect` takes (one `Param` may be shared by several kinds)
     doc:str=''              # what it means, in one line (the guide's table)
-    judged:Callable=None    # f -> the series its evidence shows: a stat of its tensor ('rms', 'zero_frac'...) or 'signal'
-    band:object=None        # its evidence's band: 'trailing' (`band_edges`), band(n, **params) -> (lo, hi) arrays, or None
+    # f -> the series its evidence shows: a stat of its tensor ('rms', 'zero_frac'...) or 'signal'
+    judged:Callable=None
+    # its evidence's band: 'trailing' (`band_edges`), band(n, **params) -> (lo, hi) arrays, or None
+    band:object=None
     event:Callable=None     # f -> (a few words, whether no run survives it) where a cause can lead to `f`, else None
     signal:Callable=None    # f -> whether `f` is of a logged scalar or the grad norm rather than of a module's tensor
     scan:bool=False         # `detect` reads the whole run: it runs in a thread beside the others
@@ -165,8 +167,10 @@ def trailing_range(values:np.ndarray, window:int, rows=None)->tuple:
         warnings.simplefilter('ignore', RuntimeWarning)   # a window with no value: NaN, said by numpy
         return np.nanmin(win, -1), np.nanmax(win, -1)
 
-BEYOND = 0.5   # past the recent range by half its reach from the median: a level seen before, a little higher, is no spike
-RANGE = 10     # the recent range: of this many values before (a longer one would hold the high losses of a run's first steps)
+# past the recent range by half its reach from the median: a level seen before, a little higher, is no spike
+BEYOND = 0.5
+# the recent range: of this many values before (a longer one would hold the high losses of a run's first steps)
+RANGE = 10
 
 def band_edges(values:np.ndarray, window:int, spike:float, factor:float, min_steps:int, rows=None)->tuple:
     "`(lo, hi, median, mad)` of every value: below `lo` or above `hi` it has left its trailing band (NaN: no band)."
@@ -175,7 +179,8 @@ def band_edges(values:np.ndarray, window:int, spike:float, factor:float, min_ste
     with np.errstate(invalid='ignore'):
         hi = np.maximum(np.maximum(med + spike * MAD_SIGMA * mad, med + (factor - 1) * np.abs(med)), top + BEYOND * (top - med))
         lo = np.minimum(np.minimum(med - spike * MAD_SIGMA * mad, med - (1 - 1 / factor) * np.abs(med)), bottom - BEYOND * (med - bottom))
-        lo = np.where((values < 0).any(axis=0), lo, np.maximum(lo, 0))   # a series never below 0 (a norm): no band below 0
+        # a series never below 0 (a norm): no band below 0
+        lo = np.where((values < 0).any(axis=0), lo, np.maximum(lo, 0))
     return lo, hi, med, mad
 
 def left_band(x, lo, hi, up_only:bool=False)->np.ndarray:
@@ -198,7 +203,8 @@ def upward_edges(values:np.ndarray, window:int, spike:float, factor:float, min_s
 
 # %% ../nbs/03a_diagnose.ipynb #109a982b
 MIN_BAND = 10   # a band needs this many earlier steps (fewer if `window` is smaller): a shorter history gives no spikes
-ORDER = ('weight', 'input', 'output', 'weight_grad')   # a step's order: weights (the last update set them), forward, grads
+# a step's order: weights (the last update set them), forward, grads
+ORDER = ('weight', 'input', 'output', 'weight_grad')
 
 def model_input(names:pd.DataFrame, order:list)->int|None:
     "The module whose input is the batch: the model itself (module ''), else the first module called."
@@ -216,14 +222,16 @@ def onset(y:np.ndarray,   # one series' values, in log10, up to and with its dep
     if ok.sum() < least + 3 or not ok[-1]: return len(y) - 1
     t, y = np.arange(len(y))[ok], y[ok]
     moves = np.abs(np.diff(y[-4:]))
-    if moves[-1] > 3 * moves[:-1].max(): return int(t[-1])   # its last step moved far more than the steps before: a jump
+    # its last step moved far more than the steps before: a jump
+    if moves[-1] > 3 * moves[:-1].max(): return int(t[-1])
     fit = np.polyfit(t[:-1], y[:-1], 1)
     jump = ((np.polyval(fit, t[:-1]) - y[:-1]) ** 2).sum()   # a straight line, then the departure alone
     best, at = math.inf, len(t) - 1
     for k in range(least - 1, len(t) - 2):                   # a level up to t[k], a straight line from there
         A = np.c_[np.ones(len(t)), np.maximum(0, t - t[k])]
         coef = np.linalg.lstsq(A, y, rcond=None)[0]
-        if np.sign(coef[1]) != np.sign(y[-1] - y[:k + 1].mean()): continue   # moving away from the level, as the departure did
+        # moving away from the level, as the departure did
+        if np.sign(coef[1]) != np.sign(y[-1] - y[:k + 1].mean()): continue
         sse = ((A @ coef - y) ** 2).sum()
         if sse < best: best, at = sse, k + 1
     return int(t[at]) if best < 0.5 * jump else int(t[-1])
@@ -262,9 +270,11 @@ def departures(wide:pd.DataFrame,  # `module_rms`: steps x (module id, ttype)
     rows = []
     for j in np.flatnonzero(out.any(0)):
         at, last = np.flatnonzero(out[:, j]), -math.inf
-        for spell in np.split(at, np.flatnonzero(np.diff(at) > GAP) + 1):   # spells outside, gaps of up to GAP steps joined
+        # spells outside, gaps of up to GAP steps joined
+        for spell in np.split(at, np.flatnonzero(np.diff(at) > GAP) + 1):
             i = int(spell[0])
-            if not jumped[i, j] and i - last <= window:   # a level a jump reached, now off the median of a full band: the same
+            # a level a jump reached, now off the median of a full band: the same
+            if not jumped[i, j] and i - last <= window:
                 if rows and rows[-1][3:5] == tuple(wide.columns[j]):
                     rows[-1] = (*rows[-1][:2], int(steps[int(spell[-1])]), *rows[-1][3:])
                 last = int(spell[-1]); continue
@@ -310,7 +320,8 @@ def _exit_order(run:Run, rank:int, step:int, names:pd.DataFrame)->dict:
     return {ids[m]: i for i, m in enumerate(done) if m in ids}
 
 # %% ../nbs/03a_diagnose.ipynb #c6f1f6cc
-FULL_STEPS = 1000   # a run of at most this many steps is judged step by step, whole; a longer one where its rollups point
+# a run of at most this many steps is judged step by step, whole; a longer one where its rollups point
+FULL_STEPS = 1000
 LOOK_BACK = 100     # how many steps before an event (a NaN, a spike of the loss) its cause is looked for, in a long run
 COARSE_BINS = 200   # a long run's rollups are read at the narrowest width that gives at most this many bins
 MOST_POINTED = 20   # ... and at most this many places where a bin left its band are read step by step
@@ -387,7 +398,8 @@ def cause_finding(e:dict, names:pd.DataFrame,
         msg += (f"; {len(others)} more tensor{'s' if len(others) > 1 else ''} of {n} module{'s' if n > 1 else ''} "
                 "left their bands after it")
     for s, words, *_ in sorted(after): msg += f"; then {words} at step {s}, {_later(s - r['onset'])}"
-    sev = ('error' if any(bad for _, _, bad, _ in after) else   # as grave as what it led to: NaN, or only what did no harm
+    # as grave as what it led to: NaN, or only what did no harm
+    sev = ('error' if any(bad for _, _, bad, _ in after) else
            'info' if after and all(s == 'info' for *_, s in after) else 'warning')
     return finding('cause', sev, r['onset'], msg, module=m, mtype=mtype,
                    ttype=r['ttype'], stat='rms', value=r['value'], expected=_band_text(r['lo'], r['hi'], r['median']))
@@ -440,7 +452,8 @@ def dead_modules(norms:pd.DataFrame, names:pd.DataFrame, lo:int, dead:float, min
     recent = out[out['step'] >= lo].groupby('module_id').agg(zf=('zero_frac', 'min'), n=('step', 'nunique'))
     res, cands = [], recent[(recent['zf'] >= dead) & (recent['n'] >= min_steps)]
     handed = zeros_in(list(cands.index)) if zeros_in is not None and len(cands) else pd.Series(dtype=float)
-    passed = set(handed[handed >= dead].index)          # a Flatten or a Dropout after a dead ReLU: not where the zeros come from
+    # a Flatten or a Dropout after a dead ReLU: not where the zeros come from
+    passed = set(handed[handed >= dead].index)
     for mid, r in cands.iterrows():
         if mid in passed: continue
         alive = out[(out['module_id'] == mid) & (out['zero_frac'] < dead)]['step']
@@ -510,7 +523,8 @@ def over_steps(rms:pd.DataFrame, order:list, names:pd.DataFrame, orders:float)->
 def update_ratios(run:Run, rank:int, lo:int, hi:int, names:pd.DataFrame, band:tuple)->list:
     "Findings for weights whose median ‖Δw‖/‖w‖ over `lo..hi` lies outside `band` (needs `track_updates=True`)."
     df = weight_updates(run, rank, lo, hi)
-    df = df[[bool(u) and bool(n) and 'bias' not in t for u, n, t in zip(df['update'], df['norm'], df['tname'])]]   # biases: 0
+    # biases: 0
+    df = df[[bool(u) and bool(n) and 'bias' not in t for u, n, t in zip(df['update'], df['norm'], df['tname'])]]
     if df.empty: return []
     df['ratio'] = df['update'].astype(float) / df['norm'].astype(float)
     med = df.groupby(['module_id', 'tname'])['ratio'].median()
@@ -518,7 +532,8 @@ def update_ratios(run:Run, rank:int, lo:int, hi:int, names:pd.DataFrame, band:tu
     out = med[(med < lo_b) | (med > hi_b)]
     res = []
     for mid, per in out.groupby(level=0):
-        (_, tname), r = max(per.items(), key=lambda kv: abs(math.log10(kv[1] / math.sqrt(lo_b * hi_b))))   # the farthest out
+        # the farthest out
+        (_, tname), r = max(per.items(), key=lambda kv: abs(math.log10(kv[1] / math.sqrt(lo_b * hi_b))))
         first = int(df[(df['module_id'] == mid) & (df['tname'] == tname) & ((df['ratio'] < lo_b) | (df['ratio'] > hi_b))]['step'].min())
         name, mtype = names.loc[mid, 'module'], names.loc[mid, 'mtype']
         big = r > hi_b
@@ -553,7 +568,8 @@ class Look:
     @cached_property
     def norms(self)->pd.DataFrame: return module_norms(self.run, self.rank, self.lo - self.window, self.hi)  # and bands
     @cached_property
-    def sig(self)->pd.DataFrame: return signals(self.run, self.rank, self.hi, 0)   # the loss and grad norm of every step
+    # the loss and grad norm of every step
+    def sig(self)->pd.DataFrame: return signals(self.run, self.rank, self.hi, 0)
     @cached_property
     def order(self)->list: return _forward_order(self.run, self.rank, self.hi, self.names)
     @cached_property
@@ -656,7 +672,8 @@ def followed(e:dict, names:pd.DataFrame)->bool:
     holds = lambda n: n == m or n == '' or m.startswith(n + '.')
     return any(not holds(names.loc[r['module_id'], 'module']) for r in e['rows'][1:])
 
-MOST_CAUSES = 10   # episodes that led to no event are listed, the first this many: those others followed, or of a weight
+# episodes that led to no event are listed, the first this many: those others followed, or of a weight
+MOST_CAUSES = 10
 
 def with_causes(run:Run, rank:int, hi:int, rows:list, window:int, spike:float, factor:float, lead:int)->list:
     "`rows` and a `cause` finding for each episode of the run up to `hi`; each event's message says which it followed."
@@ -798,7 +815,8 @@ def _differing(m:pd.DataFrame, rtol:float)->pd.DataFrame:
         if c == 'row': va, vb = (m['_merge'] != 'right_only').astype(float), (m['_merge'] != 'left_only').astype(float)
         else: va, vb = m[f'{c}_a'], m[f'{c}_b']
         scale = np.fmax(va.abs(), vb.abs())
-        if c == 'mean': scale = np.fmax(scale, np.fmax(m["std_a"].abs(), m["std_b"].abs()))   # a mean near 0: relative to the spread
+        # a mean near 0: relative to the spread
+        if c == 'mean': scale = np.fmax(scale, np.fmax(m["std_a"].abs(), m["std_b"].abs()))
         with np.errstate(invalid='ignore'):
             same = (va == vb) | (va.isna() & vb.isna()) | ((va - vb).abs() <= rtol * scale)
         if c != 'row': same |= m['_merge'] != 'both'
@@ -830,10 +848,12 @@ def diff(run_a,                # a run's name, or a `Run`
         def differing(some, counts):   # the differences at steps `some`
             if in_sql:
                 halves = [some[:len(some) // 2], some[len(some) // 2:]] if len(some) >= 64 else [some]   # one a core
-                known = counts if counts is not None and 'n_a' in counts else None   # row counts, where fingerprints gave them
+                # row counts, where fingerprints gave them
+                known = counts if counts is not None and 'n_a' in counts else None
                 return _differing(pd.concat(pool.map(lambda h: _paired(*_pairs_sql(ra, rb, h, na, nb, rtol, same_modules, known)), halves),
                                             ignore_index=True), rtol)
-            mods = _suspects(*pool.map(module_prints, (ra, rb), (some, some))) if same_modules else None   # read only the modules that differ
+            # read only the modules that differ
+            mods = _suspects(*pool.map(module_prints, (ra, rb), (some, some))) if same_modules else None
             if mods is not None and mods.empty: return []
             ids = None if mods is None else sorted({int(i) for i in mods.index.get_level_values('module_id')})
             return _differing(_paired(*pool.map(stat_rows, (ra, rb), (some, some), (na, nb), (ids, ids))), rtol)
@@ -842,7 +862,8 @@ def diff(run_a,                # a run's name, or a `Run`
         for lo in range(first, last + 1, chunk):
             now, ahead = ahead, prints(lo + chunk)
             fs = [f.result() for f in now] if same_modules else None
-            if fs and ('digest' in fs[0]) != ('digest' in fs[1]):   # one run has digests there, the other not: sums for both
+            # one run has digests there, the other not: sums for both
+            if fs and ('digest' in fs[0]) != ('digest' in fs[1]):
                 fs = [fingerprints(r, lo, lo + chunk - 1) if 'digest' in f else f for r, f in zip((ra, rb), fs)]
             counts = _suspects(*fs) if same_modules else None
             steps = [int(s) for s in counts.index] if same_modules else list(range(lo, lo + chunk))

@@ -19,7 +19,8 @@ __all__ = ['SEVERITY_MARKS', 'EVIDENCE_COLUMNS', 'finding_label', 'severity_coun
            'evidence_figure']
 
 # %% ../nbs/05b_findings.ipynb #1a9079c8
-SEVERITY_MARKS = {'error': '✖', 'warning': '▲', 'info': '·'}   # plain characters: they render in any font, in a <select> too
+# plain characters: they render in any font, in a <select> too
+SEVERITY_MARKS = {'error': '✖', 'warning': '▲', 'info': '·'}
 
 def _module(f)->str|None: return f['module'] if isinstance(f['module'], str) else None
 
@@ -33,7 +34,8 @@ def finding_label(f)->str:
     "One line for finding `f` (a row of `Run.diagnose`): severity, step and its iteration, kind and the module it names."
     m, head = _module(f), f"{SEVERITY_MARKS.get(f['severity'], '')} {f['severity']} · {_at(f)} · {f['kind']}"
     e = FINDINGS.get(f['kind'])
-    signal = e is not None and e.signal is not None and e.signal(f)   # a logged scalar or the grad norm; the module started it
+    # a logged scalar or the grad norm; the module started it
+    signal = e is not None and e.signal is not None and e.signal(f)
     if signal: head += f" of {f['stat']}" + (' · after' if m is not None else '')
     if m is None: return head
     what = f" {f['ttype']}" if isinstance(f['ttype'], str) else ''
@@ -106,7 +108,8 @@ def evidence_figure(ev:pd.DataFrame,   # `evidence` of `f`
     band, lo = ev['lo'].notna() | ev['hi'].notna(), ev['lo']
     pos = ev['value'][np.isfinite(ev['value']) & (ev['value'] > 0)]
     log = judged in ('norm', 'signal', 'rms', 'update_ratio') and len(pos) and (ev['value'].dropna() > 0).all()
-    if log: lo = lo.where(lo.isna() | (lo > 0), pos.min() / 2)   # a band reaching 0 or below: to the foot of the log axis
+    # a band reaching 0 or below: to the foot of the log axis
+    if log: lo = lo.where(lo.isna() | (lo > 0), pos.min() / 2)
     tr = []
     if band.any():
         common = dict(mode='lines', line=dict(width=0), hoverinfo='skip', legendgroup='band')
