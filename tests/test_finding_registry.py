@@ -1,6 +1,7 @@
 "A finding is declared once (`diagnose.FINDINGS`): one entry reaches `diagnose()`, `ignore=`, the evidence, the report and `doctor`."
 import json, os, subprocess, sys
 import pytest
+from plugins import run_with_plugin
 
 PLUGIN = '''
 import numpy as np
@@ -51,12 +52,7 @@ te.report('r', html, db=db)
 print(json.dumps(out))
 '''
 
-def _run(tmp_path, *args, plugin=True):
-    (tmp_path/'loud_finding.py').write_text(PLUGIN)
-    env = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(tmp_path), os.environ.get('PYTHONPATH', '')])}
-    if plugin: env['TORCHEMBER_FINDINGS'] = 'loud_finding'
-    else: env.pop('TORCHEMBER_FINDINGS', None)
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+def _run(tmp_path, *args, plugin=True): return run_with_plugin(tmp_path, 'loud_finding', PLUGIN, 'TORCHEMBER_FINDINGS', *args, plugin=plugin)
 
 def test_one_entry_reaches_diagnose_ignore_evidence_report_and_doctor(tmp_path):
     db, html = str(tmp_path/'s.db'), tmp_path/'r.html'

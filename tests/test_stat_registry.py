@@ -1,6 +1,7 @@
 "A stat is declared once (`kinds.STATS_REGISTRY`): one entry reaches `df()`, the views, `diff` and the CLI; absmax is right."
 import json, math, os, sqlite3, subprocess, sys, textwrap, warnings
 import pytest, torch
+from plugins import run_with_plugin
 from torchember.kinds import merge_stats, stat_names, STATS_REGISTRY
 from torchember.stats import default_stats, STATS
 
@@ -31,12 +32,7 @@ print(json.dumps(dict(cols=list(df.columns), rms=float(row['rms']), want=float(w
                       latest=latest, diffed=sorted(set(d['stat'])))))
 '''
 
-def _run(tmp_path, *args, plugin=True, script=SCRIPT):
-    (tmp_path/'rms_stat.py').write_text(PLUGIN)
-    env = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(tmp_path), os.environ.get('PYTHONPATH', '')])}
-    if plugin: env['TORCHEMBER_STATS'] = 'rms_stat'
-    else: env.pop('TORCHEMBER_STATS', None)
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+def _run(tmp_path, *args, plugin=True): return run_with_plugin(tmp_path, 'rms_stat', PLUGIN, 'TORCHEMBER_STATS', *args, plugin=plugin)
 
 def test_a_stat_declared_once_reaches_df_views_diff_and_cli(tmp_path):
     db = str(tmp_path/'s.db')
