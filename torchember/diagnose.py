@@ -888,7 +888,7 @@ def diff(run_a,                # a run's name, or a `Run`
 
 
 # %% ../nbs/03a_diagnose.ipynb #01e56167
-from .store import thin_steps
+from .store import thin_steps, vacuum as store_vacuum
 
 @patch
 def thin(self:Run,
@@ -906,6 +906,5 @@ def thin(self:Run,
     gone = sorted(k for k in steps if (before is None or k < before) and k % every and k not in kept)
     self.roll_up()                        # the thinned steps' extremes stay in the rollups
     with engine(self.db).begin() as c: out = thin_steps(c, self.id, gone)
-    if vacuum and engine(self.db).dialect.name == 'sqlite':
-        with engine(self.db).connect() as c: c.execution_options(isolation_level='AUTOCOMMIT').exec_driver_sql('VACUUM')
+    if vacuum: store_vacuum(self.db)
     return out

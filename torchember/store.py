@@ -28,8 +28,8 @@ __all__ = ['SCHEMA_VERSION', 'MEMORY', 'metadata', 'STAT_COLS', 'Str', 'Size', '
            'db_url', 'check_name', 'escaped', 'stat_value', 'StoreError', 'engine', 'keyed_by_rank', 'create_run',
            'drop_run', 'last_iteration', 'claim', 'release', 'rows_digest', 'packed_sums', 'packed_digest',
            'write_step', 'write_steps', 'merge_pieces', 'module_steps_sql', 'roll_up', 'roll_up_closed', 'rolled_steps',
-           'unfolded_bins', 'bin_spans', 'thin_steps', 'module_values', 'idle_priority', 'store_busy', 'store_gone',
-           'Writer']
+           'unfolded_bins', 'bin_spans', 'thin_steps', 'vacuum', 'module_values', 'idle_priority', 'store_busy',
+           'store_gone', 'Writer']
 
 # %% ../nbs/02_store.ipynb #2b4773a6
 SCHEMA_VERSION = 3   # 3: absmax
@@ -989,6 +989,12 @@ def thin_steps(c, run_id:int, steps:list)->dict:
         for t in (*THINNED, 'digests'):
             out[t] = out.get(t, 0) + c.exec_driver_sql(f'DELETE FROM {t} WHERE run_id = {rid} AND step IN ({some})').rowcount
     return out
+
+def vacuum(db):
+    "Give the space of deleted rows back to SQLite store `db`'s file (it rewrites the file); other databases reuse it."
+    eng = engine(db)
+    if eng.dialect.name != 'sqlite': return
+    with eng.connect() as c: c.execution_options(isolation_level='AUTOCOMMIT').exec_driver_sql('VACUUM')
 
 _NUMELS = {}
 def _numel(shape:str)->int:
