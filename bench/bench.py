@@ -399,7 +399,7 @@ def store_bench(rows_per_step=258, small=100, large=10_000, reps=5):
 def sqlite_floor(steps=400, group=16) -> float:
     "CPU µs a stats row costs SQLite itself here: raw sqlite3 into the store's `stats` table, as the writer batches, nothing else."
     import sqlite3
-    from torchember.store import engine, stats_t
+    from torchember.store import engine, stats_t, STAT_COLS
     db = _db('floor')
     engine(db).dispose()                      # the store's own schema, then plain sqlite3 on the file
     con = sqlite3.connect(db, isolation_level=None)
@@ -407,7 +407,8 @@ def sqlite_floor(steps=400, group=16) -> float:
     n = 256                                   # rows a step: the writer's largest multi-row statement (store.ROWS_PER_INSERT)
     cols = len(stats_t.columns)
     sql = f"INSERT OR REPLACE INTO stats VALUES {', '.join(['(' + ','.join('?' * cols) + ')'] * n)}"
-    row = (2048.0, 0.1, 0.9, -1.0, 1.0, 10.0, 0.0, 0.0, 0.0, None, 8192)
+    some = dict(numel=2048.0, mean=0.1, std=0.9, min=-1.0, max=1.0, norm=10.0, zero_frac=0.0, nan_count=0.0, inf_count=0.0)
+    row = (*(some.get(k, 1.0) for k in STAT_COLS), None, 8192)   # every declared stat, then extra and nbytes
     flats = [[x for i in range(n) for x in (1, s, 0, i % 65, i // 65, ('input', 'output', 'weight', 'weight_grad')[i % 4], 'output',
                                              '[32, 64]', 'float32', *row)] for s in range(steps)]
     c0 = time.thread_time()
