@@ -1348,6 +1348,7 @@ class Writer:
             rows, most = sum(e[3] for e in p), taken * max(0.1, WITHIN_S - (now - p[0][0]))
             if rows > most: need = math.ceil((rows - most) * n / rows)
             if self._lagging: need = max(need, round(sum(e[0] > since for e in p) * (1 - taken / made)))
+            need = min(need, math.ceil(n * (1 - taken / made)))   # a round drops the overload's share: spread, not a block
             self._lagging = True
         if n > self.max_steps: need = max(need, n - self.max_steps + self.max_steps // 16)   # some room made at once
         if self.nbytes > self.max_bytes:
