@@ -662,7 +662,7 @@ def _windowed(self:Run, rank:int, hi:int, window:int, look:Look=None, **params)-
 
 # %% ../nbs/03a_diagnose.ipynb #e4fe298e
 def _event(f:dict)->tuple|None:
-    "FindingKind `f` as an event a cause can lead to (a few words, whether no run survives it), or None (`FindingKind.event`)."
+    "Finding `f` as an event a cause can lead to (a few words, whether no run survives it), or None."
     e = FINDINGS.get(f['kind'])
     return None if e is None or e.event is None else e.event(f)
 

@@ -674,7 +674,7 @@ def _on_overlay(self:Explorer, name):
         self.refresh()
 
 # %% ../nbs/05a_explore.ipynb #6613c3c7
-DIAGNOSE_EVERY = 30.0   # seconds between two diagnoses of a run followed live
+DIAGNOSE_EVERY = 30.0   # seconds between two diagnoses of a run followed live (a new first NaN: at once)
 # (store, run id, rank, steps, last step) -> findings of a run in that state, for the next explorer
 _FINDINGS = {}
 
@@ -688,7 +688,7 @@ def _diagnosed(run, rank:int|None, key:tuple, force:bool=False)->pd.DataFrame:
 
 @patch
 def refresh_findings(self:Explorer, force:bool=False):
-    "List what `diagnose` finds in the run and rank shown, once per new step (live: every `DIAGNOSE_EVERY` s at most, a new NaN at once)."
+    "List what `diagnose` finds in the run and rank shown, once per new step (live: see `DIAGNOSE_EVERY`)."
     with self._lock:
         if self.run is None: return self
         key = (self.run.id, self._rank(), len(self._steps), self._steps[-1] if self._steps else None, self._first_bad is not None)

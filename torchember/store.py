@@ -721,12 +721,12 @@ def _stats_rows(out:list, m):
     elif out and isinstance(out[-1], list): out[-1].append(m)
     else: out.append([m])
 
-BUSY_WAIT_S = 30         # how long a write waits for SQLite's write lock (as `PRAGMA busy_timeout` does)
+BUSY_WAIT_S = 30         # how long a write waits for SQLite's write lock, then gives its busy error (as `busy_timeout`)
 # ... tried this often: SQLite's own wait sleeps up to 100 ms a try, so one writer of several starves
 LOCK_POLL_S = 0.0005
 
 def _write_lock(c):
-    "Begin SQLite transaction `c` with the write lock, tried every `LOCK_POLL_S` for `BUSY_WAIT_S` (then SQLite's busy error)."
+    "Begin SQLite transaction `c` with the write lock, tried every `LOCK_POLL_S` for up to `BUSY_WAIT_S`."
     con = c.connection.driver_connection
     if con.in_transaction: return
     con.execute('PRAGMA busy_timeout=0')   # (a PRAGMA begins no transaction)
