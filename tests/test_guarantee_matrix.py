@@ -23,6 +23,8 @@ share code are run once.
 - `torch.compile` (`compiled`; `compiled_hooks` adds `every=3`, `io_grad=True` and `track_updates=True`): the armed
   model compiled whole with `fullgraph=True` (inductor), so inputs and outputs are recorded by the op in the graph
   (`torchember.compiled`), the step opened and closed from the graph, and unrecorded steps keep their hooks;
+- `stop_on=['nonfinite']` (`watched`): the writer judges each written step (`torchember.watch`) and a stop hook runs
+  before every call of the model; nothing fires in these runs, so every promise must hold as without it;
 - the writer thread and the child-process writer (`TORCHEMBER_WRITER`), SQLite and PostgreSQL (the `store` fixture;
   PostgreSQL cells skip without `$TORCHEMBER_PG_URL`).
 
@@ -58,7 +60,8 @@ import test_postgres
 WORKER = str(Path(__file__).parent/'matrix_worker.py')
 OPTIONS = {'plain': {}, 'snapshot': dict(snapshot=['*.weight', '*.output', '*.weight.grad'], hist=16, sample_n=64),
            'hooks': dict(timing=True, io_grad=True, track_updates=True), 'every': dict(every=3),
-           'compiled': dict(compile=True), 'compiled_hooks': dict(compile=True, every=3, io_grad=True, track_updates=True)}
+           'compiled': dict(compile=True), 'compiled_hooks': dict(compile=True, every=3, io_grad=True, track_updates=True),
+           'watched': dict(stop_on=['nonfinite'])}   # live findings judged by the writer, a stop hook before every call
 EVERY = {k: v.get('every', 1) for k, v in OPTIONS.items()}
 
 def _arm(model:nn.Module, run:str, db:str, options:dict):
@@ -92,7 +95,8 @@ CELLS = ([Cell('kill9', o, w, 'sqlite') for o in OPTIONS for w in ('thread', 'pr
             Cell('sigint', 'snapshot', 'thread', 'sqlite', after=0),
             Cell('sigint', 'snapshot', 'thread', 'postgresql', after=0)]
          + [Cell('pause', 'compiled', 'thread', 'sqlite'), Cell('sigterm', 'compiled_hooks', 'process', 'sqlite'),
-            Cell('sigint', 'compiled', 'thread', 'sqlite', after=-1), Cell('sigint', 'compiled_hooks', 'process', 'sqlite')])
+            Cell('sigint', 'compiled', 'thread', 'sqlite', after=-1), Cell('sigint', 'compiled_hooks', 'process', 'sqlite')]
+         + [Cell('sigterm', 'watched', 'process', 'sqlite'), Cell('sigint', 'watched', 'thread', 'sqlite')])
 
 def _mark(cell:Cell):
     "The store-side work of issue 47 that a cell waits on (the `store` helper's), as an xfail that says so; else none."
@@ -325,7 +329,7 @@ def _slow(t):
 def _bad(t): raise ValueError("no stat today")
 
 @pytest.mark.parametrize('fn', [_slow, _bad], ids=['slow', 'failing'])
-@pytest.mark.parametrize('option', ['plain', 'snapshot', 'compiled'])
+@pytest.mark.parametrize('option', ['plain', 'snapshot', 'compiled', 'watched'])
 @pytest.mark.parametrize('ttype', ['input', 'output', 'weight', 'weight_grad'])
 def test_a_slow_or_failing_stat_is_named_once(db, ttype, option, fn):
     "A slow stat is named in one warning; a failing one once per tensor it fails on, never again; the steps are stored."
