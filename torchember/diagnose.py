@@ -26,12 +26,12 @@ from .diagnose_reads import (WATCHED, GRAD_NORM, GRADS, _names, eval_steps, micr
 __all__ = ['COLUMNS', 'SEVERITIES', 'MAD_SIGMA', 'FINDINGS', 'PARAMS', 'OWN', 'KINDS', 'BEYOND', 'RANGE', 'MIN_BAND', 'ORDER',
            'GAP', 'PERSIST', 'DRIFTS', 'DEPARTURE_COLUMNS', 'SLACK', 'FULL_STEPS', 'LOOK_BACK', 'COARSE_BINS',
            'MOST_POINTED', 'FOLLOW_MIN', 'MOST_CAUSES', 'SPIKE', 'FACTOR', 'LEAD', 'ORDERS', 'DEAD', 'UPDATE_BAND',
-           'DIFF_COLUMNS', 'finding', 'findings', 'positive', 'Param', 'FindingKind', 'register_finding', 'detector',
-           'bands', 'trailing_range', 'band_edges', 'left_band', 'upward_edges', 'model_input', 'onset', 'departures',
-           'causal_key', 'episodes', 'rolled_departures', 'run_episodes', 'attach', 'root_words', 'cause_finding',
-           'signal_spikes', 'loss_followed', 'dead_modules', 'across_depth', 'over_steps', 'update_ratios',
-           'nonfinite_finding', 'Look', 'with_iterations', 'followed', 'with_causes', 'load_findings', 'findings_table',
-           'diff']
+           'DIFF_COLUMNS', 'finding', 'findings_frame', 'findings', 'positive', 'Param', 'FindingKind',
+           'register_finding', 'detector', 'bands', 'trailing_range', 'band_edges', 'left_band', 'upward_edges',
+           'model_input', 'onset', 'departures', 'causal_key', 'episodes', 'rolled_departures', 'run_episodes',
+           'episode_of', 'root_words', 'cause_finding', 'signal_spikes', 'loss_followed', 'dead_modules',
+           'across_depth', 'over_steps', 'update_ratios', 'nonfinite_finding', 'Look', 'with_iterations', 'followed',
+           'with_causes', 'load_findings', 'findings_table', 'diff']
 
 # %% ../nbs/03a_diagnose.ipynb #3281537f
 COLUMNS = ['kind', 'severity', 'step', 'iteration', 'module', 'mtype', 'ttype', 'tname', 'stat', 'value', 'expected', 'message']
@@ -44,13 +44,23 @@ def finding(kind:str, severity:str, step:int, message:str, module:str=None, mtyp
     return dict(kind=kind, severity=severity, step=int(step), module=module, mtype=mtype, ttype=ttype, tname=tname,
                 stat=stat, value=float(value), expected=expected, message=message)
 
-def findings(rows:list)->pd.DataFrame:
-    "`rows` in `diagnose`'s order: errors, warnings, then info; within each, by step, then kind (`FINDINGS`' order)."
+def findings_frame(rows:list)->pd.DataFrame:
+    "Finding rows as `diagnose`'s DataFrame: errors, warnings, then info; by step, then kind (`FINDINGS`' order)."
     df = pd.DataFrame(rows, columns=COLUMNS)
     order = {k: i for i, k in enumerate(FINDINGS)}   # a kind not declared (yet) after those that are
     keys = (df['kind'].map(lambda k: order.get(k, len(order))), df['step'], df['severity'].map(SEVERITIES.index))
     df = df.iloc[np.lexsort([k.to_numpy() for k in keys])].reset_index(drop=True)
     return df.astype({'step': int, 'iteration': 'Int64', 'value': float})
+
+_SAID = set()   # the deprecated names already warned about in this process
+
+def findings(rows:list)->pd.DataFrame:
+    "Deprecated: the old name of `findings_frame`."
+    if 'findings' not in _SAID:
+        _SAID.add('findings')
+        warnings.warn("torchember.diagnose.findings is now findings_frame (the module torchember.findings draws them); "
+                      "the old name goes in the next release", DeprecationWarning, stacklevel=2)
+    return findings_frame(rows)
 
 # %% ../nbs/03a_diagnose.ipynb #6208a9a7
 def _need(ok:bool, fn:str, name:str, v, what:str, exc=TypeError):
@@ -361,8 +371,8 @@ def run_episodes(run:Run, rank:int, first:int, hi:int, window:int, spike:float, 
     return episodes(pd.concat(deps, ignore_index=True) if deps else pd.DataFrame(), _exit_order(run, rank, hi, names))
 
 # %% ../nbs/03a_diagnose.ipynb #5a97a2d7
-def attach(eps:list, step:int, lead:int)->dict|None:
-    "The episode that an event at `step` followed: begun by then, and outside its band then or at most `lead` steps before."
+def episode_of(eps:list, step:int, lead:int)->dict|None:
+    "The episode that an event at `step` followed: begun by then, outside its band then or at most `lead` steps before."
     live = [e for e in eps if e['root']['onset'] <= step <= e['until'] + lead]
     return max(live, key=lambda e: (min(e['until'], step), -e['root']['onset'])) if live else None
 
@@ -612,7 +622,7 @@ def diagnose(self:Run,
     rank = _one_rank(self, rank)
     if step == 'last_finite': step = self.last_finite_step(rank)   # the run as it was just before it broke
     hi = self.last_steps.get(rank) if step is None else step
-    if hi is None: return findings([])
+    if hi is None: return findings_frame([])
     look = Look(self, rank, hi, window)
     es = [e for e in FINDINGS.values() if e.detect is not None]
     with ThreadPoolExecutor(1) as pool:   # the scans of the whole run (NaN, Inf) run beside the rest
@@ -620,7 +630,7 @@ def diagnose(self:Run,
         rows = _windowed(self, rank, hi, window, look=look, **ps)
         look.rows = [r for s in scans for r in s.result()] + rows
     look.rows = [r for e in es if e.late for r in _detect(e, look, ps)] + look.rows
-    return with_iterations(findings([r for r in look.rows if not quiet(r)]), self.step_kinds(rank))
+    return with_iterations(findings_frame([r for r in look.rows if not quiet(r)]), self.step_kinds(rank))
 
 def _diagnose_signature():
     "`Run.diagnose`'s signature with every declared parameter as a keyword: what `help` and the docs show."
@@ -684,7 +694,7 @@ def with_causes(run:Run, rank:int, hi:int, rows:list, window:int, spike:float, f
                        names, _forward_order(run, rank, hi, names))
     led = {id(e): [] for e in eps}
     for r in events:
-        e = attach(eps, r['step'], lead)
+        e = episode_of(eps, r['step'], lead)
         if e is None:
             if r['kind'] == 'spike': r['message'] += "; no module's stats left their band before it (look at the data or the loss)"
             continue

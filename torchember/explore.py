@@ -20,7 +20,7 @@ from .query import runs, load
 from .tree import auto_collapse, nodes
 from .graphview import GraphView
 from functools import partial
-from .diagnose import findings as _findings
+from .diagnose import findings_frame
 from .findings import finding_label, severity_counts, evidence, evidence_figure
 from .ember import torchEmber
 from .figures import (ORANGE, RANK_COLORS, recorded_steps, history, stat_columns, module_label, history_traces,
@@ -193,7 +193,7 @@ class Explorer(W.VBox):
                                            tooltip="the model as a graph of its modules' data flow, coloured as the map")
         self.graph_search = W.Text(placeholder='find in the graph', layout=W.Layout(width='180px', display='none'))
         self._gview, self._graph_hits = None, []   # the run's `GraphView` (per run and rank), the nodes search found
-        self.findings, self._finding, self._diag_at, self._diag_key = _findings([]), None, -math.inf, None
+        self.findings, self._finding, self._diag_at, self._diag_key = findings_frame([]), None, -math.inf, None
         self.findings_head = W.HTML()
         self.findings_picker = W.Select(rows=5, layout=W.Layout(width='1240px', display='none'))
         self.finding_text = W.HTML()
@@ -699,7 +699,7 @@ def refresh_findings(self:Explorer, force:bool=False):
         self._diag_at, self._diag_key = time.monotonic(), key
         was = finding_label(self.findings.iloc[self._finding]) if self._finding is not None else None
         try: self.findings, failed = _diagnosed(self.run, self._rank(), key, force), None
-        except Exception as e: self.findings, failed = _findings([]), f"{type(e).__name__}: {e}"
+        except Exception as e: self.findings, failed = findings_frame([]), f"{type(e).__name__}: {e}"
         f, labels = self.findings, [finding_label(r) for _, r in self.findings.iterrows()]
         self.findings_head.value = ("<b>Findings</b> · " + (f"diagnose failed: {html.escape(failed)}" if failed else
                                     f"{severity_counts(f)} · pick one to see its evidence" if len(f) else "none: diagnose() found nothing wrong in the last steps"))
