@@ -75,6 +75,7 @@ def positive(v, name:str, fn:str='diagnose'):
     _need(_isnum(v), fn, name, v, 'a number')
     _need(math.isfinite(v) and v > 0, fn, name, v, 'a finite number > 0', ValueError)
 
+# %% ../nbs/03a_diagnose.ipynb #e2b11b4c
 @dataclass(frozen=True)
 class Param:
     "A detector's threshold: a keyword of `diagnose` and an option of `torchember doctor`."
@@ -105,6 +106,7 @@ class FindingKind:
         return finding(self.kind, severity or self.severity, step, message, **kw)
     def judge(self, f)->str: return self.judged(f) if self.judged else f['stat']
 
+# %% ../nbs/03a_diagnose.ipynb #be573fef
 FINDINGS = {}   # kind -> `FindingKind`, in the order the findings of one step are listed (causes first)
 PARAMS = {}     # name -> `Param`: every detector's threshold
 OWN = ('step', 'window', 'rank', 'ignore')   # `diagnose`'s own keywords
@@ -632,6 +634,7 @@ def diagnose(self:Run,
     look.rows = [r for e in es if e.late for r in _detect(e, look, ps)] + look.rows
     return with_iterations(findings_frame([r for r in look.rows if not quiet(r)]), self.step_kinds(rank))
 
+# %% ../nbs/03a_diagnose.ipynb #a784e3ad
 def _diagnose_signature():
     "`Run.diagnose`'s signature with every declared parameter as a keyword: what `help` and the docs show."
     fn = Run.diagnose
@@ -733,6 +736,7 @@ DEAD = Param('dead', 0.99, "an output with at least this zero fraction on every 
 UPDATE_BAND = Param('update_band', (1e-6, 0.03), "‖Δw‖/‖w‖ is usually 1e-4..1e-2 per step: above 3x that a learning "
                     "rate is too large, below 1e-6 a layer barely learns", _pair)
 
+# %% ../nbs/03a_diagnose.ipynb #ec268c35
 def _causes(look:Look, spike:float, factor:float, lead:int)->list:
     "The `cause` findings of `look`'s run; each event of `look.rows` is told what it followed."
     rows = with_causes(look.run, look.rank, look.hi, look.rows, look.window, spike, factor, lead)
@@ -782,6 +786,7 @@ for e in [
             band=lambda n, update_band: _constant(n, *update_band)),
 ]: register_finding(e)
 
+# %% ../nbs/03a_diagnose.ipynb #ae34a1a2
 def load_findings(names:str=None):
     "Import the modules named in `TORCHEMBER_FINDINGS` (comma-separated), which declare findings of their own."
     for name in filter(None, (names if names is not None else os.environ.get('TORCHEMBER_FINDINGS', '')).split(',')):

@@ -84,6 +84,7 @@ class Plot:
     @property
     def yaxis(self): return self.fig.layout[f"yaxis{self.axes[0] if self.axes[0] > 1 else ''}"]
 
+# %% ../nbs/05a_explore.ipynb #dc9c1edc
 def _numbers(v)->np.ndarray|None:
     "`v` as a float array if it is a flat list of numbers (None, NaN and Inf made NaN: a gap in the line), else None."
     if not isinstance(v, (list, tuple)) or not all(e is None or isinstance(e, (int, float)) for e in v): return None
@@ -137,6 +138,7 @@ def _layout(plots:list, n_axes:int)->dict:
         if k not in used: lay[f"xaxis{k if k > 1 else ''}"] = lay[f"yaxis{k if k > 1 else ''}"] = dict(visible=False)
     return lay
 
+# %% ../nbs/05a_explore.ipynb #471a77c6
 def _set_options(w, options:list, prefer=()):
     "Give selector `w` new `options`, keeping its value if still offered, else the first of `prefer` offered, else the first."
     values = [o[1] if isinstance(o, tuple) else o for o in options]
@@ -153,6 +155,7 @@ def _kinds_in_order(kinds)->list:
     "The ttypes in `kinds` in the selectors' order: forward, weights, grads; unknown ones after."
     return sorted(set(kinds), key=lambda k: (KINDS.index(k) if k in KINDS else len(KINDS), k))
 
+# %% ../nbs/05a_explore.ipynb #60b10ecd
 class Explorer(W.VBox):
     "A widget on a store: a module's stats over steps, its histogram over steps, and every module at the latest step."
     def __init__(self,
@@ -326,6 +329,7 @@ def refresh(self:Explorer, seen:tuple=None):
         self._stamp()
     return self
 
+# %% ../nbs/05a_explore.ipynb #18a8b438
 @patch
 def _draw(self:Explorer,
           name:str,           # one of `PLOTS`
@@ -358,6 +362,7 @@ def _redraw(self:Explorer, p:Plot, new:list, old:tuple):
             if new: self.fig.add_traces(new)
     return self if self._deferred else self._relayout()
 
+# %% ../nbs/05a_explore.ipynb #bd73ae87
 @patch
 def _relayout(self:Explorer):
     "Lay the figure out for the plots as they are: bands, axes, titles, colour bars beside their plots."
@@ -388,6 +393,7 @@ def _laid_out_once(self:Explorer):
         self._deferred = False
         self._relayout()
 
+# %% ../nbs/05a_explore.ipynb #63295ccd
 @patch
 def _stamp(self:Explorer):
     "Write the status line: when the figures were last read from the store, how many steps, whether live."
@@ -439,6 +445,7 @@ def _overlay_rank(self:Explorer)->int:
     ranks, r = self.overlay.ranks, self._rank()
     return r if r in ranks else ranks[0]
 
+# %% ../nbs/05a_explore.ipynb #c1c2ba57
 @patch
 def refresh_history(self:Explorer):
     "Redraw the history and the heatmap of the chosen tensor, of the rank(s) chosen."
@@ -479,6 +486,7 @@ def refresh_history(self:Explorer):
                                                           yaxis_title='value')) if hm else None)
     return self
 
+# %% ../nbs/05a_explore.ipynb #58843acb
 @patch
 def refresh_overview(self:Explorer):
     "Read the latest step of every module for the chosen ttype (of weight grads: the latest applied) and redraw its bars."
@@ -564,6 +572,7 @@ def unfold(self:Explorer, module:str):
         self._collapsed = (self._collapsed or set()) - {module} | {k['name'] for k in kids if k.get('children')}
         return self.refresh_map()
 
+# %% ../nbs/05a_explore.ipynb #2526f33f
 @patch
 def _follow_zooms(self:Explorer):
     "Watch the x axes of the map and the history for zooms (again after a new layout, which drops the watchers)."
@@ -593,6 +602,7 @@ def _on_fold(self:Explorer, on:bool):
         self._collapsed = None if on else set()
         self.refresh_map()
 
+# %% ../nbs/05a_explore.ipynb #1a42e159
 @patch
 def refresh_map(self:Explorer):
     "Redraw the map of every module over steps, for the chosen ttype and stat (norm where the map cannot show that stat)."
@@ -629,6 +639,7 @@ def refresh_scalars(self:Explorer):
         self._draw('scalars', fig)
     return self
 
+# %% ../nbs/05a_explore.ipynb #78b81db2
 @patch
 def _on_module(self:Explorer, module):
     with self._lock, self._laid_out_once():
