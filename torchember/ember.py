@@ -120,6 +120,7 @@ class torchEmber:
         store = self.engine.url.database or self.engine.url if self.engine is not None else self.db
         return f"torchEmber(run={self.run_name!r}, model={type(self.model).__name__}, step={self.capture.step}{where}, store={store}, {state})"
 
+# %% ../nbs/04_ember.ipynb #d7b7bb8c
 def _check_args(run, db, every, hist, sample_n, outliers, snapshot, snapshot_fn, stop_on=None, **flags):
     "Refuse a bad argument of `torchEmber` by its name: `TypeError` for a wrong type, `ValueError` for a bad value."
     def need(ok, name, v, what, exc=TypeError):
