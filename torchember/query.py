@@ -177,6 +177,7 @@ def latest(self:Run, rank:int=None)->pd.DataFrame:
     df.insert(2, 'iteration', pd.array([it] * len(df), dtype='Int64'))
     return df
 
+# %% ../nbs/03_query.ipynb #2a06bc73
 def _is_train(st):
     "SQL: a step of kind 'train'; in a store written before kinds, a step in training mode (or of unknown mode)."
     return sa.or_(st.kind == 'train', sa.and_(st.kind.is_(None), sa.or_(st.training.is_(None), st.training != 0)))
@@ -225,6 +226,7 @@ def applied_steps(kinds:pd.DataFrame)->list:
     if its.isna().any() or its.nunique() < 2: return train['step'].tolist()
     return train.groupby('iteration', sort=True)['step'].max().tolist()
 
+# %% ../nbs/03_query.ipynb #4df10b53
 def _one_rank(run:Run, rank:int=None)->int:
     "`rank`, or the run's first rank: what a question about one rank's view of a step (its events, a snapshot) is asked of."
     return run.ranks[0] if rank is None else rank
@@ -416,6 +418,7 @@ def roll_up(self:Run, again:bool=False)->Run:
             with eng.begin() as c: store_roll_up(c, self.id, first=a, last=b, ranks=[k])
     return self
 
+# %% ../nbs/03_query.ipynb #f8b7f331
 def _sampled(steps:list, n:int)->list:
     "At most `n` of `steps`, evenly spaced, the first and last kept."
     if len(steps) <= n: return list(steps)
@@ -445,6 +448,7 @@ def _first_bad_at(c, run_id:int, rank:int, steps:list)->int|None:
         return c.exec_driver_sql(v + f"SELECT v.s FROM v CROSS JOIN LATERAL ({one} LIMIT 1) x ORDER BY v.s LIMIT 1").scalar()
     return c.exec_driver_sql(v + f"SELECT s FROM v WHERE EXISTS ({one}) ORDER BY s LIMIT 1").scalar()
 
+# %% ../nbs/03_query.ipynb #91430041
 _INDEXED = weakref.WeakSet()   # the engines whose store was seen to hold `nonfinite_ix`
 
 def nonfinite_from(c)->str|None:
@@ -485,6 +489,7 @@ def _rolled_first_bad(c, run_id:int, rank:int=None, sample:bool=False)->int:
         if first is not None: firsts.append(first)
     return min(firsts, default=-1)
 
+# %% ../nbs/03_query.ipynb #5b594858
 @patch
 def first_nonfinite(self:Run,
                     step:int=None,   # the step to look in; default the first step that had NaN or Inf
@@ -630,6 +635,7 @@ def decode_snapshot(dtype:str,   # a torch dtype's name, e.g. 'float32'
     if n == 0: return torch.empty(shape, dtype=dt)
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dt).reshape(shape)
 
+# %% ../nbs/03_query.ipynb #18eb4710
 _SNAPS = ['module', 'ttype', 'tname', 'call', 'rank', 'step', 'dtype', 'shape']
 
 @patch
