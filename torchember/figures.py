@@ -360,6 +360,7 @@ def tensor_image(t:torch.Tensor,    # any tensor
         img[r * (h + 1):r * (h + 1) + h, k * (w + 1):k * (w + 1) + w] = tile
     return img
 
+# %% ../nbs/05_figures.ipynb #d613bb5a
 def _top_directions(x:torch.Tensor, k:int, extra:int=8, iters:int=4)->torch.Tensor:
     "The `k` leading right singular vectors of `x` (features x k), randomized on a generator of its own, not the user's."
     g = torch.Generator().manual_seed(0)
@@ -378,6 +379,7 @@ def _pcs(x:torch.Tensor)->tuple:
     total = x.pow(2).sum()
     return p, (p.pow(2).sum(0) / total if total > 0 else p.new_zeros(2)).tolist()
 
+# %% ../nbs/05_figures.ipynb #aa2ae4f2
 def tensor_figure(t:torch.Tensor,      # the tensor to draw
                   kind:str='heatmap',  # 'heatmap', 'hist' or 'pca'
                   bins:int=50,         # bins of the histogram
@@ -568,6 +570,7 @@ def map_labels(m:dict, run:Run)->list:
         return '\u00a0' * 2 * depth.get(n, 0) + ('▸ ' if n in folded else '') + f"{module_label(n)} · {short_type(types.get(n) or '')}{block}{inside}"
     return [label(n) for n in m['modules']]
 
+# %% ../nbs/05_figures.ipynb #f9887bf5
 def map_figure(m:dict,               # a `module_map`
                run:Run,              # its run, for the module classes and the first NaN/Inf
                ttype:str='weight_grad', stat:str='norm',
@@ -611,6 +614,7 @@ def map_figure(m:dict,               # a `module_map`
                       xaxis=dict(title=step_title(kinds)), yaxis=dict(autorange='reversed', automargin=True, type='category'))
     return fig
 
+# %% ../nbs/05_figures.ipynb #49d713e5
 def _cell_edges(x:list, j:int, width:int=1)->tuple:
     "The left and right edges of column `j` of a heatmap whose columns sit at `x`: halfway to its neighbours."
     if len(x) == 1: return x[0] - width / 2, x[0] + width / 2
@@ -675,6 +679,7 @@ def flat_range(values)->list|None:
     pad = abs(x) / 2 or 1.0
     return [x - pad, x + pad]
 
+# %% ../nbs/05_figures.ipynb #b7cc1b02
 def scalar_series(st:pd.DataFrame)->list:
     "The columns of `Run.steps` frame `st` to draw: the logged scalars, then the grad and weight norms, those with a value."
     fixed = ('step', 'rank', 'iteration', 'kind', 'closed', 'training', 'n_records')
