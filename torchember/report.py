@@ -110,6 +110,7 @@ def decades(values)->float:
     v = v[np.isfinite(v) & (v > 0)]
     return float(np.log10(v.max() / v.min())) if len(v) > 1 else 0.0
 
+# %% ../nbs/06_report.ipynb #1648e41f
 def _bars(run:Run, ttype:str, stat:str, rank:int, step:int=None, kinds:pd.DataFrame=None)->go.Figure|None:
     o = latest_by_module(run, ttype, step, rank=rank)
     tr = overview_traces(o, stat)
@@ -133,6 +134,7 @@ def _bar_figures(run:Run, rank:int, steps:list, first:dict|None, kinds:pd.DataFr
         if f := _bars(run, tt, stat, rank, step, kinds): figs.append((f'{when}: {tt} {stat} per module', f, True))
     return figs
 
+# %% ../nbs/06_report.ipynb #f3f3aaec
 def report_figures(run:Run,
                    max_points:int=500,        # at most this many steps a line
                    rank:int=None,             # the rank drawn; default the run's first
@@ -250,6 +252,7 @@ def _story(fs:pd.DataFrame, anchors:dict)->str:
              + (f' <a href="#{anchors[i]}">evidence</a>' if i in anchors else '') + '</li>' for i, f in causes]
     return f'<h2>What happened</h2><ul class="story">{"".join(items)}</ul>'
 
+# %% ../nbs/06_report.ipynb #59beba65
 FOLDED_ROWS = 12   # rows of the NaN/Inf table shown before "show all": the first tensor of each module and ttype
 
 def _nonfinite_table(nf:pd.DataFrame)->str:
@@ -276,6 +279,7 @@ def _findings_table(fs:pd.DataFrame, anchors:dict)->str:
     head = f"<th>severity</th><th>step</th>{'<th>iteration</th>' if its else ''}<th>kind</th><th>module</th><th>what</th><th></th>"
     return f'<table class="findings"><tr>{head}</tr>' + ''.join(rows) + '</table>'
 
+# %% ../nbs/06_report.ipynb #db05a1eb
 def _inputs_note(run:Run, kinds:pd.DataFrame, shown:int=8)->str:
     "The inputs that arrived non-finite, in one calm line: the first `shown` of them, where they began; '' if none did."
     ni = nonfinite(run, inputs=True)
@@ -303,6 +307,7 @@ def _modules_note(run:Run, chosen:pd.DataFrame)->str:
             f'comma-separated, with <code>{e(cmd)}</code> (and its <code>--db</code>) or '
             f'<code>report(run, modules=[{e(repr(glob))}])</code>.</p><p class="info">Left out: {e(listed)}</p>')
 
+# %% ../nbs/06_report.ipynb #dd8a1861
 def report_html(run:Run,
                 max_points:int=500,   # at most this many steps a line
                 rank:int=None,        # the rank drawn; default the run's first
