@@ -12,19 +12,26 @@ import torch
 from torch import nn
 from fastcore.basics import patch, patch_to
 from .core import Capture, ENTER, EXIT, named_inputs, named_tensors
-from .stats import Recorder, default_stats, fused_moments, moments, as_real, SMALL, shape_of, dtype_name
+from .stats import (Recorder, default_stats, fused_moments, moments, native_moments, as_real, SMALL, shape_of,
+                              dtype_name, _unmeasured)
 from . import native
 
 # %% auto #0
-__all__ = ['CompiledHooks', 'moments_row']
+__all__ = ['FLUSH_AT', 'CompiledHooks', 'moments_row']
 
 # %% ../nbs/01b_compiled.ipynb #377c4dc6
 _WHAT, _WHATS = [], {}   # what -> (ttype, tnames); and back
+_PLAN, _PLANS = [], {}   # plan -> ((what, number of tensors), ...) a hook each; and back
 
 def _record(ts:list, token:torch.Tensor, tag:torch.Tensor, key:int, what:int):
     "`torchember::record`, where the graph runs it."
     hooks = CompiledHooks.of(key)
     if hooks is not None: hooks.take(tag, what, ts)
+
+def _record_calls(ts:list, tags:list, token:torch.Tensor, key:int, plan:int):
+    "`torchember::record_calls`, where the graph runs it."
+    hooks = CompiledHooks.of(key)
+    if hooks is not None: hooks.take_calls(tags, plan, ts)
 
 def _step(token:torch.Tensor, key:int, enter:bool, grad:bool, backward:bool):
     "`torchember::step`, where the graph runs it: the root's eager hooks."
@@ -33,14 +40,17 @@ def _step(token:torch.Tensor, key:int, enter:bool, grad:bool, backward:bool):
 
 def _register():
     "Define torchember's ops once a process (a rerun of this notebook finds them defined); the `Library` that holds them."
-    try: return torch.ops.torchember.record.default and None
+    try: return torch.ops.torchember.record_calls.default and None
     except (AttributeError, RuntimeError): pass
     lib = torch.library.Library('torchember', 'DEF')
     lib.define('record(Tensor[] ts, Tensor(a!) token, Tensor tag, int key, int what) -> ()')
+    lib.define('record_calls(Tensor[] ts, Tensor[] tags, Tensor(a!) token, int key, int plan) -> ()')
     lib.define('step(Tensor(a!) token, int key, bool enter, bool grad, bool backward) -> ()')
     lib.impl('record', _record, 'CompositeExplicitAutograd')
+    lib.impl('record_calls', _record_calls, 'CompositeExplicitAutograd')
     lib.impl('step', _step, 'CompositeExplicitAutograd')
     torch.library.register_fake('torchember::record', lambda ts, token, tag, key, what: None, lib=lib)
+    torch.library.register_fake('torchember::record_calls', lambda ts, tags, token, key, plan: None, lib=lib)
     torch.library.register_fake('torchember::step', lambda token, key, enter, grad, backward: None, lib=lib)
     return lib
 
@@ -57,16 +67,25 @@ def _hook_guards():
     dynamo = sys.modules.get('torch._dynamo')
     if dynamo is not None: dynamo.config.skip_nnmodule_hook_guards = False
 
+def _number(table:list, index:dict, item)->int:
+    "The number of `item` in `table` (and `index`, item -> number), added at the end if new."
+    if item not in index:
+        index[item] = len(table)
+        table.append(item)
+    return index[item]
+
 @_constant
 def _what(key:int, ttype:str, names:tuple)->int:
     "At trace time: the number of `(ttype, names)` (and the hooks of `key` learn that their model is compiled)."
     hooks = CompiledHooks.of(key)
     if hooks is not None: hooks.seen = True
     _hook_guards()
-    if (ttype, names) not in _WHATS:
-        _WHATS[ttype, names] = len(_WHAT)
-        _WHAT.append((ttype, names))
-    return _WHATS[ttype, names]
+    return _number(_WHAT, _WHATS, (ttype, names))
+
+@_constant
+def _plan(hooks:tuple)->int:
+    "At trace time: the number of a region's `((what, number of tensors), ...)`, a hook each."
+    return _number(_PLAN, _PLANS, hooks)
 
 @_constant
 def _root_traced(key:int)->int:
@@ -92,6 +111,7 @@ class CompiledHooks:
         self.sigs = {}
         for m, sig in zip(cap.mods, cap.sigs): self.sigs.setdefault(type(m), sig)
         self._grads, self._tap = (None, {}), _tap_class(self.grad_token)
+        self.depth, self.pending, self.tagged, self.hooks = 0, [], [], []   # the traced region's, until `flush`
         _HOOKS[self.key] = weakref.ref(self)
         cap.compiled = self
         _hook_guards()   # here if dynamo is imported, else as the hooks are first traced
@@ -117,6 +137,8 @@ def keeps_hooks(self:CompiledHooks)->bool:
     return self.seen
 
 # %% ../nbs/01b_compiled.ipynb #8b0e552b
+FLUSH_AT = 256   # tensors a compiled region holds for its `record_calls` op at most (then one is called)
+
 def _tap_class(token:torch.Tensor)->type:
     "An identity `autograd.Function` whose backward records the per-sample norms of its grad, mutating `token`."
     class GradTap(torch.autograd.Function):
@@ -134,11 +156,28 @@ def _tap_class(token:torch.Tensor)->type:
     return GradTap
 
 @patch
+def _pend(self:CompiledHooks, tag:torch.Tensor, what:int, ts:list):
+    "A hook's tensors `ts` (`what`: their ttype and names), of the module tagged `tag`, for the region's `record_calls`."
+    if self.cap.io_grad:   # a region that sets tensor hooks: dynamo loses its Python state (see below), so an op each
+        return torch.ops.torchember.record([t.detach() for t in ts], self.token, tag, self.key, what)
+    # new lists, never the old ones changed: dynamo would hand every tensor out of the graph to replay that
+    self.pending = self.pending + [t.detach() for t in ts]
+    self.tagged, self.hooks = self.tagged + [tag], self.hooks + [(what, len(ts))]
+
+@patch
+def flush(self:CompiledHooks):
+    "Hand what the region's hooks met so far to one `record_calls` op."
+    if not self.hooks: return
+    ts, tags, hooks = self.pending, self.tagged, tuple(self.hooks)
+    self.pending, self.tagged, self.hooks = [], [], []
+    torch.ops.torchember.record_calls(ts, tags, self.token, self.key, _plan(hooks))
+
+@patch
 def pre(self:CompiledHooks, tag:torch.Tensor, mod:nn.Module, args:tuple, kwargs:dict):
-    "A module's forward pre-hook, traced: an op records its inputs (and opens its call)."
+    "A module's forward pre-hook, traced: its inputs (and the opening of its call) for the region's op."
     named = named_inputs(args, kwargs, self.sigs[type(mod)])
-    what = _what(self.key, 'input', tuple(n for n, _ in named))
-    torch.ops.torchember.record([t.detach() for _, t in named], self.token, tag, self.key, what)
+    self._pend(tag, _what(self.key, 'input', tuple(n for n, _ in named)), [t for _, t in named])
+    if not self.cap.io_grad: self.depth += 1
     if self.cap.io_grad and torch.is_grad_enabled():
         for name, t in named:
             if t.requires_grad:
@@ -152,11 +191,13 @@ def _record_grad(token:torch.Tensor, tag:torch.Tensor, key:int, what:int, g:torc
 
 @patch
 def post(self:CompiledHooks, tag:torch.Tensor, mod:nn.Module, args:tuple, out):
-    "A module's forward hook, traced: an op records its outputs (and closes its call); with `io_grad`, a tap."
+    "A module's forward hook, traced: its outputs (and the closing of its call); the op, if the region's outermost call ends."
     tensor = isinstance(out, torch.Tensor)
     named = [('output', out)] if tensor else named_tensors(out, 'output')
-    what = _what(self.key, 'output', tuple(n for n, _ in named))
-    torch.ops.torchember.record([t.detach() for _, t in named], self.token, tag, self.key, what)
+    self._pend(tag, _what(self.key, 'output', tuple(n for n, _ in named)), [t for _, t in named])
+    if not self.cap.io_grad:
+        self.depth -= 1
+        if self.depth <= 0 or len(self.pending) >= FLUSH_AT: self.flush()
     if tensor and self.cap.io_grad and out.requires_grad and torch.is_grad_enabled():
         return self._tap.apply(out, tag, self.key, _what(self.key, 'output_grad', ('output',)))
 
@@ -166,12 +207,16 @@ def root_pre(self:CompiledHooks, mod:nn.Module, args:tuple, kwargs:dict):
     "The root's forward pre-hook, traced: the step opens (in Python, from the graph), then the root's inputs."
     _root_traced(self.key)
     torch.ops.torchember.step(self.token, self.key, True, torch.is_grad_enabled(), False)
+    if not self.cap.io_grad: self.depth += 1
     if self.cap.selected[0]: self.pre(self.tags[0], mod, args, kwargs)
 
 @patch
 def root_post(self:CompiledHooks, mod:nn.Module, args:tuple, out):
-    "The root's forward hook, traced: its outputs, then the forward ends (in Python, from the graph)."
+    "The root's forward hook, traced: its outputs, the region's op, then the forward ends (in Python, from the graph)."
     if self.cap.selected[0] and (tapped := self.post(self.tags[0], mod, args, out)) is not None: out = tapped
+    if not self.cap.io_grad:
+        self.depth -= 1
+        self.flush()
     grad = torch.is_grad_enabled()
     torch.ops.torchember.step(self.token, self.key, False, grad, grad and any(t.requires_grad for _, t in named_tensors(out)))
     return out
@@ -186,22 +231,45 @@ def root_call(self:CompiledHooks, enter:bool, grad:bool, backward:bool):
 
 # %% ../nbs/01b_compiled.ipynb #d1de814f
 @patch
+def _call(self:CompiledHooks, mi:int, ttype:str, what:int)->int:
+    "The call of module `mi` that tensors of `ttype` (`what`: with their names) met now are of; its event, if any."
+    cap = self.cap
+    if mi == 0: return max(cap._calls[0] - 1, 0)   # the root: its call opened and closes in its eager hooks (`step`)
+    if ttype == 'input':
+        c = cap._calls[mi]
+        cap._calls[mi] = c + 1
+        cap._stack.append((mi, c))
+        cap._events.append((ENTER, mi, c))
+        return c
+    if ttype == 'output':
+        c = cap._stack.pop()[1] if cap._stack and cap._stack[-1][0] == mi else max(cap._calls[mi] - 1, 0)
+        cap._events.append((EXIT, mi, c))
+        return c
+    return self._grad_call(mi, what)
+
+@patch
+def take_calls(self:CompiledHooks, tags:list, plan:int, ts:list):
+    "Record the hooks of a region (`plan`: each one's what and number of tensors) into the open step, if it is recorded."
+    cap = self.cap
+    if not cap._open or cap._skip or not cap.armed: return
+    try:
+        items, i = [], 0
+        for tag, (what, n) in zip(tags, _PLAN[plan]):
+            mi, (ttype, names) = int(tag), _WHAT[what]
+            c = self._call(mi, ttype, what)
+            items += [(mi, c, ttype, name, t) for name, t in zip(names, ts[i:i + n])]
+            i += n
+        cap.recorder.measure_many(items)
+    except Exception as e: cap.recorder._failed("recording inside a compiled region", e)
+
+@patch
 def take(self:CompiledHooks, tag:torch.Tensor, what:int, ts:list):
     "Record tensors `ts` of the module tagged `tag` into the open step, if it is recorded (`what`: their ttype and names)."
     cap = self.cap
     if not cap._open or cap._skip or not cap.armed: return
     try:
         mi, (ttype, names) = int(tag), _WHAT[what]
-        if mi == 0: c = max(cap._calls[0] - 1, 0)   # the root: its call opened and closes in its eager hooks (`step`)
-        elif ttype == 'input':
-            c = cap._calls[mi]
-            cap._calls[mi] = c + 1
-            cap._stack.append((mi, c))
-            cap._events.append((ENTER, mi, c))
-        elif ttype == 'output':
-            c = cap._stack.pop()[1] if cap._stack and cap._stack[-1][0] == mi else max(cap._calls[mi] - 1, 0)
-            cap._events.append((EXIT, mi, c))
-        else: c = self._grad_call(mi, what)
+        c = self._call(mi, ttype, what)
         for name, t in zip(names, ts): cap.recorder.measure_now(mi, c, ttype, name, t)
     except Exception as e: cap.recorder._failed("recording inside a compiled region", e)
 
@@ -230,6 +298,28 @@ def measure_now(self, mi:int, call:int, ttype:str, tname:str, t:torch.Tensor):
             self._failed("measuring a tensor of a compiled region", e)
             self._pieces.append(([mrow], torch.full((1, 8), float('nan'), dtype=torch.float64)))
     self.rec.keys.append((mi, call, ttype, tname, shape_of(t), dtype_name(t), mrow, xi))
+
+@patch_to(Recorder)
+def measure_many(self, items:list):
+    "Record `items`, `(mi, call, ttype, tname, t)` each, measured before this returns; the native kernel's in one call."
+    if self.rec is None: return
+    keys, fns, plain = self.rec.keys, self.stat_fns, self.on_tensor is None and self._nat
+    ts, rows, seen = [], [], {}
+    for mi, call, ttype, tname, t in items:
+        if not (plain and fns[ttype] is default_stats and native.supports(t)):
+            self.measure_now(mi, call, ttype, tname, t)
+            continue
+        row = seen.get(id(t))
+        if row is None:
+            seen[id(t)] = row = self._nm
+            self._nm += 1
+            ts.append(t); rows.append(row)
+        keys.append((mi, call, ttype, tname, shape_of(t), dtype_name(t), row, -1))
+    if not ts: return
+    try: self._pieces.append((rows, native_moments(ts)))
+    except Exception as e:
+        self._failed("measuring the tensors of a compiled region", e)
+        self._pieces.append((rows, _unmeasured(None).expand(len(rows), 8)))
 
 def moments_row(t:torch.Tensor)->torch.Tensor:
     "The 8 `MOMENTS` of `t` as `default_stats` measures them: a float64 row on `t`'s device, computed now."
