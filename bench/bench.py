@@ -507,9 +507,9 @@ def main(argv=None):
         _check_load()
 
 def _print_writer():
-    "Say whether a process or a thread of the training process writes the store (`torchember.writer_process.use_process`)."
+    "Say whether a process or a thread of the training process writes the store (`torchember.store.writer.use_process`)."
     if torchEmber is None: return
-    from torchember.writer_process import use_process, cores
+    from torchember.store.writer import use_process, cores
     by = use_process(str(scratch()/'choice.db'), torch.get_num_threads())
     print(f"writer: {'a process' if by else 'a thread'} ({cores()} cores for this process, torch {torch.get_num_threads()} threads"
           f"{'; TORCHEMBER_WRITER=' + os.environ['TORCHEMBER_WRITER'] if os.environ.get('TORCHEMBER_WRITER') else ''})")

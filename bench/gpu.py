@@ -26,7 +26,7 @@ import torch
 from torch import nn
 import corpus
 from torchember import torchEmber
-from torchember.writer_process import use_process, cores
+from torchember.store.writer import use_process, cores
 
 
 def gpt_setup(device, tiny):

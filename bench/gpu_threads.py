@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Where an armed GPU step's time goes, thread by thread: wall ms a step and CPU ms a step of the training thread,
 autograd's device thread (a CUDA backward runs there, and so do grad hooks) and torchember's writer (its thread, and
-its process where one writes: `torchember.writer_process`), with parts of
+its process where one writes: `torchember.store.writer`), with parts of
 torchember switched off in turn; then the GPU time of the stats kernels beside the step's, from torch's profiler.
 
 On a GPU the stats run on the device, but every part of torchember that runs on the host runs on one of these threads,

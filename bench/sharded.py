@@ -49,15 +49,15 @@ def worker(rank:int, world:int, init:str, args, out:str):
     os.environ['OMP_NUM_THREADS'] = '1'
     torch.set_num_threads(1)
     dist.init_process_group('gloo', init_method=f'file://{init}', rank=rank, world_size=world)
-    import torchember.store as store
+    import torchember.store as store, torchember.store.write as store_write
     from torchember import torchEmber
     merge_s, merges = [0.], [0]
-    merge = store.merge_pieces
+    merge = store_write.merge_pieces
     def timed(*a, **k):
         t0 = time.perf_counter()
         try: return merge(*a, **k)
         finally: merge_s[0] += time.perf_counter() - t0; merges[0] += 1
-    store.merge_pieces = timed if not args.no_merge else (lambda *a, **k: None)
+    store_write.merge_pieces = timed if not args.no_merge else (lambda *a, **k: None)
     bare, armed = sharded(args.blocks), sharded(args.blocks)
     n_params = len(list(bare.parameters()))
     te = torchEmber(armed, run='sharded-bench', db=str(Path(out).parent/'bench.db'))

@@ -4,19 +4,20 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 from contextlib import contextmanager
-from torchember import torchEmber, load, store
+from torchember import torchEmber, load
+from torchember.store import writer
 
 @contextmanager
 def one_thread():
     "Train on one thread, every step kept: two threads on a busy 2-core machine make each step 50x slower, and a writer"
-    # that falls behind drops steps evenly (`store.BEHIND_S`): these runs' causes must be in the store, whatever the load
-    n, behind = torch.get_num_threads(), getattr(store, 'BEHIND_S', None)
+    # that falls behind drops steps evenly (`store.writer.BEHIND_S`): these runs' causes must be in the store, whatever the load
+    n, behind = torch.get_num_threads(), getattr(writer, 'BEHIND_S', None)
     torch.set_num_threads(1)
-    if behind is not None: store.BEHIND_S = 1e9
+    if behind is not None: writer.BEHIND_S = 1e9
     try: yield
     finally:
         torch.set_num_threads(n)
-        if behind is not None: store.BEHIND_S = behind
+        if behind is not None: writer.BEHIND_S = behind
 
 class Block(nn.Module):
     "A pre-norm decoder block: attention, then an MLP (`mlp.fc`, `mlp.act`, `mlp.proj`)."

@@ -15,14 +15,14 @@ import json, os, signal, sys, time
 signal.signal(signal.SIGINT, signal.default_int_handler)   # as from a terminal: a background job inherits it ignored
 import torch
 from torch import nn
-import torchember.store, torchember.ember, torchember.core
+import torchember.store.writer, torchember.ember, torchember.core
 from torchember import torchEmber
 
 PAUSE_AFTER = 12
 
 def main(db:str, options:dict, mode:str):
     broken = os.environ.get('TE_MATRIX_BREAK')
-    if broken == 'linger': torchember.store.LINGER_S = torchember.ember.PROCESS_LINGER_S = 5.0
+    if broken == 'linger': torchember.store.writer.LINGER_S = torchember.ember.PROCESS_LINGER_S = 5.0
     if broken == 'closer': torchember.core.Capture.close_finished = lambda self, after=None: self
     torch.manual_seed(0)
     model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(32, 32), nn.ReLU())], nn.Linear(32, 1))

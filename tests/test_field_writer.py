@@ -508,7 +508,7 @@ def test_a_write_waits_for_the_sqlite_lock_in_short_tries_and_gives_the_busy_err
     db = tmp_path/'s.db'
     eng = store.engine(db)
     rid, _ = store.create_run(eng, 'r', 'X', [('', 'X', None)], {})
-    monkeypatch.setattr(store, 'BUSY_WAIT_S', 0.5)
+    monkeypatch.setattr(store.write, 'BUSY_WAIT_S', 0.5)
     other = sqlite3.connect(db, isolation_level=None, check_same_thread=False)
     other.execute('BEGIN IMMEDIATE')
     threading.Timer(0.2, other.execute, ('COMMIT',)).start()

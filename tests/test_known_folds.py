@@ -1,5 +1,5 @@
 """The writer folds completed bins, and the wider bins around them, from the module values it computed as it wrote the
-steps (`store._fold_known`, `_fold_wider`): the `rollups` it leaves must be those the SQL fold (`roll_up`) computes from
+steps (`store.rollups._fold_known`, `_fold_wider`): the `rollups` it leaves must be those the SQL fold (`roll_up`) computes from
 the stored rows, NaN steps included."""
 import math
 import pytest, torch
@@ -42,9 +42,9 @@ class WideNet(Net):
 
 def check_folds(db, every, monkeypatch, from_memory=True, steps=70, forget_at=None, net=Net):
     "Train a small net into store `db`, then fold its bins again in SQL: the same bins, each from memory (or each in SQL)."
-    took, fold, refolds, refold = [], store._fold_known, [], store._refold
-    monkeypatch.setattr(store, '_fold_known', lambda *a: took.append(fold(*a)) or took[-1])
-    monkeypatch.setattr(store, '_refold', lambda *a, **k: refolds.append(k.get('widths')) or refold(*a, **k))
+    took, fold, refolds, refold = [], store.rollups._fold_known, [], store.rollups._refold
+    monkeypatch.setattr(store.rollups, '_fold_known', lambda *a: took.append(fold(*a)) or took[-1])
+    monkeypatch.setattr(store.rollups, '_refold', lambda *a, **k: refolds.append(k.get('widths')) or refold(*a, **k))
     torch.manual_seed(0)
     net = net()
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
@@ -111,11 +111,11 @@ def test_a_write_that_fails_after_folding_is_folded_again_right(tmp_path, monkey
     rid, _ = create_run(eng, 'retry', 'Net', [('', 'Net', None), ('a', 'Linear', None)], {'name': ''})
     def row(s): return (1, 0, 'output', 'output', '[2]', 'float32', 2, float(s), 0.5, 0., 1., 2., 0., int(s in (19, 21)), 0, None, 8)
     steps = [dict(step=s, rows=[row(s)]) for s in range(25)]   # a first batch that completes the bins of steps 0-23
-    closed, fail = store.roll_up_closed, []
+    closed, fail = store.write.roll_up_closed, []
     def locked_once(*a, **k):
         closed(*a, **k)
         if not fail: fail.append(1); raise sqlite3.OperationalError('database is locked')
-    monkeypatch.setattr(store, 'roll_up_closed', locked_once)
+    monkeypatch.setattr(store.write, 'roll_up_closed', locked_once)
     with pytest.raises(sqlite3.OperationalError): write_steps(eng, rid, steps)
     write_steps(eng, rid, steps)                                # as the writer does with a batch the store was too busy for
     got = _rollups(eng, rid)

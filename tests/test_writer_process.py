@@ -1,4 +1,4 @@
-"""The writer process (`torchember.writer_process`, issue 29): a child process writes the store where a core is spare.
+"""The writer process (`torchember.store.writer`, issue 29): a child process writes the store where a core is spare.
 
 Everything the thread promised holds with the process: the same rows; a locked store waited for (in
 `test_never_lose.py`, for both writers); a failed write
@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from pandas.testing import assert_frame_equal
 
 from torchember import torchEmber
-from torchember.writer_process import WriterProcess, WRITER_ENV, use_process, cores
+from torchember.store.writer import WriterProcess, WRITER_ENV, use_process, cores
 from test_never_lose import TRAIN, check_whole, kill_after, rows_per_step, script, env, tw, _mlp, _steps
 
 pytestmark = pytest.mark.skipif(os.name != 'posix', reason="the writer process needs POSIX pipes")

@@ -17,7 +17,7 @@ from fastcore.docments import docments
 from .core import Capture, module_tree, module_info, user_class, is_wrapper, flat_params, WRAPPERS, _Inert, _Hook
 from .stats import Recorder, TTYPES, VECTOR_MAX, default_stats
 from .instruments import hist_stats, Snapshots, Changes, UpdateTracker
-from .writer_process import WriterProcess, use_process
+from .store.writer import WriterProcess, use_process
 from .store import (engine, create_run, claim, release, write_steps, Writer, db_url, keyed_by_rank, StoreError, store_busy, RETRY_S,
                     last_iteration, _flush_all)
 from .query import Run
@@ -215,7 +215,7 @@ def _start_writer(self:torchEmber)->Writer:
 
 @patch
 def _start_sink(self:torchEmber)->WriterProcess|None:
-    "A started `WriterProcess` where a process writes (`writer_process.use_process`), else None: the writer thread writes."
+    "A started `WriterProcess` where a process writes (`store.writer.use_process`), else None: the writer thread writes."
     if not self._by_process: return None
     sink = WriterProcess(self.db)
     try: return sink.start()
@@ -225,7 +225,7 @@ def _start_sink(self:torchEmber)->WriterProcess|None:
 
 @patch(as_prop=True)
 def writer_process(self:torchEmber)->WriterProcess|None:
-    "The child process that writes this run's store (`torchember.writer_process`); None where a thread of this process does."
+    "The child process that writes this run's store (`torchember.store.writer`); None where a thread of this process does."
     return self._sink
 
 def _finding(rec)->bool:

@@ -11,7 +11,7 @@ import ipywidgets as W
 from pathlib import Path
 import nbformat
 import sqlalchemy as sa
-from . import store
+from .store import schema
 from .store import StoreError, db_url, MEMORY
 from .reads import is_store, read_only
 from .explore import Explorer
@@ -43,9 +43,9 @@ def read_only_engine(db=None)->sa.Engine:   # store path or URL; default the def
 def use_read_only(db=None)->sa.Engine:   # store path or URL; default the default store
     "Route every read of store `db` in this process through `read_only_engine`; the engine."
     eng, url = read_only_engine(db), db_url(db)
-    with store._lock:
-        store._opened.pop(url, None)
-        store._engines[url] = eng
+    with schema._lock:
+        schema._opened.pop(url, None)
+        schema._engines[url] = eng
     return eng
 
 # %% ../nbs/06a_serve.ipynb #f3df5c25
