@@ -1,4 +1,4 @@
-"""Look at a run in Jupyter: a module's stats over steps, its histogram over steps, every module at the latest step, and where the first NaN came from, following a run while it trains.
+"""Look at a run in Jupyter: stats and histograms over steps, every module at a step, where the first NaN came from.
 
 Docs: https://torchember.github.io/torchember/explore.html.md"""
 
@@ -23,10 +23,11 @@ from functools import partial
 from .diagnose import findings_frame
 from .findings import finding_label, severity_counts, evidence, evidence_figure
 from .ember import torchEmber
-from .figures import (ORANGE, RANK_COLORS, recorded_steps, history, stat_columns, module_label, history_traces,
-                                heatmap_traces, latest_times, latest_by_module, overview_traces, rank_traces, rank_spread,
-                                spread_traces, module_map, map_figure, map_labels, MAP_STATS, scalars_figure, finite_json, fold_map,
-                                view_steps, with_kinds, step_name, step_title, iteration_text, module_envelope, envelope_traces, log_axis, bars_axis)
+from .figures import (ORANGE, RANK_COLORS, recorded_steps, history, stat_columns, module_label,
+                                history_traces, heatmap_traces, latest_times, latest_by_module, overview_traces,
+                                rank_traces, rank_spread, spread_traces, module_map, map_figure, map_labels, MAP_STATS,
+                                scalars_figure, finite_json, fold_map, view_steps, with_kinds, step_name, step_title,
+                                iteration_text, module_envelope, envelope_traces, log_axis, bars_axis)
 import math
 import numpy as np
 
@@ -72,13 +73,15 @@ class Plot:
     @property
     def shown(self)->bool: return self.height > 0
     @property
-    def title(self)->str: return next((a.text for a in self.fig.layout.annotations if a.name == f'{self.name} title'), '')
+    def title(self)->str:
+        return next((a.text for a in self.fig.layout.annotations if a.name == f'{self.name} title'), '')
     @property
     def annotations(self)->tuple:
         "The plot's other annotations, e.g. the titles of its subplots."
         return tuple(a for a in self.fig.layout.annotations if a.name == self.name)
     @property
-    def shapes(self)->tuple: return tuple(s for s in self.fig.layout.shapes if s.name and s.name.startswith(self.name + ':'))
+    def shapes(self)->tuple:
+        return tuple(s for s in self.fig.layout.shapes if s.name and s.name.startswith(self.name + ':'))
     @property
     def xaxis(self): return self.fig.layout[f"xaxis{self.axes[0] if self.axes[0] > 1 else ''}"]
     @property
@@ -93,20 +96,22 @@ def _numbers(v)->np.ndarray|None:
     return a
 
 def _traces(p:Plot, f:go.Figure)->list:
-    "The traces of figure `f`, drawn by plot `p`, as dicts on the explorer figure's axes and legend, NaN and Inf left out."
+    "Plot `p`'s figure `f` as trace dicts on the explorer figure's axes and legend, NaN and Inf left out."
     out = []
     for t in f.to_plotly_json().get('data', []):
         xy = {k: a for k in ('x', 'y') if (a := _numbers(t.get(k))) is not None}   # sent as binary arrays, checked once
         t = {**finite_json({k: v for k, v in t.items() if k != 'uid' and k not in xy}), **xy}
-        t.update(xaxis=_ref(t.get('xaxis') or 'x', p.axes), yaxis=_ref(t.get('yaxis') or 'y', p.axes), legend=f'legend{PLOTS.index(p.name) + 2}')
+        t.update(xaxis=_ref(t.get('xaxis') or 'x', p.axes), yaxis=_ref(t.get('yaxis') or 'y', p.axes),
+                 legend=f'legend{PLOTS.index(p.name) + 2}')
         out.append(t)
     return out
 
 def _layout(plots:list, n_axes:int)->dict:
-    "The explorer figure's layout: `plots` stacked, each in a band as tall as its `height`, with its axes and decorations."
+    "The explorer figure's layout: `plots` stacked in bands as tall as their `height`, with axes and decorations."
     shown = [p for p in plots if p.shown]
     inner = max(sum(p.height for p in shown) + _GAP * (len(shown) - 1), 1)
-    lay = dict(height=_TOP + inner + _BOTTOM, width=_WIDTH, template='plotly_white', barmode='group', hovermode='closest',
+    lay = dict(height=_TOP + inner + _BOTTOM, width=_WIDTH, template='plotly_white', barmode='group',
+               hovermode='closest',
                margin=dict(l=60, r=150, t=_TOP, b=_BOTTOM), annotations=[], shapes=[], showlegend=True)
     top, used = 0, set()
     for p in plots:
@@ -123,10 +128,12 @@ def _layout(plots:list, n_axes:int)->dict:
                 a['visible'] = p.shown and a.get('visible', True)
                 lay[f"{xy}axis{k if k > 1 else ''}"] = a
         if not p.shown: continue
-        lay[f'legend{PLOTS.index(p.name) + 2}'] = dict(x=1.02, xanchor='left', y=hi, yanchor='top', bgcolor='rgba(255,255,255,0.8)')
+        lay[f'legend{PLOTS.index(p.name) + 2}'] = dict(x=1.02, xanchor='left', y=hi, yanchor='top',
+                                                       bgcolor='rgba(255,255,255,0.8)')
         title = src.get('title', {}).get('text', '')
         lay['annotations'].append(dict(text=title, name=f'{p.name} title', xref='paper', x=0, xanchor='left',
-                                       yref='paper', y=hi, yanchor='bottom', yshift=30, showarrow=False, font=dict(size=15, weight='bold')))
+                                       yref='paper', y=hi, yanchor='bottom', yshift=30, showarrow=False,
+                                       font=dict(size=15, weight='bold')))
         for key, named in (('annotations', p.name), ('shapes', None)):
             for o in src.get(key, []):
                 # plotly's default: the first axes
@@ -140,7 +147,7 @@ def _layout(plots:list, n_axes:int)->dict:
 
 # %% ../nbs/05a_explore.ipynb #471a77c6
 def _set_options(w, options:list, prefer=()):
-    "Give selector `w` new `options`, keeping its value if still offered, else the first of `prefer` offered, else the first."
+    "Give selector `w` new `options`, keeping its value if offered, else the first of `prefer` offered, else the first."
     values = [o[1] if isinstance(o, tuple) else o for o in options]
     if isinstance(w, W.SelectMultiple): keep = tuple(v for v in w.value if v in values)
     else: keep = next((v for v in (w.value, *prefer) if v in values), values[0] if values else None)
@@ -176,7 +183,8 @@ class Explorer(W.VBox):
         self.run_picker = W.Dropdown(description='run', layout=W.Layout(width='360px'))
         self.overlay_picker = W.Dropdown(description='overlay', layout=W.Layout(width='320px'))
         self.rank_picker = W.Dropdown(description='rank', layout=W.Layout(width='200px', display='none'))
-        self.live_toggle = W.ToggleButton(description='live', icon='play', tooltip='poll the store and follow new steps', layout=W.Layout(width='80px'))
+        self.live_toggle = W.ToggleButton(description='live', icon='play',
+                                          tooltip='poll the store and follow new steps', layout=W.Layout(width='80px'))
         self.stop_button = W.Button(description='stop', icon='stop', layout=W.Layout(width='80px'))
         self.status = W.Label()
         self.module_filter = W.Text(placeholder='filter modules', layout=wide)
@@ -186,14 +194,19 @@ class Explorer(W.VBox):
         self.stat_picker = W.SelectMultiple(description='stats', rows=6, layout=W.Layout(width='250px'))
         self.log_toggle = W.Checkbox(description='log scale', indent=False, layout=W.Layout(width='100px'))
         self.all_steps_toggle = W.Checkbox(description='all steps', indent=False, layout=W.Layout(width='100px'),
-                                           tooltip="weight grads at every training step (default: where the optimizer applied them)")
-        self.ov_ttype = W.Dropdown(description='ttype', options=list(TTYPES), value='weight_grad', layout=W.Layout(width='220px'))
+                                           tooltip="weight grads at every training step (default: where the optimizer "
+                                                   "applied them)")
+        self.ov_ttype = W.Dropdown(description='ttype', options=list(TTYPES), value='weight_grad',
+                                   layout=W.Layout(width='220px'))
         self.ov_stat = W.Dropdown(description='stat', layout=W.Layout(width='200px'))
-        self.fold_toggle = W.ToggleButton(value=True, description='fold', icon='compress', layout=W.Layout(width='80px'),
-                                          tooltip="map rows folded by the module tree (click a ▸ row to open it); off: a row per module")
+        self.fold_toggle = W.ToggleButton(value=True, description='fold', icon='compress',
+                                          layout=W.Layout(width='80px'),
+                                          tooltip="map rows folded by the module tree (click a ▸ row to open it); "
+                                                  "off: a row per module")
         self._collapsed = None   # the map's folded modules: None until the run's first map, then `auto_collapse`'s
         self.graph_toggle = W.ToggleButton(description='graph', icon='sitemap', layout=W.Layout(width='80px'),
-                                           tooltip="the model as a graph of its modules' data flow, coloured as the map")
+                                           tooltip="the model as a graph of its modules' data flow, "
+                                                   "coloured as the map")
         self.graph_search = W.Text(placeholder='find in the graph', layout=W.Layout(width='180px', display='none'))
         self._gview, self._graph_hits = None, []   # the run's `GraphView` (per run and rank), the nodes search found
         self.findings, self._finding, self._diag_at, self._diag_key = findings_frame([]), None, -math.inf, None
@@ -208,20 +221,26 @@ class Explorer(W.VBox):
         # a plot's zoomed step range: re-read at full resolution
         self._zoom, self._drawing, self._deferred = {'map': None, 'history': None}, False, False
         self._follow_zooms()
-        side = W.VBox([self.module_filter, self.module_picker, self.ttype_picker, self.tname_picker, self.stat_picker, self.log_toggle,
+        side = W.VBox([self.module_filter, self.module_picker, self.ttype_picker, self.tname_picker, self.stat_picker,
+                       self.log_toggle,
                        self.all_steps_toggle],
                       layout=W.Layout(width='260px', flex='0 0 260px'))
         hint = W.HTML('<small>map and bars: click a cell or a bar for that module\'s history of this ttype and stat; '
                       'click a ▸ row of the map to open it</small>')
-        self.children = [W.HBox([self.run_picker, self.overlay_picker, self.rank_picker, self.live_toggle, self.stop_button, self.status]),
+        self.children = [W.HBox([self.run_picker, self.overlay_picker, self.rank_picker, self.live_toggle,
+                                 self.stop_button, self.status]),
                          W.VBox([self.findings_head, self.findings_picker, self.finding_text]),
-                         W.HBox([self.ov_ttype, self.ov_stat, self.fold_toggle, self.graph_toggle, self.graph_search, hint]), W.HBox([side, self.fig])]
-        for w, fn in ((self.run_picker, 'show_run'), (self.overlay_picker, '_on_overlay'), (self.rank_picker, '_on_rank'), (self.module_filter, '_on_filter'),
-                      (self.module_picker, '_on_module'), (self.ttype_picker, '_on_ttype'), (self.tname_picker, '_on_history'),
-                      (self.stat_picker, '_on_history'), (self.log_toggle, '_on_log'), (self.all_steps_toggle, '_on_all_steps'),
-                      (self.ov_ttype, '_on_ov'),
+                         W.HBox([self.ov_ttype, self.ov_stat, self.fold_toggle, self.graph_toggle, self.graph_search,
+                                 hint]), W.HBox([side, self.fig])]
+        for w, fn in ((self.run_picker, 'show_run'), (self.overlay_picker, '_on_overlay'),
+                      (self.rank_picker, '_on_rank'), (self.module_filter, '_on_filter'),
+                      (self.module_picker, '_on_module'), (self.ttype_picker, '_on_ttype'),
+                      (self.tname_picker, '_on_history'),
+                      (self.stat_picker, '_on_history'), (self.log_toggle, '_on_log'),
+                      (self.all_steps_toggle, '_on_all_steps'), (self.ov_ttype, '_on_ov'),
                       (self.ov_stat, '_on_ov'), (self.fold_toggle, '_on_fold'), (self.live_toggle, '_on_live'),
-                      (self.findings_picker, 'show_finding'), (self.graph_toggle, '_on_graph'), (self.graph_search, '_on_graph_search')):
+                      (self.findings_picker, 'show_finding'), (self.graph_toggle, '_on_graph'),
+                      (self.graph_search, '_on_graph_search')):
             w.observe(self._guard(fn), 'value')
         self.stop_button.on_click(lambda _: self.stop())
         names = self._fill_runs()
@@ -234,7 +253,8 @@ class Explorer(W.VBox):
         if hasattr(self, '_stop'): self._stop.set()
         super().close()
 
-    def __repr__(self): return f"Explorer(run={getattr(self.run, 'name', None)!r}, module={self.module_picker.value!r}, db={self.db!r})"
+    def __repr__(self):
+        return f"Explorer(run={getattr(self.run, 'name', None)!r}, module={self.module_picker.value!r}, db={self.db!r})"
 
     def _guard(self, meth:str):
         "An observer that calls method `meth` with the new value, unless the explorer is updating its own selectors."
@@ -287,7 +307,9 @@ def show_run(self:Explorer, name:str):
         with self._quiet():
             self.run_picker.value = name
             many = len(self._ranks) > 1
-            _set_options(self.rank_picker, [(f'rank {r}', r) for r in self._ranks] + ([('all ranks', ALL), ('spread', SPREAD)] if many else []),
+            _set_options(self.rank_picker,
+                         [(f'rank {r}', r) for r in self._ranks]
+                         + ([('all ranks', ALL), ('spread', SPREAD)] if many else []),
                          prefer=[self._ranks[0]])
             self.rank_picker.layout.display = None if many else 'none'
             _set_options(self.ov_ttype, ov, prefer=['weight_grad', 'output'])
@@ -342,7 +364,8 @@ def _draw(self:Explorer,
         n = sum(1 for k in f.layout.to_plotly_json() if re.fullmatch(r'xaxis\d*', k))
         p.axes = list(range(len(PLOTS) + 1, len(PLOTS) + 1 + max(n, 1)))
         self._n_axes = max(self._n_axes, p.axes[-1])
-    p.src, p.height = (finite_json(f.layout.to_plotly_json()), (f.layout.height or 300) - 70) if f is not None else ({}, 0)
+    p.src, p.height = (finite_json(f.layout.to_plotly_json()),
+                       (f.layout.height or 300) - 70) if f is not None else ({}, 0)
     new = _traces(p, f) if f is not None else []
     self._drawing = True   # the layout set here is no zoom of the user's
     try: self._redraw(p, new, old)
@@ -351,11 +374,12 @@ def _draw(self:Explorer,
 
 @patch
 def _redraw(self:Explorer, p:Plot, new:list, old:tuple):
-    "Put traces `new` in place of plot `p`'s `old` ones and lay the figure out again (once at the end, in `_laid_out_once`)."
+    "Put traces `new` in place of plot `p`'s `old` ones and lay the figure out again (once, in `_laid_out_once`)."
     with self.fig.batch_update():
         if [(t.type, t.name, t.xaxis) for t in old] == [(t['type'], t.get('name'), t['xaxis']) for t in new]:
             for o, t in zip(old, new):
-                o.update({**{k: None for k in o.to_plotly_json() if k not in t and k not in ('type', 'uid')}, **{k: v for k, v in t.items() if k != 'type'}})
+                o.update({**{k: None for k in o.to_plotly_json() if k not in t and k not in ('type', 'uid')},
+                          **{k: v for k, v in t.items() if k != 'type'}})
         else:
             gone = {id(t) for t in old}
             self.fig.data = [t for t in self.fig.data if id(t) not in gone]
@@ -384,7 +408,8 @@ def _relayout(self:Explorer):
 @patch
 @contextmanager
 def _laid_out_once(self:Explorer):
-    "Within: plots redrawn without laying the figure out; at the end, once (plotly validates the whole layout each time)."
+    "Within: plots redrawn without laying the figure out; at the end, once."
+    # once: plotly validates the whole layout each time
     if self._deferred:
         yield; return
     self._deferred = True
@@ -451,58 +476,74 @@ def refresh_history(self:Explorer):
     "Redraw the history and the heatmap of the chosen tensor, of the rank(s) chosen."
     with self._lock, self._laid_out_once():
         module, ttype, tname = self._tensor()
-        stats, log, view, rank = list(self.stat_picker.value), self.log_toggle.value, self.rank_picker.value, self._rank()
+        stats, log, view, rank = (list(self.stat_picker.value), self.log_toggle.value, self.rank_picker.value,
+                                   self._rank())
         kinds, every = self._kinds_of(self.run, rank), self.all_steps_toggle.value
         shown = view_steps(kinds, ttype, self._steps, every)
         if (z := self._zoom['history']) is not None: shown = [s for s in shown if z[0] <= s <= z[1]]
-        h = (with_kinds(history(self.run, module, ttype, tname, self.max_points, steps=shown, rank=rank), kinds) if ttype
+        h = (with_kinds(history(self.run, module, ttype, tname, self.max_points, steps=shown, rank=rank), kinds)
+             if ttype
              else pd.DataFrame(columns=['step', 'rank']))
         # see `view_steps`
         over = 'over applied steps' if len(shown) < len(self._steps) and not every else 'over steps'
-        traces = (rank_traces(h, stats) if view == ALL else spread_traces(rank_spread(h, stats), stats) if view == SPREAD
+        traces = (rank_traces(h, stats) if view == ALL else spread_traces(rank_spread(h, stats), stats)
+                  if view == SPREAD
                   else history_traces(h, stats))
         # a thinned line: every step's extremes behind it
         if ttype and rank is not None and len(shown) > self.max_points:
-            env = module_envelope(self.run, module, ttype, rank, between=self._zoom['history'], stat=next((s for s in stats if s in MAP_STATS), None))
+            env = module_envelope(self.run, module, ttype, rank, between=self._zoom['history'],
+                                  stat=next((s for s in stats if s in MAP_STATS), None))
             traces = envelope_traces(env) + traces
         self.history_df, self.overlay_df = h, None
         if self.overlay is not None and ttype:
             orank = self._overlay_rank()
             ok = self._kinds_of(self.overlay, orank)
-            oh = history(self.overlay, module, ttype, tname, self.max_points, steps=view_steps(ok, ttype, ok['step'], every), rank=orank)
+            oh = history(self.overlay, module, ttype, tname, self.max_points,
+                         steps=view_steps(ok, ttype, ok['step'], every), rank=orank)
             self.overlay_df = with_kinds(oh, ok)
             traces += history_traces(self.overlay_df, stats, run=self.overlay.name, color=ORANGE)
         what = f"{module_label(module)} · {ttype or '—'}{f' {tname}' if tname and tname != ttype else ''}"
         if z is not None: over += f" {z[0]}–{z[1]} (double-click for all)"
-        if len(self._ranks) > 1: what += {ALL: ' · every rank', SPREAD: ' · all ranks (spread)'}.get(view, f' · rank {view}')
-        mark = [dict(type='line', x0=self._mark, x1=self._mark, yref='paper', y0=0, y1=1, line=dict(color='black', dash='dot', width=1))] if self._mark is not None else []
+        if len(self._ranks) > 1:
+            what += {ALL: ' · every rank', SPREAD: ' · all ranks (spread)'}.get(view, f' · rank {view}')
+        mark = [dict(type='line', x0=self._mark, x1=self._mark, yref='paper', y0=0, y1=1,
+                     line=dict(color='black', dash='dot', width=1))] if self._mark is not None else []
         it = iteration_text(kinds, self._mark)
         marked = f" · step {self._mark} marked" + (f" ({it})" if it else '') if self._mark is not None else ''
         zoomed = dict(xaxis_range=[z[0] - 0.5, z[1] + 0.5], xaxis_autorange=False) if z is not None else {}
-        self._draw('history', go.Figure(traces, layout=dict(title=f"{what} {over}{marked}", height=360, shapes=mark, xaxis_title=step_title(kinds),
-                                                           yaxis_type='log' if log else 'linear', yaxis_title=', '.join(stats), **zoomed)))
+        self._draw('history',
+                   go.Figure(traces,
+                             layout=dict(title=f"{what} {over}{marked}", height=360, shapes=mark,
+                                         xaxis_title=step_title(kinds),
+                                         yaxis_type='log' if log else 'linear', yaxis_title=', '.join(stats),
+                                         **zoomed)))
         hm = heatmap_traces(h) if ttype and rank is not None else []
-        self._draw('histogram', go.Figure(hm, layout=dict(title=f"{what}: histogram {over}", height=300, xaxis_title=step_title(kinds),
-                                                          yaxis_title='value')) if hm else None)
+        self._draw('histogram',
+                   go.Figure(hm,
+                             layout=dict(title=f"{what}: histogram {over}", height=300, xaxis_title=step_title(kinds),
+                                         yaxis_title='value')) if hm else None)
     return self
 
 # %% ../nbs/05a_explore.ipynb #58843acb
 @patch
 def refresh_overview(self:Explorer):
-    "Read the latest step of every module for the chosen ttype (of weight grads: the latest applied) and redraw its bars."
+    "Read every module's latest step of the chosen ttype (of weight grads: the latest applied) and redraw the bars."
     with self._lock:
         tt, f, every = self.ov_ttype.value, self._first_bad, self.all_steps_toggle.value
         shown = view_steps(self._kinds_of(self.run, self._rank()), tt, self._steps, every)
         before = [s for s in shown if f and s < f['step']]
         # blown up: its last finite step
         self._ov_step = before[-1] if before and tt != TIME and shown[-1] >= f['step'] else None
-        at = self._ov_step if self._ov_step is not None else shown[-1] if shown and shown[-1] != self._steps[-1] else None
-        read = (lambda r, k, s=None: latest_times(r, s, rank=k)) if tt == TIME else (lambda r, k, s=None: latest_by_module(r, tt, s, rank=k))
+        at = (self._ov_step if self._ov_step is not None
+              else shown[-1] if shown and shown[-1] != self._steps[-1] else None)
+        read = ((lambda r, k, s=None: latest_times(r, s, rank=k)) if tt == TIME
+                else (lambda r, k, s=None: latest_by_module(r, tt, s, rank=k)))
         self.overview_df = read(self.run, self._rank(), at) if self.run is not None else pd.DataFrame()
         if self.overlay is not None:
             ok = self._kinds_of(self.overlay, self._overlay_rank())
             last = view_steps(ok, tt, ok['step'], every)[-1:] if len(ok) else []
-            self._ov_overlay = read(self.overlay, self._overlay_rank(), last[0] if last and last[0] != ok['step'].iloc[-1] else None)
+            self._ov_overlay = read(self.overlay, self._overlay_rank(),
+                                    last[0] if last and last[0] != ok['step'].iloc[-1] else None)
         else: self._ov_overlay = None
         with self._quiet(): _set_options(self.ov_stat, stat_columns(self.overview_df), prefer=['norm', 'std'])
         return self._draw_overview()
@@ -513,10 +554,12 @@ def _draw_overview(self:Explorer):
     o, stat = self.overview_df, self.ov_stat.value
     flagged, ranks = self._first_bad and self._first_bad['module'], sorted(o['rank'].unique()) if 'rank' in o else []
     if len(ranks) > 1:   # every rank: its bars side by side, a colour per rank
-        traces = [t for i, r in enumerate(ranks) for t in overview_traces(o[o['rank'] == r], stat, self.module_picker.value, run=f'rank {r}',
-                                                                          color=RANK_COLORS[i % len(RANK_COLORS)], flagged=flagged)]
+        traces = [t for i, r in enumerate(ranks)
+                  for t in overview_traces(o[o['rank'] == r], stat, self.module_picker.value, run=f'rank {r}',
+                                           color=RANK_COLORS[i % len(RANK_COLORS)], flagged=flagged)]
     else: traces = overview_traces(o, stat, self.module_picker.value, flagged=flagged)
-    if self._ov_overlay is not None: traces += overview_traces(self._ov_overlay, stat, run=self.overlay.name, color=ORANGE)
+    if self._ov_overlay is not None:
+        traces += overview_traces(self._ov_overlay, stat, run=self.overlay.name, color=ORANGE)
     step, tt = o['step'].iloc[0] if len(o) else '—', self.ov_ttype.value
     f, kinds = self._first_bad, self._kinds_of(self.run, self._rank())
     if getattr(self, '_ov_step', None) is not None:
@@ -527,9 +570,14 @@ def _draw_overview(self:Explorer):
     k = kinds.loc[kinds['step'] == step, 'kind'] if kinds is not None and len(o) else []
     kind = f" · a{'n' if k.iloc[0] == 'eval' else ''} {k.iloc[0]} step" if len(k) and k.iloc[0] != 'train' else ''
     log = self.log_toggle.value
-    self._draw('bars', go.Figure(traces, layout=dict(title=f"{at}: {stat or '—'}{'' if tt == TIME else f' of {tt}'} per module (click a bar){kind}",
-                                                     height=340, yaxis=log_axis([v for t in traces if t.y is not None for v in t.y]) if log else dict(type='linear'),
-                                                     xaxis=bars_axis(len(o)))))
+    self._draw('bars',
+               go.Figure(traces,
+                         layout=dict(title=f"{at}: {stat or '—'}{'' if tt == TIME else f' of {tt}'} per module "
+                                           f"(click a bar){kind}",
+                                     height=340,
+                                     yaxis=log_axis([v for t in traces if t.y is not None for v in t.y]) if log
+                                     else dict(type='linear'),
+                                     xaxis=bars_axis(len(o)))))
     for t in self.plots['bars'].data:
         if t.type == 'bar': t.on_click(self._on_bar_click)
     return self
@@ -537,7 +585,7 @@ def _draw_overview(self:Explorer):
 # %% ../nbs/05a_explore.ipynb #c3b0ee1f
 @patch
 def select(self:Explorer, module:str, ttype:str=None, stat:str=None, step:int=None):
-    "Show `module`'s history (of `ttype` and `stat` where it has them, `step` marked), as a click on a bar or cell does."
+    "Show `module`'s history (`ttype`, `stat` where it has them, `step` marked), as a click on a bar or cell does."
     with self._lock, self._laid_out_once():
         if module not in [v for _, v in self.module_picker.options]: self.module_filter.value = ''
         self._mark = step
@@ -555,7 +603,8 @@ def select(self:Explorer, module:str, ttype:str=None, stat:str=None, step:int=No
 @patch
 def _on_bar_click(self:Explorer, trace, points, state=None):
     tt = self.ov_ttype.value
-    if points.point_inds: self.select(trace.customdata[points.point_inds[0]], None if tt == TIME else tt, self.ov_stat.value)
+    if points.point_inds:
+        self.select(trace.customdata[points.point_inds[0]], None if tt == TIME else tt, self.ov_stat.value)
 
 @patch
 def _on_map_click(self:Explorer, trace, points, state=None):
@@ -605,7 +654,7 @@ def _on_fold(self:Explorer, on:bool):
 # %% ../nbs/05a_explore.ipynb #1a42e159
 @patch
 def refresh_map(self:Explorer):
-    "Redraw the map of every module over steps, for the chosen ttype and stat (norm where the map cannot show that stat)."
+    "Redraw the map of every module over steps for the chosen ttype and stat (the norm where it cannot show that stat)."
     with self._lock:
         tt, stat = self.ov_ttype.value, self.ov_stat.value
         if self.run is None or tt == TIME: return self
@@ -613,11 +662,14 @@ def refresh_map(self:Explorer):
         kinds = self._kinds_of(self.run, self._rank())
         shown = view_steps(kinds, tt, self._steps, self.all_steps_toggle.value)
         some = len(shown) < len(self._steps)   # weight grads at the applied steps only
-        m = module_map(self.run, tt, self._map_stat, rank=self._rank(), steps=shown if some else None, between=self._zoom['map'])
-        if self._collapsed is None and self.fold_toggle.value: self._collapsed = auto_collapse(self.run.tree(), m['modules'])
+        m = module_map(self.run, tt, self._map_stat, rank=self._rank(), steps=shown if some else None,
+                       between=self._zoom['map'])
+        if self._collapsed is None and self.fold_toggle.value:
+            self._collapsed = auto_collapse(self.run.tree(), m['modules'])
         m = self.map_data = fold_map(m, self.run, self._map_stat, self._collapsed or set())
         self._map_rows = dict(zip(map_labels(m, self.run), m['modules']))
-        f = map_figure(m, self.run, tt, self._map_stat, first=self._first_bad, kinds=kinds, applied=some and not self.all_steps_toggle.value)
+        f = map_figure(m, self.run, tt, self._map_stat, first=self._first_bad, kinds=kinds,
+                       applied=some and not self.all_steps_toggle.value)
         # the range set: a double-click then asks for the whole run (autorange)
         if (z := self._zoom['map']) is not None:
             f.update_layout(title_text=f.layout.title.text + f" · steps {z[0]}–{z[1]} (double-click for all)",
@@ -634,7 +686,8 @@ def refresh_scalars(self:Explorer):
         other = self.overlay.steps(self._overlay_rank()) if self.overlay is not None else None
         f = self._first_bad
         fig = scalars_figure(self.run.steps(self._ranks[0] if self._rank() is None else self._rank()), other,
-                             (self.run.name, self.overlay.name if self.overlay else ''), f and f['step'], self.max_points,
+                             (self.run.name, self.overlay.name if self.overlay else ''), f and f['step'],
+                             self.max_points,
                              all_steps=self.all_steps_toggle.value)
         self._draw('scalars', fig)
     return self
@@ -702,10 +755,12 @@ def refresh_findings(self:Explorer, force:bool=False):
     "List what `diagnose` finds in the run and rank shown, once per new step (live: see `DIAGNOSE_EVERY`)."
     with self._lock:
         if self.run is None: return self
-        key = (self.run.id, self._rank(), len(self._steps), self._steps[-1] if self._steps else None, self._first_bad is not None)
+        key = (self.run.id, self._rank(), len(self._steps), self._steps[-1] if self._steps else None,
+               self._first_bad is not None)
         # a first NaN/Inf just came: listed at once, even live
         news = self._diag_key is None or key[-1] != self._diag_key[-1]
-        if not force and (key == self._diag_key or not news and self.live_toggle.value and time.monotonic() - self._diag_at < DIAGNOSE_EVERY):
+        if not force and (key == self._diag_key or not news and self.live_toggle.value
+                          and time.monotonic() - self._diag_at < DIAGNOSE_EVERY):
             return self
         self._diag_at, self._diag_key = time.monotonic(), key
         was = finding_label(self.findings.iloc[self._finding]) if self._finding is not None else None
@@ -713,7 +768,8 @@ def refresh_findings(self:Explorer, force:bool=False):
         except Exception as e: self.findings, failed = findings_frame([]), f"{type(e).__name__}: {e}"
         f, labels = self.findings, [finding_label(r) for _, r in self.findings.iterrows()]
         self.findings_head.value = ("<b>Findings</b> · " + (f"diagnose failed: {html.escape(failed)}" if failed else
-                                    f"{severity_counts(f)} · pick one to see its evidence" if len(f) else "none: diagnose() found nothing wrong in the last steps"))
+                                    f"{severity_counts(f)} · pick one to see its evidence" if len(f)
+                                    else "none: diagnose() found nothing wrong in the last steps"))
         keep = labels.index(was) if was in labels else None
         with self._quiet():
             self.findings_picker.options = [(l, i) for i, l in enumerate(labels)]
@@ -734,13 +790,19 @@ def show_finding(self:Explorer, i:int|None, select:bool=True):
         f = self.findings.iloc[i]
         esc = lambda s: html.escape(s, quote=False)
         self.finding_text.value = (f"<div style='max-width:1200px'>{esc(f['message'])}"
-                                   + (f" <small style='color:#666'>(expected: {esc(f['expected'])})</small>" if f['expected'] else '') + '</div>')
-        try: fig = evidence_figure(evidence(self.run, f, rank=self._rank(), kinds=self._kinds_of(self.run, self._rank())), f)
-        except Exception as e: fig, self.finding_text.value = None, self.finding_text.value + f"<small>no evidence: {html.escape(f'{type(e).__name__}: {e}')}</small>"
+                                   + (f" <small style='color:#666'>(expected: {esc(f['expected'])})</small>"
+                                      if f['expected'] else '') + '</div>')
+        try:
+            fig = evidence_figure(evidence(self.run, f, rank=self._rank(),
+                                           kinds=self._kinds_of(self.run, self._rank())), f)
+        except Exception as e:
+            msg = html.escape(f'{type(e).__name__}: {e}')
+            fig, self.finding_text.value = None, self.finding_text.value + f"<small>no evidence: {msg}</small>"
         self._draw('evidence', fig)
         # the history shows the norm where the finding judged the RMS (norm / √elements)
         if select and isinstance(f['module'], str):
-            self.select(f['module'], f['ttype'] if isinstance(f['ttype'], str) else None, 'norm' if f['stat'] == 'rms' else f['stat'], int(f['step']))
+            self.select(f['module'], f['ttype'] if isinstance(f['ttype'], str) else None,
+                        'norm' if f['stat'] == 'rms' else f['stat'], int(f['step']))
     return self
 
 # %% ../nbs/05a_explore.ipynb #f8c511e0
@@ -762,7 +824,8 @@ def refresh_graph(self:Explorer):
         stat = self.ov_stat.value if self.ov_stat.value in MAP_STATS else 'norm'
         try:
             v, why = self.graph_view(), 'this run stored no graph (captured on its first recorded training step)'
-            f = v.figure(tt, stat, findings=self.findings, highlight=self._graph_hits) if v is not None and tt != TIME else None
+            f = v.figure(tt, stat, findings=self.findings,
+                         highlight=self._graph_hits) if v is not None and tt != TIME else None
         except Exception as e: f, why = None, f"no graph: {type(e).__name__}: {e}"   # the rest of the explorer works on
         if f is None:
             self.graph_toggle.tooltip = 'the graph is coloured by stats: pick a ttype' if tt == TIME else why
@@ -813,7 +876,9 @@ def explore(db=None,      # store path or URL; default the default store
     "Open the explorer on store `db`, showing `run`."
     try: return Explorer(db=db, run=run, **kwargs)
     except StoreError as e:
-        if run is None and _a_default_run(db): raise StoreError(f"{e}; explore(db, run) takes the store first: for run {db!r} of the default store, explore(run={db!r})") from None
+        if run is None and _a_default_run(db):
+            raise StoreError(f"{e}; explore(db, run) takes the store first: for run {db!r} of the default store, "
+                             f"explore(run={db!r})") from None
         raise
 
 def _a_default_run(name)->bool:
