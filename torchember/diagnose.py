@@ -1,4 +1,4 @@
-"""Which module went wrong first: spikes, dead units, vanishing or exploding grads, update ratios, and where two runs part.
+"""Which module went wrong first: spikes, dead units, vanishing or exploding grads, update ratios, where runs part.
 
 Docs: https://torchember.github.io/torchember/diagnose.html.md"""
 
@@ -17,10 +17,11 @@ from fastcore.basics import patch
 from .store import engine, db_url, ROLLUP_WIDTHS
 from fnmatch import fnmatchcase
 from .query import Run, flow_order, _one_rank
-from .diagnose_reads import (WATCHED, GRAD_NORM, GRADS, _names, eval_steps, micro_steps, module_norms, signals,
-                                       module_rms, rollup_norms, zero_inputs, weight_updates, _grads_only, COMPARED,
-                                       _KEY, _fetch, _plain, _sums, fingerprints, step_digests, _prints, module_prints,
-                                       _frame, stat_rows, _pairs_sql, _step_range, run_steps, nonfinite_steps)
+from .diagnose_reads import (WATCHED, GRAD_NORM, GRADS, _names, eval_steps, micro_steps, module_norms,
+                                       signals, module_rms, rollup_norms, zero_inputs, weight_updates, _grads_only,
+                                       COMPARED, _KEY, _fetch, _plain, _sums, fingerprints, step_digests, _prints,
+                                       module_prints, _frame, stat_rows, _pairs_sql, _step_range, run_steps,
+                                       nonfinite_steps)
 
 # %% auto #0
 __all__ = ['COLUMNS', 'SEVERITIES', 'MAD_SIGMA', 'FINDINGS', 'PARAMS', 'OWN', 'KINDS', 'BEYOND', 'RANGE', 'MIN_BAND', 'ORDER',
@@ -34,7 +35,8 @@ __all__ = ['COLUMNS', 'SEVERITIES', 'MAD_SIGMA', 'FINDINGS', 'PARAMS', 'OWN', 'K
            'with_causes', 'load_findings', 'findings_table', 'diff']
 
 # %% ../nbs/03a_diagnose.ipynb #3281537f
-COLUMNS = ['kind', 'severity', 'step', 'iteration', 'module', 'mtype', 'ttype', 'tname', 'stat', 'value', 'expected', 'message']
+COLUMNS = ['kind', 'severity', 'step', 'iteration', 'module', 'mtype', 'ttype', 'tname', 'stat', 'value', 'expected',
+           'message']
 SEVERITIES = ('error', 'warning', 'info')
 MAD_SIGMA = 1.4826   # MAD x this estimates the standard deviation of normal data
 
@@ -115,7 +117,8 @@ _REGISTERED = []   # functions called after each registration (`diagnose`'s sign
 def register_finding(f:FindingKind)->FindingKind:
     "Declare finding `f` (a kind declared again is replaced in place, as a notebook cell run again does)."
     _need(isinstance(f.kind, str) and f.kind.isidentifier(), 'register_finding', 'kind', f.kind, 'a name', ValueError)
-    _need(f.severity in SEVERITIES, 'register_finding', 'severity', f.severity, f"one of {', '.join(SEVERITIES)}", ValueError)
+    _need(f.severity in SEVERITIES, 'register_finding', 'severity', f.severity, f"one of {', '.join(SEVERITIES)}",
+          ValueError)
     for p in f.params:
         other = next((k for k, e in FINDINGS.items() if k != f.kind and any(q.name == p.name for q in e.params)), None)
         if p.name in OWN or other and PARAMS[p.name].default != p.default:
@@ -126,7 +129,7 @@ def register_finding(f:FindingKind)->FindingKind:
     return f
 
 def detector(kind:str, severity:str='warning', params:tuple=(), **kw)->Callable:
-    "Decorator: register the function it decorates as the detector of a new kind of finding (`FindingKind`'s fields in `kw`)."
+    "Decorator: make the decorated function the detector of a new kind of finding (`FindingKind`'s fields in `kw`)."
     def deco(detect): register_finding(FindingKind(kind, severity, detect, tuple(params), **kw)); return detect
     return deco
 
@@ -146,7 +149,7 @@ KINDS = _Kinds()   # the kinds of finding, in `FINDINGS`' order (a registration 
 
 # %% ../nbs/03a_diagnose.ipynb #ff3910d9
 def _before(values:np.ndarray, window:int, rows=None)->np.ndarray:
-    "Steps (or `rows` of them) x series x `window`: for each value, the `window` values before it in its column (NaN first)."
+    "Steps (or `rows`) x series x `window`: for each value, the `window` values before it in its column (NaN first)."
     n, k = values.shape
     pad = np.vstack([np.full((window, k), np.nan), values.astype(float)])
     win = np.lib.stride_tricks.sliding_window_view(pad, window, axis=0)[:n]   # a view, no copy
@@ -173,7 +176,7 @@ def _nanmedian(a:np.ndarray, n:np.ndarray)->np.ndarray:
     return (pick(lo) + pick(hi)) / 2
 
 def trailing_range(values:np.ndarray, window:int, rows=None)->tuple:
-    "`(smallest, largest)` of the `window` values before each value (of `rows`) in its column (NaN where there are none)."
+    "`(smallest, largest)` of the `window` values before each value (of `rows`) in its column (NaN where none)."
     win = _before(values, window, rows)
     with warnings.catch_warnings():
         warnings.simplefilter('ignore', RuntimeWarning)   # a window with no value: NaN, said by numpy
@@ -189,8 +192,10 @@ def band_edges(values:np.ndarray, window:int, spike:float, factor:float, min_ste
     med, mad = bands(values, window, min_steps, rows)
     bottom, top = trailing_range(values, min(window, RANGE), rows)
     with np.errstate(invalid='ignore'):
-        hi = np.maximum(np.maximum(med + spike * MAD_SIGMA * mad, med + (factor - 1) * np.abs(med)), top + BEYOND * (top - med))
-        lo = np.minimum(np.minimum(med - spike * MAD_SIGMA * mad, med - (1 - 1 / factor) * np.abs(med)), bottom - BEYOND * (med - bottom))
+        hi = np.maximum(np.maximum(med + spike * MAD_SIGMA * mad, med + (factor - 1) * np.abs(med)),
+                        top + BEYOND * (top - med))
+        lo = np.minimum(np.minimum(med - spike * MAD_SIGMA * mad, med - (1 - 1 / factor) * np.abs(med)),
+                        bottom - BEYOND * (med - bottom))
         # a series never below 0 (a norm): no band below 0
         lo = np.where((values < 0).any(axis=0), lo, np.maximum(lo, 0))
     return lo, hi, med, mad
@@ -205,7 +210,7 @@ def left_band(x, lo, hi, up_only:bool=False)->np.ndarray:
 
 # %% ../nbs/03a_diagnose.ipynb #7727a303
 def upward_edges(values:np.ndarray, window:int, spike:float, factor:float, min_steps:int)->tuple:
-    "`(lo, hi, median)` of `band_edges` at the values that could leave their band upward; NaN at the rest, which cannot."
+    "`(lo, hi, median)` of `band_edges` at the values that could leave their band upward; NaN at the rest."
     top = trailing_range(values, min(window, RANGE))[1]
     with np.errstate(invalid='ignore'): rows = np.nonzero((values > top).any(1))[0]
     out = tuple(np.full(values.shape, np.nan) for _ in range(3))
@@ -229,7 +234,7 @@ def _band_text(lo, hi, med): return f"{lo:.4g} to {hi:.4g} (around the median {m
 def onset(y:np.ndarray,   # one series' values, in log10, up to and with its departure (the last)
           least:int=5,    # the level before a drift is made of this many values at least
          )->int:          # the index at which the series began to move: the last one for a jump
-    "Where a series that left its band began to move: a drift's start (a level, then a line in log), else its last step."
+    "Where a series that left its band began to move: a drift's start (level, then a line in log), else its last step."
     ok = np.isfinite(y)
     if ok.sum() < least + 3 or not ok[-1]: return len(y) - 1
     t, y = np.arange(len(y))[ok], y[ok]
@@ -254,14 +259,16 @@ PERSIST = 5    # a weight's drift: `factor` times off the median of a full windo
 DRIFTS = ('weight',)   # judged for drifts too: outputs and grads wander by themselves while a model learns
 
 def _drifted(x:np.ndarray, med:np.ndarray, full:np.ndarray, factor:float)->np.ndarray:
-    "Where `x` lies `factor` times off its band's median `PERSIST` steps in a row, with a full band (a drift widens the MAD)."
+    "Where `x` lies `factor` times off its band's median `PERSIST` steps in a row, with a full band."
+    # `factor` off the median, not sigmas: a drift widens the MAD
     with np.errstate(invalid='ignore', divide='ignore'):
         off = full & ((np.abs(x) > factor * np.abs(med)) | (np.abs(x) < np.abs(med) / factor))
     off = np.nan_to_num(off, nan=False).astype(bool)
     run = np.zeros(off.shape, int)                       # how many steps in a row it has been off, at each step
     for i in range(len(off)): run[i] = np.where(off[i], (run[i - 1] if i else 0) + 1, 0)
     spell = np.zeros(off.shape, bool)                    # the whole spell, from its first step, where it lasted PERSIST
-    for i in range(len(off) - 1, -1, -1): spell[i] = off[i] & ((run[i] >= PERSIST) | (spell[i + 1] if i + 1 < len(off) else False))
+    for i in range(len(off) - 1, -1, -1):
+        spell[i] = off[i] & ((run[i] >= PERSIST) | (spell[i + 1] if i + 1 < len(off) else False))
     return spell
 
 DEPARTURE_COLUMNS = ['step', 'onset', 'until', 'module_id', 'ttype', 'value', 'median', 'lo', 'hi']
@@ -302,7 +309,7 @@ def departures(wide:pd.DataFrame,  # `module_rms`: steps x (module id, ttype)
 SLACK = 2   # a drift's start is fitted: within this many steps of it, the tensor computed first is the root
 
 def causal_key(ttype:str, module_id:int, pos:dict)->tuple:
-    "Where a tensor comes in a step: weights, then the forward as calls returned (`pos`), then grads from the output back."
+    "Where a tensor comes in a step: weights, the forward as calls returned (`pos`), then grads from the output back."
     p = pos.get(module_id, math.inf)
     return (ORDER.index(ttype), -p if ttype == 'weight_grad' else p)
 
@@ -311,7 +318,8 @@ def episodes(deps:pd.DataFrame,   # `departures`
             )->list:              # dicts: rows (departures, first the root), root, until (its last step outside)
     "`deps` grouped: each departure joins the episode still outside its band at its onset, else begins one."
     if deps.empty: return []
-    d = deps.assign(key=[(o, *causal_key(t, m, pos)) for o, t, m in zip(deps['onset'], deps['ttype'], deps['module_id'])])
+    d = deps.assign(key=[(o, *causal_key(t, m, pos))
+                         for o, t, m in zip(deps['onset'], deps['ttype'], deps['module_id'])])
     eps = []
     for _, r in d.sort_values('key', kind='stable').iterrows():
         live = [e for e in eps if e['until'] + GAP >= r['onset']]
@@ -367,7 +375,8 @@ def run_episodes(run:Run, rank:int, first:int, hi:int, window:int, spike:float, 
         pointed = rolled_departures(run, rank, first, hi, window, spike, factor)[:MOST_POINTED]
         near = [(a - LOOK_BACK - window, a + ROLLUP_WIDTHS[0]) for a in [*events, *pointed]]
         spans = _spans(near + [(hi - 2 * window, hi)], first, hi)   # and the run's last steps, as the other checks
-    deps = [departures(module_rms(run, rank, a, b, root), window, spike, factor, start=a + window if a > first else None)
+    deps = [departures(module_rms(run, rank, a, b, root), window, spike, factor,
+                       start=a + window if a > first else None)
             for a, b in spans]
     deps = [d for d in deps if len(d)]
     return episodes(pd.concat(deps, ignore_index=True) if deps else pd.DataFrame(), _exit_order(run, rank, hi, names))
@@ -378,7 +387,8 @@ def episode_of(eps:list, step:int, lead:int)->dict|None:
     live = [e for e in eps if e['root']['onset'] <= step <= e['until'] + lead]
     return max(live, key=lambda e: (min(e['until'], step), -e['root']['onset'])) if live else None
 
-def _later(n:int, word:str='later')->str: return 'at the same step' if n == 0 else f"{n} step{'s' if n != 1 else ''} {word}"
+def _later(n:int, word:str='later')->str:
+    return 'at the same step' if n == 0 else f"{n} step{'s' if n != 1 else ''} {word}"
 
 def _by(value:float, median:float)->str:
     "How far `value` is from `median`, as a factor: '10,032x', '4.84x', '1/3.2'."
@@ -421,7 +431,7 @@ def signal_spikes(sig:pd.DataFrame,   # `signals`: steps x logged scalars and th
                   window:int, spike:float, factor:float,
                   most:int=5,         # the first this many spikes
                  )->list:
-    "Findings for the first `most` upward spikes of `sig`'s signals, anywhere in the run; `diagnose` adds what each followed."
+    "Findings for the first `most` upward spikes of `sig`'s signals in the run; `diagnose` adds what each followed."
     out = []
     if sig.empty: return out
     x, steps = sig.to_numpy(float), sig.index.to_numpy()
@@ -457,7 +467,7 @@ def _calm_grad_spike(f:dict, sig:pd.DataFrame, window:int, spike:float, factor:f
 
 # %% ../nbs/03a_diagnose.ipynb #fbb994f6
 def dead_modules(norms:pd.DataFrame, names:pd.DataFrame, lo:int, dead:float, min_steps:int=3,
-                 zeros_in=None,   # `zero_inputs` as a function of the candidates' ids: those handed zeros only pass them on
+                 zeros_in=None,   # `zero_inputs` of the candidates' ids: those handed zeros only pass them on
                 )->list:
     "Findings for modules whose output was at least `dead` zeros on every recorded step from `lo`, and inputs were not."
     out = norms[(norms['ttype'] == 'output') & norms['zero_frac'].notna()]
@@ -471,10 +481,13 @@ def dead_modules(norms:pd.DataFrame, names:pd.DataFrame, lo:int, dead:float, min
         alive = out[(out['module_id'] == mid) & (out['zero_frac'] < dead)]['step']
         since = int(out[(out['module_id'] == mid) & (out['step'] > (alive.max() if len(alive) else -1))]['step'].min())
         name, mtype = names.loc[mid, 'module'], names.loc[mid, 'mtype']
-        res.append(finding('dead', 'warning', since, f"module {name!r} ({mtype}) outputs (almost) only zeros: at least {dead:.0%} "
+        res.append(finding('dead', 'warning', since,
+                           f"module {name!r} ({mtype}) outputs (almost) only zeros: at least {dead:.0%} "
                            f"on every recorded step since step {since}; its units no longer pass a signal or a gradient"
-                           + (f"; {len(passed)} more output{'s' if len(passed) > 1 else ''} of zeros, from modules handed only zeros, not listed" if passed else ''),
-                           module=name, mtype=mtype, ttype='output', stat='zero_frac', value=r['zf'], expected=f"< {dead:g}"))
+                           + (f"; {len(passed)} more output{'s' if len(passed) > 1 else ''} of zeros, from modules "
+                              "handed only zeros, not listed" if passed else ''),
+                           module=name, mtype=mtype, ttype='output', stat='zero_frac', value=r['zf'],
+                           expected=f"< {dead:g}"))
     return res
 
 # %% ../nbs/03a_diagnose.ipynb #ce4b0cb6
@@ -488,14 +501,16 @@ def _forward_order(run:Run, rank:int, step:int, names:pd.DataFrame)->list:
 def _grad_rms(norms:pd.DataFrame)->pd.DataFrame:
     "Steps x module ids: each module's weight grad RMS; no entry for zero grads."
     g = norms[(norms['ttype'] == 'weight_grad') & (norms['sq'] > 0) & (norms['numel'] > 0)]
-    return g.assign(rms=(g['sq'] / g['numel']) ** .5).pivot_table(index='step', columns='module_id', values='rms', aggfunc='first')
+    return g.assign(rms=(g['sq'] / g['numel']) ** .5).pivot_table(index='step', columns='module_id', values='rms',
+                                                                  aggfunc='first')
 
 def across_depth(rms:pd.Series, order:list, names:pd.DataFrame, step:int, orders:float)->list:
-    "Findings where weight grads (RMS by module at `step`) change by `orders` magnitudes from the output back to the input."
+    "Findings where weight grad RMS by module at `step` changes `orders` magnitudes from the output back to the input."
     back = [i for i in reversed(order) if i in rms.index and np.isfinite(rms[i])]
     if len(back) < 3: return []
     g, res = rms[back].to_numpy(float), []
-    for kind, pick, worse in (('vanishing', np.argmin, lambda v, ref: v < ref / 10), ('exploding', np.argmax, lambda v, ref: v > ref * 10)):
+    for kind, pick, worse in (('vanishing', np.argmin, lambda v, ref: v < ref / 10),
+                              ('exploding', np.argmax, lambda v, ref: v > ref * 10)):
         k = int(pick(g))
         ref = g[:k + 1].max() if kind == 'vanishing' else g[:k + 1].min()
         span = abs(math.log10(g[k] / ref))
@@ -505,15 +520,17 @@ def across_depth(rms:pd.Series, order:list, names:pd.DataFrame, step:int, orders
         mid = back[start]
         name, mtype = names.loc[mid, 'module'], names.loc[mid, 'mtype']
         toward = 'shrink' if kind == 'vanishing' else 'grow'
-        res.append(finding(kind, 'warning', step, f"weight grads {toward} {span:.1f} orders of magnitude from the output back to "
-                           f"module {names.loc[back[k], 'module']!r} at step {step}; it starts at module {name!r} ({mtype}), the first, "
-                           f"going back from the output, whose grad RMS is 10x {'below' if kind == 'vanishing' else 'above'} a later layer's",
+        res.append(finding(kind, 'warning', step,
+                           f"weight grads {toward} {span:.1f} orders of magnitude from the output back to "
+                           f"module {names.loc[back[k], 'module']!r} at step {step}; it starts at module {name!r} "
+                           f"({mtype}), the first, going back from the output, whose grad RMS is 10x "
+                           f"{'below' if kind == 'vanishing' else 'above'} a later layer's",
                            module=name, mtype=mtype, ttype='weight_grad', stat='rms', value=g[start],
                            expected=f"within {orders:g} orders of magnitude of {ref:.3g}"))
     return res
 
 def over_steps(rms:pd.DataFrame, order:list, names:pd.DataFrame, orders:float)->list:
-    "Findings where a module's weight grad RMS moved `orders` magnitudes over `rms`'s steps: the module that moved first."
+    "Findings where a module's weight grad RMS moved `orders` magnitudes over `rms`'s steps: the first to move."
     if len(rms) < 3: return []
     start = rms.iloc[:3].median()
     change = np.log10(rms.div(start, axis=1))
@@ -525,15 +542,17 @@ def over_steps(rms:pd.DataFrame, order:list, names:pd.DataFrame, orders:float)->
         pos = {m: -i for i, m in enumerate(order)}   # ties: the later layer first, as backward reaches it first
         mid = min(far, key=lambda m: (crossed[m], pos.get(m, 0)))
         name, mtype, last = names.loc[mid, 'module'], names.loc[mid, 'mtype'], int(rms.index[-1])
-        res.append(finding(kind, 'warning', int(crossed[mid]), f"weight grads of {len(far)} module(s) {'shrank' if sign < 0 else 'grew'} "
-                           f"{orders:g}+ orders of magnitude between steps {int(rms.index[0])} and {last}; module {name!r} ({mtype}) moved "
-                           f"an order first, at step {int(crossed[mid])}", module=name, mtype=mtype, ttype='weight_grad', stat='rms',
-                           value=rms[mid].iloc[-1], expected=f"within {orders:g} orders of magnitude of {start[mid]:.3g}"))
+        res.append(finding(kind, 'warning', int(crossed[mid]),
+                           f"weight grads of {len(far)} module(s) {'shrank' if sign < 0 else 'grew'} "
+                           f"{orders:g}+ orders of magnitude between steps {int(rms.index[0])} and {last}; "
+                           f"module {name!r} ({mtype}) moved an order first, at step {int(crossed[mid])}",
+                           module=name, mtype=mtype, ttype='weight_grad', stat='rms', value=rms[mid].iloc[-1],
+                           expected=f"within {orders:g} orders of magnitude of {start[mid]:.3g}"))
     return res
 
 # %% ../nbs/03a_diagnose.ipynb #a65be04e
 def update_ratios(run:Run, rank:int, lo:int, hi:int, names:pd.DataFrame, band:tuple)->list:
-    "Findings for weights whose median ‖Δw‖/‖w‖ over `lo..hi` lies outside `band` (needs `track_updates=True`)."
+    "Findings for weights whose median ‖Δw‖/‖w‖ over `lo..hi` is outside `band` (needs `track_updates=True`)."
     df = weight_updates(run, rank, lo, hi)
     # biases: 0
     df = df[[bool(u) and bool(n) and 'bias' not in t for u, n, t in zip(df['update'], df['norm'], df['tname'])]]
@@ -546,11 +565,14 @@ def update_ratios(run:Run, rank:int, lo:int, hi:int, names:pd.DataFrame, band:tu
     for mid, per in out.groupby(level=0):
         # the farthest out
         (_, tname), r = max(per.items(), key=lambda kv: abs(math.log10(kv[1] / math.sqrt(lo_b * hi_b))))
-        first = int(df[(df['module_id'] == mid) & (df['tname'] == tname) & ((df['ratio'] < lo_b) | (df['ratio'] > hi_b))]['step'].min())
+        first = int(df[(df['module_id'] == mid) & (df['tname'] == tname)
+                       & ((df['ratio'] < lo_b) | (df['ratio'] > hi_b))]['step'].min())
         name, mtype = names.loc[mid, 'module'], names.loc[mid, 'mtype']
         big = r > hi_b
-        res.append(finding('update_ratio', 'warning' if big else 'info', first, f"module {name!r} ({mtype}): each step moves its {tname} by {r:.2g} of its "
-                           f"norm (‖Δw‖/‖w‖, median of steps {df['step'].min()}..{df['step'].max()}), {'above' if big else 'below'} the usual {lo_b:g}..{hi_b:g}: "
+        res.append(finding('update_ratio', 'warning' if big else 'info', first,
+                           f"module {name!r} ({mtype}): each step moves its {tname} by {r:.2g} of its "
+                           f"norm (‖Δw‖/‖w‖, median of steps {df['step'].min()}..{df['step'].max()}), "
+                           f"{'above' if big else 'below'} the usual {lo_b:g}..{hi_b:g}: "
                            f"its learning rate looks too {'large' if big else 'small'}",
                            module=name, mtype=mtype, ttype='weight', tname=tname, stat='update_ratio', value=r,
                            expected=f"{lo_b:g}..{hi_b:g}"))
@@ -558,21 +580,24 @@ def update_ratios(run:Run, rank:int, lo:int, hi:int, names:pd.DataFrame, band:tu
 
 # %% ../nbs/03a_diagnose.ipynb #47b9f34f
 def nonfinite_finding(run:Run, rank:int, hi:int)->list:
-    "The run's first NaN or Inf up to step `hi` as a finding: an error, unless only grads ever held one (a skipped step)."
+    "The run's first NaN or Inf up to step `hi` as a finding: an error, unless only grads held one (a skipped step)."
     f = run.first_nonfinite(rank=rank)
     if f is None or f['step'] > hi: return []
     what = ' and '.join(f"{n} {k}" for n, k in ((f['nan_count'], 'NaN'), (f['inf_count'], 'Inf')) if n)
     n = _grads_only(run, rank, hi) if f['ttype'] in GRADS else None
-    skipped = ('' if n is None else f"; only grads ever held NaN/Inf ({n} step{'s' if n > 1 else ''}) and every weight, input and output stayed "
-               "finite: the optimizer skipped those steps, as AMP's GradScaler does after an overflow")
-    return [finding('nonfinite', 'error' if n is None else 'warning', f['step'], f"module {f['module']!r} ({f['mtype']}) made the run's "
+    skipped = ('' if n is None else
+               f"; only grads ever held NaN/Inf ({n} step{'s' if n > 1 else ''}) and every weight, input and output "
+               "stayed finite: the optimizer skipped those steps, as AMP's GradScaler does after an overflow")
+    return [finding('nonfinite', 'error' if n is None else 'warning', f['step'],
+                    f"module {f['module']!r} ({f['mtype']}) made the run's "
                     f"first non-finite values at step {f['step']}: {what} in its {f['ttype']} {f['tname']!r}{skipped}",
                     module=f['module'], mtype=f['mtype'], ttype=f['ttype'],
-                    tname=f['tname'], stat='nan_count' if f['nan_count'] else 'inf_count', value=f['nan_count'] or f['inf_count'], expected='0')]
+                    tname=f['tname'], stat='nan_count' if f['nan_count'] else 'inf_count',
+                    value=f['nan_count'] or f['inf_count'], expected='0')]
 
 # %% ../nbs/03a_diagnose.ipynb #18eab98d
 class Look:
-    "What a detector looks at: `run`'s `rank` up to step `hi`, the `window` steps `lo..hi`, and what several read, once."
+    "What a detector looks at: `run`'s `rank` up to step `hi`, the `window` steps `lo..hi`, what several read, once."
     def __init__(self, run:Run, rank:int, hi:int, window:int):
         self.run, self.rank, self.hi, self.window, self.lo, self.rows = run, rank, hi, window, hi - window + 1, []
     @cached_property
@@ -611,13 +636,13 @@ def _detect(e:FindingKind, look:Look, ps:dict)->list:
 # %% ../nbs/03a_diagnose.ipynb #26e1c6ad
 @patch
 def diagnose(self:Run,
-             step:int=None,    # the last step to look at ('last_finite': the last before NaN); default the newest closed
-             window:int=50,    # recorded steps of each trailing band, and the steps the per-module checks look back over
+             step:int=None,    # last step to look at ('last_finite': the last before NaN); default the newest closed
+             window:int=50,    # recorded steps of each trailing band, and steps the per-module checks look back over
              *,
              rank:int=None,    # the rank to look at; default the run's first
-             ignore=None,      # findings judged harmless: 'kind' or 'kind:glob' (the glob on the module, or the stat), or a list
-             **params,         # every detector's thresholds (`PARAMS`): spike, factor, lead, dead, orders, update_band...
-            )->pd.DataFrame:   # one finding per row, most important first: kind, severity, step, iteration, module, ..., message
+             ignore=None,      # harmless findings: 'kind' or 'kind:glob' (the glob on the module or stat), or a list
+             **params,         # every detector's thresholds (`PARAMS`): spike, factor, lead, dead, orders, ...
+            )->pd.DataFrame:   # a finding per row, most important first: kind, severity, step, module, ..., message
     "What went wrong in this run, and which module started it: NaN/Inf, spikes, dead outputs, grads, update ratios."
     ps = _check_diagnose(step, window, params)
     quiet = _ignored(ignore)
@@ -646,10 +671,12 @@ def _diagnose_signature():
 _REGISTERED.append(_diagnose_signature)
 
 def _ignored(ignore)->callable:
-    "A predicate on findings from `diagnose`'s `ignore=`: 'kind' or 'kind:glob', the glob matched on the module or the stat."
+    "A predicate on findings from `diagnose`'s `ignore=`: 'kind' or 'kind:glob', the glob on the module or the stat."
     pats = [ignore] if isinstance(ignore, str) else list(ignore or [])
     bad = [p for p in pats if not isinstance(p, str) or p.partition(':')[0] not in FINDINGS]
-    if bad: raise ValueError(f"diagnose's ignore= takes 'kind' or 'kind:glob' with a kind of {', '.join(KINDS)}, not {bad[0]!r}")
+    if bad:
+        raise ValueError(f"diagnose's ignore= takes 'kind' or 'kind:glob' with a kind of {', '.join(KINDS)}, not "
+                         f"{bad[0]!r}")
     def quiet(f):
         for p in pats:
             kind, _, glob = p.partition(':')
@@ -663,7 +690,8 @@ def with_iterations(f:pd.DataFrame, kinds:pd.DataFrame)->pd.DataFrame:
     it = kinds.set_index('step')['iteration']
     f['iteration'] = pd.array(f['step'].map(it), dtype='Int64')
     if it.notna().any() and (it.dropna() != it.dropna().index).any():
-        said = lambda m: f"step {m[1]} (iteration {it[int(m[1])]})" if int(m[1]) in it.index and pd.notna(it[int(m[1])]) else m[0]
+        said = lambda m: (f"step {m[1]} (iteration {it[int(m[1])]})"
+                          if int(m[1]) in it.index and pd.notna(it[int(m[1])]) else m[0])
         f['message'] = [re.sub(r'\bstep (\d+)\b', said, msg) for msg in f['message']]
     return f
 
@@ -671,7 +699,8 @@ def _windowed(self:Run, rank:int, hi:int, window:int, look:Look=None, **params)-
     "The findings of every declared detector that is neither a scan nor late, on the last `window` steps up to `hi`."
     look = look or Look(self, rank, hi, window)
     ps = {k: params.get(k, p.default) for k, p in PARAMS.items()}
-    return [r for e in FINDINGS.values() if e.detect is not None and not (e.scan or e.late) for r in _detect(e, look, ps)]
+    return [r for e in FINDINGS.values() if e.detect is not None and not (e.scan or e.late)
+            for r in _detect(e, look, ps)]
 
 # %% ../nbs/03a_diagnose.ipynb #e4fe298e
 def _event(f:dict)->tuple|None:
@@ -680,7 +709,8 @@ def _event(f:dict)->tuple|None:
     return None if e is None or e.event is None else e.event(f)
 
 def followed(e:dict, names:pd.DataFrame)->bool:
-    "Whether another module left its band in episode `e` after its root (not one holding the root: its output is the root's)."
+    "Whether another module left its band in episode `e` after its root (not one holding the root)."
+    # a module holding the root is not counted: its output is the root's
     m = names.loc[e['root']['module_id'], 'module']
     holds = lambda n: n == m or n == '' or m.startswith(n + '.')
     return any(not holds(names.loc[r['module_id'], 'module']) for r in e['rows'][1:])
@@ -693,13 +723,15 @@ def with_causes(run:Run, rank:int, hi:int, rows:list, window:int, spike:float, f
     names = _names(run)
     steps = run.step_kinds(rank)['step']
     events = [r for r in rows if _event(r) is not None]   # what a cause can lead to: a NaN, a spike of a signal...
-    eps = run_episodes(run, rank, int(steps.min()) if len(steps) else 0, hi, window, spike, factor, [r['step'] for r in events],
+    eps = run_episodes(run, rank, int(steps.min()) if len(steps) else 0, hi, window, spike, factor,
+                       [r['step'] for r in events],
                        names, _forward_order(run, rank, hi, names))
     led = {id(e): [] for e in eps}
     for r in events:
         e = episode_of(eps, r['step'], lead)
         if e is None:
-            if r['kind'] == 'spike': r['message'] += "; no module's stats left their band before it (look at the data or the loss)"
+            if r['kind'] == 'spike':
+                r['message'] += "; no module's stats left their band before it (look at the data or the loss)"
             continue
         led[id(e)].append((r['step'], *_event(r), r['severity']))
         ahead = r['step'] - e['root']['onset']
@@ -713,7 +745,8 @@ def with_causes(run:Run, rank:int, hi:int, rows:list, window:int, spike:float, f
 
 # %% ../nbs/03a_diagnose.ipynb #ce74c440
 def _at_least_one(v, name:str): positive(v, name); _need(v >= 1, 'diagnose', name, v, 'a number >= 1', ValueError)
-def _fraction(v, name:str): positive(v, name); _need(v <= 1, 'diagnose', name, v, 'a zero fraction in (0, 1]', ValueError)
+def _fraction(v, name:str):
+    positive(v, name); _need(v <= 1, 'diagnose', name, v, 'a zero fraction in (0, 1]', ValueError)
 
 def _steps(v, name:str):
     _need(_isint(v), 'diagnose', name, v, 'an int')
@@ -724,7 +757,8 @@ def _pair(v, name:str):
     _need(ok, 'diagnose', name, v, 'a (low, high) pair of numbers')
     _need(0 <= v[0] < v[1], 'diagnose', name, v, 'a (low, high) pair with 0 <= low < high', ValueError)
 
-SPIKE = Param('spike', 10.0, "a spike lies this many robust sigmas (1.4826·MAD) from its median: noise rarely goes past 5")
+SPIKE = Param('spike', 10.0,
+              "a spike lies this many robust sigmas (1.4826·MAD) from its median: noise rarely goes past 5")
 FACTOR = Param('factor', 2.0, "... and is also at least this many times its median (or, for a module norm, at most "
                "1/factor): a small MAD alone is no spike", _at_least_one)
 LEAD = Param('lead', 20, "an event (NaN, a spike of the loss) follows an episode still outside its band, or this many "
@@ -733,8 +767,8 @@ ORDERS = Param('orders', 3.0, "weight grads changing by this many orders of magn
                "vanish or explode")
 DEAD = Param('dead', 0.99, "an output with at least this zero fraction on every step of the window is dead (ReLU's are "
              "~0.5 when healthy)", _fraction)
-UPDATE_BAND = Param('update_band', (1e-6, 0.03), "‖Δw‖/‖w‖ is usually 1e-4..1e-2 per step: above 3x that a learning "
-                    "rate is too large, below 1e-6 a layer barely learns", _pair)
+UPDATE_BAND = Param('update_band', (1e-6, 0.03), "‖Δw‖/‖w‖ is usually 1e-4..1e-2 per step: above 3x that a "
+                    "learning rate is too large, below 1e-6 a layer barely learns", _pair)
 
 # %% ../nbs/03a_diagnose.ipynb #ec268c35
 def _causes(look:Look, spike:float, factor:float, lead:int)->list:
@@ -770,19 +804,24 @@ def _signal_words(f)->tuple|None:
 _constant = lambda n, lo, hi: (np.full(n, float(lo)), np.full(n, float(hi)))
 
 for e in [
-    FindingKind('cause', 'warning', _causes, (SPIKE, FACTOR, LEAD), "the module that started an episode, and what followed",
+    FindingKind('cause', 'warning', _causes, (SPIKE, FACTOR, LEAD),
+                "the module that started an episode, and what followed",
             judged=lambda f: 'rms', band='trailing', late=True),
     FindingKind('nonfinite', 'error', lambda look: nonfinite_finding(look.run, look.rank, look.hi), (),
             "the run's first NaN or Inf, and the module that made it", event=_what_nonfinite, scan=True),
     FindingKind('exploding', 'warning', _grad_orders, (ORDERS,), "weight grads growing by orders of magnitude"),
-    FindingKind('spike', 'warning', _spikes, (SPIKE, FACTOR, LEAD), "a logged scalar or the global grad norm far above its band",
+    FindingKind('spike', 'warning', _spikes, (SPIKE, FACTOR, LEAD),
+                "a logged scalar or the global grad norm far above its band",
             judged=lambda f: 'rms' if isinstance(f['module'], str) else 'signal', band='trailing', event=_signal_words,
             signal=lambda f: f['stat'] not in ('norm', 'rms')),
-    FindingKind('vanishing', 'warning', None, (ORDERS,), "weight grads shrinking by orders of magnitude (`exploding`'s detector)"),
+    FindingKind('vanishing', 'warning', None, (ORDERS,),
+                "weight grads shrinking by orders of magnitude (`exploding`'s detector)"),
     FindingKind('dead', 'warning', _dead, (DEAD,), "an output of (almost) only zeros on every step of the window",
-            band=lambda n, dead: _constant(n, 0, dead), event=lambda f: (f"the output of module {f['module']!r} went dead", False)),
-    FindingKind('update_ratio', 'warning', lambda look, update_band: update_ratios(look.run, look.rank, look.lo, look.hi,
-            look.names, update_band), (UPDATE_BAND,), "‖Δw‖/‖w‖ far outside its usual band (`track_updates=True`)",
+            band=lambda n, dead: _constant(n, 0, dead),
+            event=lambda f: (f"the output of module {f['module']!r} went dead", False)),
+    FindingKind('update_ratio', 'warning',
+                lambda look, update_band: update_ratios(look.run, look.rank, look.lo, look.hi, look.names, update_band),
+                (UPDATE_BAND,), "‖Δw‖/‖w‖ far outside its usual band (`track_updates=True`)",
             band=lambda n, update_band: _constant(n, *update_band)),
 ]: register_finding(e)
 
@@ -850,7 +889,8 @@ def diff(run_a,                # a run's name, or a `Run`
     "Where two runs part: the stats that differ, first divergence first; empty if the runs agree."
     _need(_isnum(rtol), 'diff', 'rtol', rtol, 'a number')
     _need(rtol >= 0, 'diff', 'rtol', rtol, 'a number >= 0 (0: bit for bit)', ValueError)   # NaN fails this too
-    _need(max_steps is None or _isint(max_steps) and max_steps >= 1, 'diff', 'max_steps', max_steps, 'an int >= 1 or None', ValueError)
+    _need(max_steps is None or _isint(max_steps) and max_steps >= 1, 'diff', 'max_steps', max_steps,
+          'an int >= 1 or None', ValueError)
     _need(_isint(chunk) and chunk >= 1, 'diff', 'chunk', chunk, 'an int >= 1', ValueError)
     ra, rb = _as_run(run_a, db), _as_run(run_b, db if db_b is None else db_b)
     na, nb = _names(ra), _names(rb)
@@ -865,14 +905,17 @@ def diff(run_a,                # a run's name, or a `Run`
                 halves = [some[:len(some) // 2], some[len(some) // 2:]] if len(some) >= 64 else [some]   # one a core
                 # row counts, where fingerprints gave them
                 known = counts if counts is not None and 'n_a' in counts else None
-                return _differing(pd.concat(pool.map(lambda h: _paired(*_pairs_sql(ra, rb, h, na, nb, rtol, same_modules, known)), halves),
+                return _differing(pd.concat(pool.map(lambda h: _paired(*_pairs_sql(ra, rb, h, na, nb, rtol,
+                                                                                   same_modules, known)), halves),
                                             ignore_index=True), rtol)
             # read only the modules that differ
             mods = _suspects(*pool.map(module_prints, (ra, rb), (some, some))) if same_modules else None
             if mods is not None and mods.empty: return []
             ids = None if mods is None else sorted({int(i) for i in mods.index.get_level_values('module_id')})
             return _differing(_paired(*pool.map(stat_rows, (ra, rb), (some, some), (na, nb), (ids, ids))), rtol)
-        def prints(lo): return [pool.submit(_prints, r, lo, lo + chunk - 1) for r in (ra, rb)] if same_modules and lo <= last else None
+        def prints(lo):
+            return ([pool.submit(_prints, r, lo, lo + chunk - 1) for r in (ra, rb)]
+                    if same_modules and lo <= last else None)
         ahead = prints(first)
         for lo in range(first, last + 1, chunk):
             now, ahead = ahead, prints(lo + chunk)
@@ -893,7 +936,8 @@ def diff(run_a,                # a run's name, or a `Run`
     if not found: return pd.DataFrame(columns=DIFF_COLUMNS)
     d = pd.concat(found, ignore_index=True)
     steps = sorted(d['step'].unique())[:max_steps]
-    parts = [flow_order(d[d['step'] == s].reset_index(drop=True), ra.events(int(s), int(d.loc[d['step'] == s, 'rank'].min())))
+    parts = [flow_order(d[d['step'] == s].reset_index(drop=True),
+                        ra.events(int(s), int(d.loc[d['step'] == s, 'rank'].min())))
              for s in steps]
     out = pd.concat(parts, ignore_index=True)
     its = ra.step_kinds(int(out['rank'].min())).set_index('step')['iteration']   # run a's
@@ -912,7 +956,8 @@ def thin(self:Run,
          keep=(),              # steps to keep besides those with findings or NaN/Inf
          vacuum:bool=False,    # SQLite: give the space back to the file (rewrites it)
         )->dict:               # table -> rows deleted
-    "Delete the rows of all but one step in `every` before `before`, but those with findings or NaN/Inf; rollups, steps stay."
+    "Delete the rows of all but one step in `every` before `before`, but those with findings or NaN/Inf."
+    # rollups and steps stay
     _need(_isint(every) and every >= 1, 'thin', 'every', every, 'an int >= 1', ValueError)
     _need(before is None or _isint(before), 'thin', 'before', before, 'an int or None')
     steps, bad = run_steps(self), nonfinite_steps(self)
