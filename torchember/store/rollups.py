@@ -13,8 +13,8 @@ from ..kinds import TTYPES
 from .schema import STAT_COLS, rollups_t
 
 # %% auto #0
-__all__ = ['ROLLUP_WIDTHS', 'KNOWN_MAX', 'module_steps_sql', 'roll_up', 'roll_up_closed', 'rolled_steps', 'unfolded_bins',
-           'bin_spans', 'module_values']
+__all__ = ['ROLLUP_WIDTHS', 'KNOWN_MAX', 'module_steps_sql', 'roll_up', 'last_before_sql', 'roll_up_closed', 'rolled_steps',
+           'unfolded_bins', 'bin_spans', 'module_values']
 
 # %% ../../nbs/02c_store_rollups.ipynb #67abf926
 # steps a bin of `rollups`, each 4 bins of the width before: views read bins, not rows
@@ -102,13 +102,18 @@ def _refold(c, rid:int, rk:str, first:int, last:int, widths=ROLLUP_WIDTHS[1:]):
                                            f"AND bin BETWEEN {first // w * f} AND {(last // w + 1) * f - 1}"))
 
 # %% ../../nbs/02c_store_rollups.ipynb #b394cdde
-def roll_up_closed(c, run_id:int, rank:int, closed:list, written:list=()):
+def last_before_sql(run_id:int, rank:int, closed:list)->str:
+    "SQL of the last step of `rank` stored before the first of `closed` (of all, if none closed): its bins are whole."
+    before = f' AND step < {min(closed)}' if closed else ''
+    return f'SELECT MAX(step) FROM steps WHERE run_id = {int(run_id)} AND rank = {int(rank)}{before}'
+
+def roll_up_closed(c, run_id:int, rank:int, closed:list, written:list=(),
+                   prev:tuple=None,   # `(last_before_sql's answer,)` where the caller asked it already
+                  ):
     "Fold the bins of `rank` that steps `closed` (if any) completed, and completed bins late rows of `written` reach."
     w, rid = ROLLUP_WIDTHS[0], int(run_id)
     # no step closed: the bins before the last step's are complete
-    before = f' AND step < {min(closed)}' if closed else ''
-    prev = f'SELECT MAX(step) FROM steps WHERE run_id = {rid} AND rank = {int(rank)}{before}'
-    prev = c.exec_driver_sql(prev).scalar()
+    prev = c.exec_driver_sql(last_before_sql(rid, rank, closed)).scalar() if prev is None else prev[0]
     if not closed and prev is None: return
     start = (min(closed) if prev is None else prev) // w * w
     end = max(closed) // w * w - 1 if closed else start - 1

@@ -17,7 +17,7 @@ from ..kinds import merge_stats, NORM_EXTRAS
 from .schema import (STAT_COLS, escaped, stat_value, runs_t, steps_t, digests_t, events_t, stats_t,
                                      calls_t, scalars_t, shards_t, snapshots_t, flows_t)
 from .runs import _pg_key
-from .rollups import (ROLLUP_WIDTHS, roll_up, roll_up_closed, _per_object, _remember,
+from .rollups import (ROLLUP_WIDTHS, roll_up, roll_up_closed, last_before_sql, _per_object, _remember,
                                       _forget_wider)
 
 # %% auto #0
@@ -281,6 +281,23 @@ def _prepared(eng, run_id:int, steps:list, rank:int)->dict:
                 in_sql=in_sql, postgres=postgres)
 
 # %% ../../nbs/02d_store_write.ipynb #7803b21a
+def _small_rows(c, run_id:int, rank:int, digests:list, closes:list, ask:str=None)->tuple|None:
+    "On PostgreSQL, `digests` and `steps` rows, `last_step` and query `ask` in one round trip: `ask`'s row, or None."
+    if not (digests or closes or ask): return None
+    pg, names = c.connection.driver_connection, lambda t: [col.name for col in t.columns]
+    with pg.cursor() as cur, pg.cursor() as asked:
+        with pg.pipeline():   # each statement sent without waiting; the answers read once, at its end
+            for t, rows, replace in ((digests_t, digests, True), (steps_t, closes, False)):
+                if not rows: continue
+                sql, _ = _compiled(c, (t.name, replace), partial(_insert, t, replace))
+                # text as it can be stored: encoded here, while the statements are queued
+                cur.executemany(sql, [dict(zip(names(t), map(escaped, r))) for r in rows])
+            if closes:
+                sql, _ = _compiled(c, 'last_step', _last_step_update)
+                cur.execute(sql, dict(rid=run_id, st=max(r[1] for r in closes)))
+            if ask: asked.execute(ask)
+        return asked.fetchone() if ask else None
+
 def write_steps(eng, run_id:int, steps:list, rank:int=0):
     "Write several steps of `rank` (dicts of `write_step`'s arguments) in one transaction of `eng`."
     try:
@@ -299,16 +316,20 @@ def write_steps(eng, run_id:int, steps:list, rank:int=0):
             for t, got in p['rows_of'].items():
                 if got: _insert_rows(c, t, (), got, replace=t is not events_t)
             if copied: _copy_rows(c, stats_t, np.concatenate(copied) if len(copied) > 1 else copied[0])
-            if p['digests']: _executemany(c, digests_t, p['digests'], replace=True)
-            if closes:
-                _executemany(c, steps_t, closes)
-                sql, order = _compiled(c, 'last_step', _last_step_update)
-                params = dict(rid=run_id, st=max(r[1] for r in closes))
-                c.exec_driver_sql(sql, tuple(params[n] for n in order) if order else params)
+            summed, prev = sorted({s['step'] for s in steps if _brings_rows(s)}), None
+            if p['postgres']:
+                ask = last_before_sql(run_id, rank, [r[1] for r in closes]) if closes or summed else None
+                prev = _small_rows(c, run_id, rank, p['digests'], closes, ask)
+            else:
+                if p['digests']: _executemany(c, digests_t, p['digests'], replace=True)
+                if closes:
+                    _executemany(c, steps_t, closes)
+                    sql, order = _compiled(c, 'last_step', _last_step_update)
+                    params = dict(rid=run_id, st=max(r[1] for r in closes))
+                    c.exec_driver_sql(sql, tuple(params[n] for n in order) if order else params)
             if pieced: merge_pieces(c, run_id, pieced)
             if p['in_sql']: c.exec_driver_sql(_sums_sql(run_id, sorted(p['in_sql'])))
-            summed = sorted({s['step'] for s in steps if _brings_rows(s)})
-            if closes or summed: roll_up_closed(c, run_id, rank, [r[1] for r in closes], summed)
+            if closes or summed: roll_up_closed(c, run_id, rank, [r[1] for r in closes], summed, prev=prev)
     except BaseException:   # nothing of it stored: the wider bins it folded in memory are not either
         _forget_wider(eng.engine, run_id, [rank])
         raise
