@@ -1,4 +1,4 @@
-"""From records to plotly traces: a module's stats over steps, its histogram over steps, every module at one step, the spread of ranks, and pictures of stored tensors.
+"""Records to plotly traces: stats and histograms over steps, every module at a step, rank spread, tensor pictures.
 
 Docs: https://torchember.github.io/torchember/figures.html.md"""
 
@@ -40,7 +40,8 @@ _ORDER = figure_order()   # the declared stats' `place`s: mean first, numel last
 
 def stat_columns(df:pd.DataFrame)->list:
     "The scalar stat columns of records `df`: the defaults (mean first), then custom ones (histograms left out)."
-    cols = [c for c in df.columns if c not in _META and not c.startswith('hist') and pd.api.types.is_numeric_dtype(df[c])]
+    cols = [c for c in df.columns if c not in _META and not c.startswith('hist')
+            and pd.api.types.is_numeric_dtype(df[c])]
     return sorted(cols, key=lambda c: _ORDER.index(c) if c in _ORDER else len(_ORDER))
 
 _COMBINE = ('count', 'sum', 'min', 'max', 'rss', 'frac', 'mean', 'std')   # the merges `combine` does in pandas
@@ -57,7 +58,7 @@ def combine(df:pd.DataFrame,  # records, as `Run.df` returns them
     mean = d.get('mean', np.nan)
     d = d.assign(_nm=d['_n']*mean, _ss=(d['_n']-1)*d.get('std', np.nan)**2 + d['_n']*mean**2,
                  **{f'_w{c}': d['_n']*d[c] for c, m in how.items() if m == 'frac'},   # fractions weighted by count
-                 **{f'_q{c}': d[c]**2 for c, m in how.items() if m == 'rss'})          # norms: the root of summed squares
+                 **{f'_q{c}': d[c]**2 for c, m in how.items() if m == 'rss'})   # norms: the root of summed squares
     g = d.groupby(keys, sort=False)
     out = g[[c for c in df.columns if c not in keys and c not in exact]].first()
     n, sum_ = g['_n'].sum(), lambda c: g[c].sum(min_count=1)
@@ -80,7 +81,7 @@ def thin(steps:list, n:int)->list:
     return [steps[i] for i in np.unique(np.linspace(0, len(steps) - 1, max(n, 2)).round().astype(int))]
 
 def peaks(steps, values, n:int)->list:
-    "About `n` of `steps` (in order) keeping the shape of `values`: per bin its lowest, highest, first NaN; first, last."
+    "About `n` of `steps` (in order) keeping `values`' shape: per bin its lowest, highest, first NaN; first, last."
     steps, v = np.asarray(steps), np.asarray(values, dtype=float)
     if len(steps) <= n: return steps.tolist()
     edges = np.linspace(0, len(steps), max(n // 2, 1) + 1).astype(int)
@@ -91,7 +92,8 @@ def peaks(steps, values, n:int)->list:
     nan, fin = np.isnan(seg) & inside, ~np.isnan(seg) & inside
     some, bad = fin.any(1), nan.any(1)
     keep = {0, len(steps) - 1, *at[bad, nan[bad].argmax(1)].tolist(),
-            *at[some, np.where(fin, seg, np.inf)[some].argmin(1)].tolist(), *at[some, np.where(fin, seg, -np.inf)[some].argmax(1)].tolist()}
+            *at[some, np.where(fin, seg, np.inf)[some].argmin(1)].tolist(),
+            *at[some, np.where(fin, seg, -np.inf)[some].argmax(1)].tolist()}
     return steps[sorted(keep)].tolist()
 
 def history(run:Run,              # the run to read
@@ -126,7 +128,7 @@ def with_kinds(df:pd.DataFrame,               # rows with a `step` column
                kinds:pd.DataFrame=None,       # `Run.step_kinds`; None: `df` as it is
                cols=('iteration', 'kind'),    # what to add of each step
               )->pd.DataFrame:
-    "`df` with its steps' `cols` from `kinds` after its `step` column; the columns `df` already has are left as they are."
+    "`df` with its steps' `cols` from `kinds` after its `step` column; columns `df` already has are left as they are."
     if kinds is None or 'step' not in df: return df
     ix, df = kinds.drop_duplicates('step').set_index('step'), df.copy()
     at = df.columns.get_loc('step') + 1
@@ -171,7 +173,8 @@ def heat(h:pd.DataFrame,  # per-step records with `hist`, `hist_lo`, `hist_hi` (
         )->dict|None:     # x: steps, y: bin centres, z: (bins, steps) fractions, edges; None without histograms
     "Every step's histogram rebinned onto one value axis spanning all their ranges."
     if 'hist' not in h: return None
-    ok = h['hist'].map(lambda v: isinstance(v, list) and len(v) > 0) & np.isfinite(h['hist_lo'].astype(float)) & np.isfinite(h['hist_hi'].astype(float))
+    ok = (h['hist'].map(lambda v: isinstance(v, list) and len(v) > 0)
+          & np.isfinite(h['hist_lo'].astype(float)) & np.isfinite(h['hist_hi'].astype(float)))
     if not ok.any(): return None
     lo, hi = h.loc[ok, 'hist_lo'].min(), h.loc[ok, 'hist_hi'].max()
     nb = bins or max(len(v) for v in h.loc[ok, 'hist'])
@@ -200,10 +203,12 @@ def nan_trace(h:pd.DataFrame, x:str='step', y:pd.Series=None, name:str='NaN/Inf'
     "Red crosses at the rows of `h` with NaN or Inf; `y` gives their heights (default 0)."
     b = nan_steps(h)
     ys = [0.] * len(b) if y is None else _list(y.reindex(b.index).fillna(0))
-    text = [f"{int(n or 0)} NaN, {int(i or 0)} Inf" for n, i in zip(b.get('nan_count', [0]*len(b)), b.get('inf_count', [0]*len(b)))]
+    text = [f"{int(n or 0)} NaN, {int(i or 0)} Inf"
+            for n, i in zip(b.get('nan_count', [0]*len(b)), b.get('inf_count', [0]*len(b)))]
     cd, at = step_hover(b) if x == 'step' else (None, '%{x}')
     return go.Scatter(x=b[x].tolist(), y=ys, mode='markers', name=name, text=text, customdata=cd,
-                      hovertemplate=at + ': %{text}<extra></extra>', marker=dict(symbol='x', size=10, color=RED, line=dict(width=1, color=RED)), **kw)
+                      hovertemplate=at + ': %{text}<extra></extra>',
+                      marker=dict(symbol='x', size=10, color=RED, line=dict(width=1, color=RED)), **kw)
 
 # per-step records, as `history` returns them (`with_kinds`: their iterations too)
 def history_traces(h:pd.DataFrame,
@@ -219,13 +224,16 @@ def history_traces(h:pd.DataFrame,
         if s == 'mean' and {'std', 'min', 'max'} <= set(h.columns):
             lo, hi = h['mean'] - h['std'], h['mean'] + h['std']
             common = dict(mode='lines', legendgroup=pre + 'band', hoverinfo='skip')
-            tr += [go.Scatter(x=x, y=_list(h['min']), name=pre + 'min', showlegend=False, line=dict(width=0.5, color=_rgba(color, .4)), **common),
-                   go.Scatter(x=x, y=_list(h['max']), name=pre + 'min–max', fill='tonexty', fillcolor=_rgba(color, .1),
+            tr += [go.Scatter(x=x, y=_list(h['min']), name=pre + 'min', showlegend=False,
                               line=dict(width=0.5, color=_rgba(color, .4)), **common),
-                   go.Scatter(x=x, y=_list(lo), name=pre + 'mean - std', showlegend=False, line=dict(width=0), **common),
+                   go.Scatter(x=x, y=_list(h['max']), name=pre + 'min–max', fill='tonexty',
+                              fillcolor=_rgba(color, .1), line=dict(width=0.5, color=_rgba(color, .4)), **common),
+                   go.Scatter(x=x, y=_list(lo), name=pre + 'mean - std', showlegend=False, line=dict(width=0),
+                              **common),
                    go.Scatter(x=x, y=_list(hi), name=pre + 'mean ± std', fill='tonexty', fillcolor=_rgba(color, .3),
                               line=dict(width=0), **common)]
-        tr.append(go.Scatter(x=x, y=_list(h[s]), mode='lines', name=pre + s, customdata=cd, hovertemplate='%{y:.4g}<br>' + at,
+        tr.append(go.Scatter(x=x, y=_list(h[s]), mode='lines', name=pre + s, customdata=cd,
+                             hovertemplate='%{y:.4g}<br>' + at,
                              line=dict(color=color, dash=_DASHES[i % len(_DASHES)])))
         if first is None: first = h[s].where(np.isfinite(h[s].astype(float))).ffill()
     if stats and not nan_steps(h).empty: tr.append(nan_trace(h, y=first, name=pre + 'NaN/Inf'))
@@ -239,12 +247,14 @@ def modules_in_order(tree:dict)->list:
 def _in_tree_order(df:pd.DataFrame, run:Run)->pd.DataFrame:
     order = {m: i for i, m in enumerate(modules_in_order(run.tree()))}
     keys = ['rank', '_o'] if 'rank' in df else ['_o']
-    return df.assign(_o=df['module'].map(order)).sort_values(keys, kind='stable').drop(columns='_o').reset_index(drop=True)
+    return (df.assign(_o=df['module'].map(order)).sort_values(keys, kind='stable')
+              .drop(columns='_o').reset_index(drop=True))
 
 def latest_by_module(run:Run, ttype:str='weight_grad', step:int=None, rank:int=None)->pd.DataFrame:
     "One row per module of `run` at `step` (default: the latest) and rank, its `ttype` tensors combined, in tree order."
     step = run.last_step if step is None else step
-    return _in_tree_order(combine(with_stats(run.df(step=-1 if step is None else step, ttype=ttype, rank=rank)), ['rank', 'module']), run)
+    return _in_tree_order(combine(with_stats(run.df(step=-1 if step is None else step, ttype=ttype, rank=rank)),
+                                  ['rank', 'module']), run)
 
 def module_label(name:str)->str: return name if name else '(root)'
 
@@ -271,9 +281,11 @@ def overview_traces(o:pd.DataFrame,     # one row per module, from `latest_by_mo
     colors = [RED if m in bad or m == flagged else color if m == selected else _rgba(color, .55) for m in o['module']]
     labels = [f"{module_label(m)}<br>{short_type(t)}" for m, t in zip(o['module'], o['mtype'])]
     bar = go.Bar(x=labels, y=_list(o[stat]), name=f'{run}: {stat}' if run else stat, customdata=o['module'].tolist(),
-                 marker=dict(color=colors, line=dict(width=[2 if m == selected else 0 for m in o['module']], color='black')),
+                 marker=dict(color=colors,
+                             line=dict(width=[2 if m == selected else 0 for m in o['module']], color='black')),
                  hovertemplate='%{x}<br>' + stat + ' %{y:.4g}<extra></extra>')
-    return [bar] + ([nan_trace(o.assign(label=labels), x='label', name=f'{run}: NaN/Inf' if run else 'NaN/Inf')] if bad else [])
+    marks = [nan_trace(o.assign(label=labels), x='label', name=f'{run}: NaN/Inf' if run else 'NaN/Inf')] if bad else []
+    return [bar] + marks
 
 BAR_LABELS = 24   # at most this many module names under the bars: a two-line name turned upright takes ~30 px
 
@@ -283,20 +295,21 @@ def bars_axis(n:int)->dict:
 
 # %% ../nbs/05_figures.ipynb #6071aa57
 def latest_times(run:Run, step:int=None, rank:int=None)->pd.DataFrame:
-    "One row per timed module of `run` at `step` (default: the latest) and rank: forward and backward ms, in tree order."
+    "One row per timed module of `run` at `step` (default: the latest) and rank: forward, backward ms, in tree order."
     step = run.last_step if step is None else step
-    g = run.calls(step=-1 if step is None else step, rank=rank).groupby(['run', 'step', 'rank', 'module', 'mtype'], sort=False)
+    g = (run.calls(step=-1 if step is None else step, rank=rank)
+            .groupby(['run', 'step', 'rank', 'module', 'mtype'], sort=False))
     df = g[['fwd_ms', 'bwd_ms']].sum(min_count=1).join(g.size().rename('n_calls')).reset_index()
     return _in_tree_order(df, run)
 
 # %% ../nbs/05_figures.ipynb #15d03818
 def heatmap_traces(h:pd.DataFrame, bins:int=None)->list:
-    "A heatmap of `h`'s histograms over steps (`heat`), NaN/Inf marked, steps named in the hover; empty without histograms."
+    "A heatmap of `h`'s histograms over steps (`heat`), NaN/Inf marked, steps named in the hover; empty if none."
     hm = heat(h, bins)
     if hm is None: return []
     cd, at = step_hover(h)   # per cell: a heatmap's hover reads customdata[row][column]
-    tr = [go.Heatmap(x=hm['x'], y=hm['y'], z=hm['z'].tolist(), colorscale='Viridis', name='histogram', colorbar=dict(title='fraction'),
-                     customdata=[cd] * len(hm['y']) if cd else None,
+    tr = [go.Heatmap(x=hm['x'], y=hm['y'], z=hm['z'].tolist(), colorscale='Viridis', name='histogram',
+                     colorbar=dict(title='fraction'), customdata=[cd] * len(hm['y']) if cd else None,
                      hovertemplate=at + '<br>value %{y:.4g}<br>fraction %{z:.3f}<extra></extra>')]
     if not nan_steps(h).empty: tr.append(nan_trace(h, y=pd.Series(hm['y'][-1], index=h.index)))
     return tr
@@ -307,12 +320,13 @@ RANK_COLORS = (BLUE, ORANGE, '#2ca02c', '#9467bd', '#8c564b', '#e377c2', '#7f7f7
 
 def rank_traces(h:pd.DataFrame, stats=('mean',))->list:
     "`history_traces` of each rank of `h`, in a colour per rank, names prefixed `rank r`."
-    return [t for i, (r, d) in enumerate(h.groupby('rank')) for t in history_traces(d, stats, run=f'rank {r}', color=RANK_COLORS[i % len(RANK_COLORS)])]
+    return [t for i, (r, d) in enumerate(h.groupby('rank'))
+            for t in history_traces(d, stats, run=f'rank {r}', color=RANK_COLORS[i % len(RANK_COLORS)])]
 
 def rank_spread(h:pd.DataFrame,     # per-step records of several ranks, as `history` gives them
                 stats=('mean',),    # the stats to fold
-               )->pd.DataFrame:     # one row per step: `ranks`, each stat's mean over ranks and its `_lo`, `_hi`; NaN/Inf counts summed
-    "Each step of `h` over its ranks: how many, the mean of each stat over them, and the lowest and highest rank's value."
+               )->pd.DataFrame:     # a row per step: `ranks`, each stat's mean, `_lo` and `_hi`; NaN/Inf summed
+    "Each step of `h` over its ranks: how many, each stat's mean over them, and the lowest and highest rank's value."
     g = h.groupby('step', sort=True)
     out = g.size().rename('ranks').to_frame()
     for s in stats:
@@ -330,7 +344,8 @@ def spread_traces(sp:pd.DataFrame, stats=('mean',), color:str=BLUE)->list:
     for i, s in enumerate(st for st in stats if st in sp):
         common = dict(mode='lines', legendgroup=f'{s} ranks', hoverinfo='skip', line=dict(width=0))
         tr += [go.Scatter(x=x, y=_list(sp[f'{s}_lo']), name=f'{s}: lowest rank', showlegend=False, **common),
-               go.Scatter(x=x, y=_list(sp[f'{s}_hi']), name=f'{s}: range over ranks', fill='tonexty', fillcolor=_rgba(color, .25), **common),
+               go.Scatter(x=x, y=_list(sp[f'{s}_hi']), name=f'{s}: range over ranks', fill='tonexty',
+                          fillcolor=_rgba(color, .25), **common),
                go.Scatter(x=x, y=_list(sp[s]), mode='lines', name=f'{s}: mean over ranks', customdata=cd,
                           hovertemplate='%{y:.4g}<br>' + at, line=dict(color=color, dash=_DASHES[i % len(_DASHES)]))]
         if first is None: first = sp[s].where(np.isfinite(sp[s].astype(float))).ffill()
@@ -362,7 +377,7 @@ def tensor_image(t:torch.Tensor,    # any tensor
 
 # %% ../nbs/05_figures.ipynb #d613bb5a
 def _top_directions(x:torch.Tensor, k:int, extra:int=8, iters:int=4)->torch.Tensor:
-    "The `k` leading right singular vectors of `x` (features x k), randomized on a generator of its own, not the user's."
+    "The `k` leading right singular vectors of `x` (features x k), randomized on its own generator, not the user's."
     g = torch.Generator().manual_seed(0)
     y = x @ torch.randn(x.shape[1], k + extra, generator=g, dtype=x.dtype)
     for _ in range(iters): y = x @ (x.T @ torch.linalg.qr(y).Q)   # power iterations sharpen the leading directions
@@ -386,8 +401,9 @@ def tensor_figure(t:torch.Tensor,      # the tensor to draw
                   title:str=None,      # default: the tensor's shape and dtype
                   max_tiles:int=64,    # a feature map's heatmap shows at most this many channels
                  )->go.Figure:
-    "A picture of `t`: a heatmap of its values, their histogram, or its samples on their first two principal components."
-    if kind not in ('heatmap', 'hist', 'pca'): raise ValueError(f"unknown kind {kind!r}: choose 'heatmap', 'hist' or 'pca'")
+    "A picture of `t`: a heatmap of its values, their histogram, or its samples on their top two principal components."
+    if kind not in ('heatmap', 'hist', 'pca'):
+        raise ValueError(f"unknown kind {kind!r}: choose 'heatmap', 'hist' or 'pca'")
     if kind == 'hist' and bins < 1: raise ValueError(f"a histogram needs at least one bin, got {bins}")
     x = _host(t)
     title = title or f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
@@ -410,7 +426,8 @@ def tensor_figure(t:torch.Tensor,      # the tensor to draw
         lo, hi = (v.min().item(), v.max().item()) if len(v) else (0., 1.)
         if lo == hi: lo, hi = lo - .5, hi + .5
         counts, edges = torch.histogram(v, bins=bins, range=(lo, hi))
-        tr = go.Bar(x=((edges[:-1] + edges[1:]) / 2).tolist(), y=counts.tolist(), width=(edges[1:] - edges[:-1]).tolist(),
+        tr = go.Bar(x=((edges[:-1] + edges[1:]) / 2).tolist(), y=counts.tolist(),
+                    width=(edges[1:] - edges[:-1]).tolist(),
                     marker_color=BLUE, name='count', hovertemplate='%{x:.4g}: %{y}<extra></extra>')
         layout |= dict(xaxis_title='value', yaxis_title='count', bargap=0)
     else:
@@ -422,7 +439,8 @@ def tensor_figure(t:torch.Tensor,      # the tensor to draw
         note = [f"{int((~keep).sum())} samples with NaN/Inf left out"] if not keep.all() else []
         p, share = _pcs(x[keep] - x[keep].mean(0))
         tr = go.Scatter(x=p[:, 0].tolist(), y=p[:, 1].tolist(), mode='markers', marker=dict(color=BLUE, size=7),
-                        text=[f'sample {i}' for i in keep.nonzero()[:, 0].tolist()], hovertemplate='%{text}<extra></extra>')
+                        text=[f'sample {i}' for i in keep.nonzero()[:, 0].tolist()],
+                        hovertemplate='%{text}<extra></extra>')
         layout |= dict(xaxis_title=f'PC1 ({share[0]:.0%} of variance)', yaxis_title=f'PC2 ({share[1]:.0%} of variance)')
     return go.Figure([tr], layout=dict(title=' · '.join([title, *note]), **layout))
 
@@ -441,27 +459,29 @@ def picture(self:Run,
     t = self.snapshot(module, tname, step=step, ttype=ttype, call=call)
     at = self.last_step if step is None else step
     when = step_name(at, self.step_kinds())
-    return tensor_figure(t, kind, bins, title=f"{self.name} · {module_label(module)} {tname} at {when} · {tuple(t.shape)}")
+    return tensor_figure(t, kind, bins,
+                         title=f"{self.name} · {module_label(module)} {tname} at {when} · {tuple(t.shape)}")
 
 # %% ../nbs/05_figures.ipynb #b0b3dc59
 MAP_STATS = map_stats()   # what a map can show, each taken over tensors and steps (the declared stats' `map`)
 
 def forward_order(run:Run, step:int=None, rank:int=None)->list:
     "Module names of `run` in the order `step`'s forward entered them (default: newest), then the rest in tree order."
-    called = [m for k, m in zip(*run.events(step, rank)[['kind', 'module']].values.T) if k == 'enter'] if run.last_step is not None else []
+    called = ([m for k, m in zip(*run.events(step, rank)[['kind', 'module']].values.T) if k == 'enter']
+              if run.last_step is not None else [])
     return list(dict.fromkeys([*called, *modules_in_order(run.tree())]))
 
 def module_map(run:Run,                  # the run to read
                ttype:str='weight_grad',  # which tensors
                stat:str='norm',          # one of `MAP_STATS`
-               tname:str=None,           # one tensor name, e.g. 'weight'; None: all of the module's `ttype`, taken together
+               tname:str=None,           # one tensor name, e.g. 'weight'; None: all the module's `ttype` together
                rank:int=None,            # the rank to read; default the run's first
                bins:int=500,             # at most this many columns
                steps:list=None,          # only these steps (`view_steps`); None: every step
                between:tuple=None,       # `(first, last)`: only the steps in this range (a zoom); None: the whole run
               )->dict:                   # modules, x (each column's step), width (steps a column), z (values),
                                          # bad (NaN/Inf in a column), sampled (read at one step of several: no rollups)
-    "Every module's `stat` of `ttype` at the first step (of `steps`) of at most `bins` columns; whether each held NaN/Inf."
+    "Every module's `stat` of `ttype` at the first step (of `steps`) of at most `bins` columns; which held NaN/Inf."
     if stat not in MAP_STATS: raise ValueError(f"a map shows one of {', '.join(MAP_STATS)}, not {stat!r}")
     rank = run.ranks[0] if rank is None else rank
     empty = dict(modules=[], x=[], width=1, z=np.zeros((0, 0)), bad=np.zeros((0, 0), bool), sampled=np.zeros(0, bool))
@@ -487,7 +507,8 @@ def module_map(run:Run,                  # the run to read
     if not len(vals) and not bad: return empty
     mid, step, a, b, known, count = vals.T
     with np.errstate(divide='ignore', invalid='ignore'):
-        v = np.sqrt(a) if stat == 'norm' else np.sqrt(a / b) if stat == 'std' else a / b if stat in ('mean', 'zero_frac') else a
+        v = (np.sqrt(a) if stat == 'norm' else np.sqrt(a / b) if stat == 'std'
+         else a / b if stat in ('mean', 'zero_frac') else a)
     # a NULL norm: unknown; a NULL std (one element): left out
     v = np.where((known == count) | ((known > 0) & (stat != 'norm')), v, np.nan)
     have = {names[int(i)] for i in np.unique(mid)} | {names[i] for i, _ in bad}
@@ -522,7 +543,8 @@ def _binned_map(run:Run, rank:int, stat:str,
         z = np.full((len(order), len(present)), np.nan)
         (np.fmax if f == 'MAX' else np.fmin).at(z, (ri, ci), a[:, 2 + j])
         zs.append(z)
-    z = np.where(np.abs(zs[1]) > np.abs(zs[0]), zs[1], zs[0]) if stat == 'mean' else np.sqrt(zs[0]) if stat in ('norm', 'std') else zs[0]
+    z = (np.where(np.abs(zs[1]) > np.abs(zs[0]), zs[1], zs[0]) if stat == 'mean'
+         else np.sqrt(zs[0]) if stat in ('norm', 'std') else zs[0])
     bad = np.zeros(z.shape, bool)
     hit = ~np.isnan(a[:, -1])
     bad[ri[hit], ci[hit]] = True
@@ -531,13 +553,16 @@ def _binned_map(run:Run, rank:int, stat:str,
 
 # %% ../nbs/05_figures.ipynb #cbb34d15
 def envelope_traces(e:pd.DataFrame, color:str=BLUE)->list:
-    "A `module_envelope` as a light band between its bins' min and max, and a red mark at each bin's first NaN/Inf step."
+    "A `module_envelope` as a light band between its bins' min and max, a red mark at each bin's first NaN/Inf step."
     if e is None or e.empty: return []
-    common = dict(mode='lines', line=dict(width=0.5, color=_rgba(color, .25)), legendgroup='every step', hoverinfo='skip', line_shape='hv')
+    common = dict(mode='lines', line=dict(width=0.5, color=_rgba(color, .25)), legendgroup='every step',
+                  hoverinfo='skip', line_shape='hv')
     x, lo, hi = e['step'].tolist(), e['lo'].notna().any(), e['hi'].notna().any()
     if lo and hi: tr = [go.Scatter(x=x, y=_list(e['lo']), name='every step: min', showlegend=False, **common),
-                        go.Scatter(x=x, y=_list(e['hi']), name='every step: min–max', fill='tonexty', fillcolor=_rgba(color, .08), **common)]
-    else: tr = [go.Scatter(x=x, y=_list(e['hi' if hi else 'lo']), name=f"every step: {'max' if hi else 'min'}", **common)]
+                        go.Scatter(x=x, y=_list(e['hi']), name='every step: min–max', fill='tonexty',
+                                   fillcolor=_rgba(color, .08), **common)]
+    else:
+        tr = [go.Scatter(x=x, y=_list(e['hi' if hi else 'lo']), name=f"every step: {'max' if hi else 'min'}", **common)]
     if 'sampled' in e and e['sampled'].any():   # columns the rollups lack, read at one step each: the band says so
         at = e.loc[e['sampled'], 'step']
         tr[-1].name += f" (sampled at steps {at.min()}–{at.max()}: no rollups)"
@@ -545,7 +570,8 @@ def envelope_traces(e:pd.DataFrame, color:str=BLUE)->list:
     # a bin whose stat is NaN: at the top
     at = bad['hi'].fillna(bad['lo']).fillna(e['hi'].max() if hi else e['lo'].min() if lo else 0)
     if len(bad): tr.append(go.Scatter(x=bad['bad_step'].astype(int).tolist(), y=_list(at),
-                                      mode='markers', name='NaN/Inf (every step)', marker=dict(color=RED, symbol='x', size=9)))
+                                      mode='markers', name='NaN/Inf (every step)',
+                                      marker=dict(color=RED, symbol='x', size=9)))
     return tr
 
 # %% ../nbs/05_figures.ipynb #3e417a5b
@@ -567,7 +593,8 @@ def map_labels(m:dict, run:Run)->list:
     def label(n):
         block = f" {blocks[n][0]}/{blocks[n][1]}" if n in blocks else ''
         inside = f" ({folded[n]} modules)" if n in folded else ''
-        return '\u00a0' * 2 * depth.get(n, 0) + ('▸ ' if n in folded else '') + f"{module_label(n)} · {short_type(types.get(n) or '')}{block}{inside}"
+        pad = '\u00a0' * 2 * depth.get(n, 0) + ('▸ ' if n in folded else '')
+        return pad + f"{module_label(n)} · {short_type(types.get(n) or '')}{block}{inside}"
     return [label(n) for n in m['modules']]
 
 # %% ../nbs/05_figures.ipynb #f9887bf5
@@ -587,10 +614,12 @@ def map_figure(m:dict,               # a `module_map`
     z = np.where(np.isfinite(z), z, np.where(m['z'] == 0, floor, np.nan))
     cd, at = step_hover(with_kinds(pd.DataFrame({'step': m['x']}, dtype=int), kinds))
     if m['width'] > 1: at += f" (a column of {m['width']} steps)"
-    hm = go.Heatmap(x=m['x'], y=labels, z=z, colorscale='Viridis', name='map', colorbar=dict(title=f'log10 {stat}', len=0.9),
+    hm = go.Heatmap(x=m['x'], y=labels, z=z, colorscale='Viridis', name='map',
+                    colorbar=dict(title=f'log10 {stat}', len=0.9),
                     ygap=1, hoverongaps=False, customdata=[cd] * len(labels) if cd else None,
                     hovertemplate='%{y}<br>' + at + '<br>log10 ' + stat + ' %{z:.3f}<extra></extra>')
-    bad = go.Heatmap(x=m['x'], y=labels, z=np.where(m['bad'], 1., np.nan), colorscale=[[0, RED], [1, RED]], showscale=False,
+    bad = go.Heatmap(x=m['x'], y=labels, z=np.where(m['bad'], 1., np.nan), colorscale=[[0, RED], [1, RED]],
+                     showscale=False,
                      name='NaN/Inf', hoverinfo='skip', ygap=1)
     fig = go.Figure([hm, bad] if m['bad'].any() else [hm])
     ij = _first_cell(m, first)
@@ -609,9 +638,12 @@ def map_figure(m:dict,               # a `module_map`
             fig.add_shape(type='rect', x0=x0, x1=x1, y0=-0.5, y1=len(labels) - 0.5, fillcolor='rgba(128,128,128,0.25)',
                           line=dict(width=0), layer='above', name='sampled')
     step = 'applied step' if applied else 'step'
-    fig.update_layout(title=f"{run.name}: log10 {stat} of {ttype}, every module × {step}{span} (click a cell for its history)",
-                      height=max(260, 60 + 18 * len(labels)), template='plotly_white', margin=dict(l=10, r=10, t=40, b=40),
-                      xaxis=dict(title=step_title(kinds)), yaxis=dict(autorange='reversed', automargin=True, type='category'))
+    fig.update_layout(title=f"{run.name}: log10 {stat} of {ttype}, every module × {step}{span} "
+                            "(click a cell for its history)",
+                      height=max(260, 60 + 18 * len(labels)), template='plotly_white',
+                      margin=dict(l=10, r=10, t=40, b=40),
+                      xaxis=dict(title=step_title(kinds)),
+                      yaxis=dict(autorange='reversed', automargin=True, type='category'))
     return fig
 
 # %% ../nbs/05_figures.ipynb #49d713e5
@@ -627,7 +659,8 @@ def _first_cell(m:dict, first:dict=None)->tuple|None:
     if not m['bad'].any(): return None
     j = int(np.argmax(m['bad'].any(0)))
     rows = np.flatnonzero(m['bad'][:, j])
-    i = m['modules'].index(first['module']) if first and first['module'] in m['modules'] and m['bad'][m['modules'].index(first['module']), j] else int(rows[0])
+    mine = first and first['module'] in m['modules'] and m['bad'][m['modules'].index(first['module']), j]
+    i = m['modules'].index(first['module']) if mine else int(rows[0])
     return i, j
 
 # %% ../nbs/05_figures.ipynb #3c9a508c
@@ -642,7 +675,8 @@ def fold_map(m:dict,          # a `module_map`
     if not collapsed or not m['modules']: return {**m, 'folded': {}}
     idx, under = {n: i for i, n in enumerate(m['modules'])}, subtrees(tree)
     rows, folded = visible(tree, collapsed, shown=m['modules']), {}
-    members = {r: [idx[x] for x in under[r] if x in idx] if r in collapsed and len(under[r]) > 1 else [idx[r]] for r in rows}
+    members = {r: [idx[x] for x in under[r] if x in idx] if r in collapsed and len(under[r]) > 1 else [idx[r]]
+               for r in rows}
     rows = sorted(rows, key=lambda r: min(members[r]))                      # forward order, by each row's first module
     z, bad = np.full((len(rows), m['z'].shape[1]), np.nan), np.zeros((len(rows), m['z'].shape[1]), bool)
     with warnings.catch_warnings():
@@ -650,7 +684,8 @@ def fold_map(m:dict,          # a `module_map`
         warnings.simplefilter('ignore', RuntimeWarning)
         for i, r in enumerate(rows):
             zz = m['z'][members[r]]
-            if stat == 'mean': z[i] = np.take_along_axis(zz, np.nanargmax(np.where(np.isnan(zz), -1, np.abs(zz)), 0)[None], 0)[0]
+            if stat == 'mean':
+                z[i] = np.take_along_axis(zz, np.nanargmax(np.where(np.isnan(zz), -1, np.abs(zz)), 0)[None], 0)[0]
             else: z[i] = (np.fmin if stat == 'min' else np.fmax).reduce(zz, axis=0)
             bad[i] = m['bad'][members[r]].any(0)
             if len(members[r]) > 1 or r in collapsed and len(under[r]) > 1: folded[r] = len(members[r])
@@ -681,10 +716,11 @@ def flat_range(values)->list|None:
 
 # %% ../nbs/05_figures.ipynb #b7cc1b02
 def scalar_series(st:pd.DataFrame)->list:
-    "The columns of `Run.steps` frame `st` to draw: the logged scalars, then the grad and weight norms, those with a value."
+    "The columns of `Run.steps` frame `st` to draw: logged scalars, then grad and weight norms, those with a value."
     fixed = ('step', 'rank', 'iteration', 'kind', 'closed', 'training', 'n_records')
     logged = [c for c in st.columns if c not in (*fixed, 'grad_norm', 'weight_norm')]
-    return [c for c in (*logged, 'grad_norm', 'weight_norm') if c in st and pd.to_numeric(st[c], errors='coerce').notna().any()]
+    return [c for c in (*logged, 'grad_norm', 'weight_norm') if c in st
+            and pd.to_numeric(st[c], errors='coerce').notna().any()]
 
 def scalars_figure(st:pd.DataFrame,        # `Run.steps()` of one rank
                    other:pd.DataFrame=None,  # a second run's, drawn in orange
@@ -692,26 +728,31 @@ def scalars_figure(st:pd.DataFrame,        # `Run.steps()` of one rank
                    first_bad:int=None,     # the first step with NaN/Inf, marked
                    max_points:int=2000,    # at most this many steps a line
                    cols:int=2,             # plots side by side
-                   all_steps:bool=False,   # grad norms at every training step; default at the applied ones (`view_steps`)
+                   all_steps:bool=False,   # grad norms at every training step; default: the applied ones (`view_steps`)
                   )->go.Figure:
-    "One small plot per logged scalar and global norm over steps, a second run overlaid, each step's iteration in the hover."
+    "A small plot per logged scalar and global norm over steps, a second run overlaid, iterations in the hover."
     series = scalar_series(st) or ['grad_norm']
     rows = -(-len(series) // cols)
-    fig = make_subplots(rows=rows, cols=min(cols, len(series)), subplot_titles=series, horizontal_spacing=0.08, vertical_spacing=0.6 / rows if rows > 1 else 0)
+    fig = make_subplots(rows=rows, cols=min(cols, len(series)), subplot_titles=series, horizontal_spacing=0.08,
+                        vertical_spacing=0.6 / rows if rows > 1 else 0)
     for k, (frame, name, color) in enumerate(((st, names[0], BLUE), (other, names[1], ORANGE))):
         if frame is None or frame.empty: continue
         for i, s in enumerate(series):
             if s not in frame: continue
             d = frame
-            if s == 'grad_norm' and 'kind' in frame: d = frame[frame['step'].isin(view_steps(frame, 'weight_grad', frame['step'], all_steps))]
+            if s == 'grad_norm' and 'kind' in frame:
+                d = frame[frame['step'].isin(view_steps(frame, 'weight_grad', frame['step'], all_steps))]
             # a logged value: the steps it was logged at, joined
             elif s not in ('grad_norm', 'weight_norm'): d = frame[frame[s].notna()]
-            f = d[d['step'].isin(peaks(d['step'], pd.to_numeric(d[s], errors='coerce'), max_points))] if d['step'].is_unique \
-                else d[d['step'].isin(thin(sorted(d['step'].unique()), max_points))]   # several ranks: evenly spaced steps
+            # one rank: the peaks kept; several ranks: evenly spaced steps
+            f = (d[d['step'].isin(peaks(d['step'], pd.to_numeric(d[s], errors='coerce'), max_points))]
+                 if d['step'].is_unique else d[d['step'].isin(thin(sorted(d['step'].unique()), max_points))])
             cd, at = step_hover(f)
-            fig.add_trace(go.Scatter(x=f['step'].tolist(), y=_list(pd.to_numeric(f[s], errors='coerce')), mode='lines', name=name or 'run',
-                                     legendgroup=name or 'run', showlegend=i == 0, line=dict(color=color, width=1.5), customdata=cd,
-                                     hovertemplate=f'{s} %{{y:.4g}} at {at}<extra>{name}</extra>'), row=i // cols + 1, col=i % cols + 1)
+            fig.add_trace(go.Scatter(x=f['step'].tolist(), y=_list(pd.to_numeric(f[s], errors='coerce')), mode='lines',
+                                     name=name or 'run', legendgroup=name or 'run', showlegend=i == 0,
+                                     line=dict(color=color, width=1.5), customdata=cd,
+                                     hovertemplate=f'{s} %{{y:.4g}} at {at}<extra>{name}</extra>'),
+                          row=i // cols + 1, col=i % cols + 1)
     for i, s in enumerate(series):
         fig.update_xaxes(title_text=step_title(st), row=i // cols + 1, col=i % cols + 1)
         # no list of each step
@@ -720,5 +761,8 @@ def scalars_figure(st:pd.DataFrame,        # `Run.steps()` of one rank
         elif (r := flat_range(vals)): fig.update_yaxes(range=r, row=i // cols + 1, col=i % cols + 1)
     if first_bad is not None: fig.add_vline(x=first_bad, line=dict(color=RED, dash='dash', width=1))
     two = other is not None and not other.empty   # one run needs no legend
-    return fig.update_layout(height=230 * rows + 40, template='plotly_white', margin=dict(l=50, r=20, t=40, b=40), showlegend=two,
-                             legend=dict(orientation='h', x=1, xanchor='right', y=1.02, yanchor='bottom'), title='training scalars' + (f' · first NaN/Inf at {step_name(first_bad, st)}' if first_bad is not None else ''))
+    return fig.update_layout(height=230 * rows + 40, template='plotly_white', margin=dict(l=50, r=20, t=40, b=40),
+                             showlegend=two,
+                             legend=dict(orientation='h', x=1, xanchor='right', y=1.02, yanchor='bottom'),
+                             title='training scalars'
+                             + (f' · first NaN/Inf at {step_name(first_bad, st)}' if first_bad is not None else ''))
