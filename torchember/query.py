@@ -1,4 +1,4 @@
-"""Read a store back as pandas DataFrames: the runs it holds, a run's records, steps, call timings, logged scalars and tensor snapshots, and where NaN first appeared.
+"""Read a store back as DataFrames: runs, records, steps, call timings, scalars, snapshots, where NaN first appeared.
 
 Docs: https://torchember.github.io/torchember/query.html.md"""
 
@@ -13,8 +13,8 @@ import pandas as pd
 import sqlalchemy as sa
 import torch
 from sqlalchemy import select, func
-from .store import (engine, escaped, drop_run, runs_t, ranks_t, modules_t, steps_t, events_t, stats_t, calls_t, scalars_t,
-                              snapshots_t, rollups_t, STAT_COLS, ROLLUP_WIDTHS, rolled_steps,
+from .store import (engine, escaped, drop_run, runs_t, ranks_t, modules_t, steps_t, events_t, stats_t,
+                              calls_t, scalars_t, snapshots_t, rollups_t, STAT_COLS, ROLLUP_WIDTHS, rolled_steps,
                               unfolded_bins, bin_spans, nonfinite_ix, NONFINITE_ROWS, stat_value)
 from .store import roll_up as store_roll_up
 
@@ -29,10 +29,12 @@ def runs(db=None)->pd.DataFrame:
     eng = engine(db, create=False)
     s = steps_t.c
     per_rank = select(s.run_id, func.max(s.step).label('last')).group_by(s.run_id, s.rank).subquery()
-    last = select(per_rank.c.run_id, func.min(per_rank.c.last).label('last_step')).group_by(per_rank.c.run_id).subquery()
+    last = (select(per_rank.c.run_id, func.min(per_rank.c.last).label('last_step'))
+            .group_by(per_rank.c.run_id).subquery())
     n = select(s.run_id, func.count(s.step.distinct()).label('steps')).group_by(s.run_id).subquery()
     q = (select(runs_t.c.name, runs_t.c.model, runs_t.c.started, func.coalesce(n.c.steps, 0).label('steps'),
-                last.c.last_step, runs_t.c.user, runs_t.c.host, runs_t.c.torch, func.coalesce(runs_t.c.world_size, 1).label('world_size'))
+                last.c.last_step, runs_t.c.user, runs_t.c.host, runs_t.c.torch,
+                func.coalesce(runs_t.c.world_size, 1).label('world_size'))
          .outerjoin(n, n.c.run_id == runs_t.c.id).outerjoin(last, last.c.run_id == runs_t.c.id)
          .order_by(runs_t.c.started.desc(), runs_t.c.id.desc()))
     cols = ['name', 'model', 'started', 'steps', 'last_step', 'user', 'host', 'torch', 'world_size']
@@ -44,7 +46,8 @@ def runs(db=None)->pd.DataFrame:
 def _no_run(name:str, db)->str:
     "The message for a run `name` that store `db` lacks, naming the runs it has."
     names = runs(db)['name'].tolist()
-    hint = f"; runs there: {', '.join(map(repr, names[:10]))}{' …' if len(names) > 10 else ''}" if names else "; it holds no runs"
+    hint = (f"; runs there: {', '.join(map(repr, names[:10]))}{' …' if len(names) > 10 else ''}" if names
+            else "; it holds no runs")
     return f"no run named {name!r} in store {engine(db).url.render_as_string(hide_password=True)}{hint}"
 
 def delete_run(name:str,   # the run to delete
@@ -64,17 +67,21 @@ def _as_list(x): return None if x is None else [x] if isinstance(x, (str, int)) 
 def _newest_steps(c, run_id:int)->dict:
     "rank -> newest step it closed, for run `run_id`: one backwards seek on the steps key per rank."
     s = steps_t.c
-    joined = c.execute(select(ranks_t.c.rank).where(ranks_t.c.run_id == run_id).order_by(ranks_t.c.rank)).scalars().all()
+    joined = c.execute(select(ranks_t.c.rank).where(ranks_t.c.run_id == run_id)
+                       .order_by(ranks_t.c.rank)).scalars().all()
     if not joined:   # a store older than the ranks table: scan the run's steps
-        return dict(c.execute(select(s.rank, func.max(s.step)).where(s.run_id == run_id).group_by(s.rank).order_by(s.rank)).all())
-    last = {r: c.execute(select(s.step).where(s.run_id == run_id, s.rank == r).order_by(s.step.desc()).limit(1)).scalar() for r in joined}
+        return dict(c.execute(select(s.rank, func.max(s.step)).where(s.run_id == run_id)
+                              .group_by(s.rank).order_by(s.rank)).all())
+    last = {r: c.execute(select(s.step).where(s.run_id == run_id, s.rank == r)
+                         .order_by(s.step.desc()).limit(1)).scalar() for r in joined}
     return {r: st for r, st in last.items() if st is not None}
 
 def run_ranks(db, run_id:int)->list:
     "The ranks that closed steps of run `run_id`, in order ([0] for a run that closed none)."
     with engine(db).connect() as c: return list(_newest_steps(c, run_id)) or [0]
 
-def records(db, run_id:int, run:str, step=None, module=None, ttype=None, tname=None, steps:tuple=None, rank=None)->pd.DataFrame:
+def records(db, run_id:int, run:str, step=None, module=None, ttype=None, tname=None, steps:tuple=None,
+            rank=None)->pd.DataFrame:
     "Records of run `run_id`, filtered by step(s), module name(s), ttype(s), tname(s) and rank(s)."
     eng = engine(db)
     s, m = stats_t.c, modules_t
@@ -125,7 +132,8 @@ class Run:
     def __repr__(self):
         ranks = self.ranks
         more = f", ranks={ranks}" if len(ranks) > 1 else ''
-        return f"Run({self.name!r}, model={self.model}, steps={self.n_steps}, last_step={self.last_step}{more}, store={engine(self.db).url.database or engine(self.db).url})"
+        return (f"Run({self.name!r}, model={self.model}, steps={self.n_steps}, last_step={self.last_step}{more}, "
+                f"store={engine(self.db).url.database or engine(self.db).url})")
 
     @property
     def ranks(self)->list:
@@ -157,9 +165,10 @@ from fastcore.basics import patch
 
 @patch
 def df(self:Run, step=None, module=None, ttype=None, tname=None, steps:tuple=None, rank=None)->pd.DataFrame:
-    "Records of this run, filtered by step(s) (or 'last_finite'), a `(first, last)` range, module, ttype, tname or rank."
+    "Records of this run, by step(s) (or 'last_finite'), a `(first, last)` range, module, ttype, tname or rank."
     step = _named_step(self, step, rank)
-    return records(self.db, self.id, self.name, step=step, module=module, ttype=ttype, tname=tname, steps=steps, rank=rank)
+    return records(self.db, self.id, self.name, step=step, module=module, ttype=ttype, tname=tname, steps=steps,
+                   rank=rank)
 
 def _named_step(run:Run, step, rank=None):
     "`step` as a number: 'last_finite' is `Run.last_finite_step` (-1, no step, if the run broke at once)."
@@ -199,13 +208,15 @@ _KINDS = {}   # (store, run id, rank, its newest step) -> `step_kinds`: closed s
 
 @patch
 def step_kinds(self:Run, rank:int=None)->pd.DataFrame:
-    "`step`, `iteration` and `kind` of every step `rank` (default: the first) closed (older stores: kind from `training`)."
+    "`step`, `iteration`, `kind` of every step `rank` (default: the first) closed (older stores: kind from `training`)."
     st, rank, eng = steps_t.c, _one_rank(self, rank), engine(self.db)
     mine = [st.run_id == self.id, st.rank == rank]
     with eng.connect() as c:
-        key = (str(eng.url), self.id, rank, c.execute(select(st.step).where(*mine).order_by(st.step.desc()).limit(1)).scalar())
+        key = (str(eng.url), self.id, rank,
+               c.execute(select(st.step).where(*mine).order_by(st.step.desc()).limit(1)).scalar())
         if key in _KINDS: return _KINDS[key].copy()
-        rows = c.execute(select(st.step, st.iteration, st.kind, st.training).where(*mine).order_by(st.step)).cursor.fetchall()
+        rows = c.execute(select(st.step, st.iteration, st.kind, st.training).where(*mine)
+                         .order_by(st.step)).cursor.fetchall()
     df = _old_kinds(pd.DataFrame(rows, columns=['step', 'iteration', 'kind', 'training']))
     df = df.drop(columns='training').astype({'step': int, 'iteration': 'Int64', 'kind': str})
     if len(_KINDS) > 16: _KINDS.clear()
@@ -219,7 +230,7 @@ def _old_kinds(df:pd.DataFrame)->pd.DataFrame:
     return df
 
 def applied_steps(kinds:pd.DataFrame)->list:
-    "Of `step_kinds`, the training steps whose grads the optimizer applied: each iteration's last (all, if none counted)."
+    "Of `step_kinds`, the training steps whose grads were applied: each iteration's last (all, if none counted)."
     train = kinds[kinds['kind'] == 'train']
     its = train['iteration']
     # no optimizer steps seen: every step its own
@@ -228,7 +239,7 @@ def applied_steps(kinds:pd.DataFrame)->list:
 
 # %% ../nbs/03_query.ipynb #4df10b53
 def _one_rank(run:Run, rank:int=None)->int:
-    "`rank`, or the run's first rank: what a question about one rank's view of a step (its events, a snapshot) is asked of."
+    "`rank`, or the run's first: the rank a question about one rank's view of a step (events, a snapshot) is asked of."
     return run.ranks[0] if rank is None else rank
 
 @patch
@@ -244,7 +255,8 @@ def events(self:Run, step:int=None, rank:int=None)->pd.DataFrame:
     src = select(st.events_step).where(st.run_id == self.id, st.step == step, st.rank == rank).scalar_subquery()
     q = (select(e.kind, m.c.name, e.call).join(m, sa.and_(m.c.run_id == e.run_id, m.c.id == e.module_id))
          .where(e.run_id == self.id, e.rank == rank, e.step == src).order_by(e.seq))
-    with engine(self.db).connect() as c: return pd.DataFrame([tuple(r) for r in c.execute(q)], columns=['kind', 'module', 'call'])
+    with engine(self.db).connect() as c:
+        return pd.DataFrame([tuple(r) for r in c.execute(q)], columns=['kind', 'module', 'call'])
 
 @patch
 def sequence(self:Run, step:int=None, rank:int=None)->list:
@@ -253,10 +265,11 @@ def sequence(self:Run, step:int=None, rank:int=None)->list:
     return [f"{k} {n}" for k, n in zip(ev['kind'], ev['module'])]
 
 # %% ../nbs/03_query.ipynb #0c6b57fe
-SUMMARY = ['module', 'mtype', 'call', 'out_mean', 'out_std', 'weight_norm', 'grad_norm', 'nonfinite', 'nonfinite_inputs']
+SUMMARY = ['module', 'mtype', 'call', 'out_mean', 'out_std', 'weight_norm', 'grad_norm', 'nonfinite',
+           'nonfinite_inputs']
 
 def summary(df:pd.DataFrame)->pd.DataFrame:
-    "One row per module call of `df`'s records: output mean/std, weight and grad norms, NaN/Inf made or held, and in inputs."
+    "A row per module call of `df`'s records: output mean/std, weight and grad norms, NaN/Inf made or held, in inputs."
     if df.empty: return pd.DataFrame(columns=SUMMARY)
     bad = df.get('nan_count', 0).fillna(0) + df.get('inf_count', 0).fillna(0)
     d = df.assign(sq=df.get('norm', pd.Series(index=df.index, dtype=float))**2,
@@ -265,7 +278,8 @@ def summary(df:pd.DataFrame)->pd.DataFrame:
     out = d[d.ttype == 'output'].groupby(keys, sort=False)[['mean', 'std']].agg(lambda v: v.iloc[0]).add_prefix('out_')
     nan_kept = lambda v: v.sum(skipna=False)   # a NaN norm makes a NaN sum: never a 0.0 that reads as a dead grad
     w = d[d.ttype.isin(['weight', 'weight_grad'])].groupby(['module', 'ttype'])['sq'].agg(nan_kept)**0.5
-    res = d.groupby(keys, sort=False)[['bad', 'bad_in']].sum().set_axis(['nonfinite', 'nonfinite_inputs'], axis=1).join(out)
+    res = (d.groupby(keys, sort=False)[['bad', 'bad_in']].sum()
+             .set_axis(['nonfinite', 'nonfinite_inputs'], axis=1).join(out))
     res['weight_norm'] = [w.get((m, 'weight'), math.nan) for m, _, _ in res.index]
     res['grad_norm'] = [w.get((m, 'weight_grad'), math.nan) for m, _, _ in res.index]
     res = res.reset_index()[SUMMARY]
@@ -274,7 +288,7 @@ def summary(df:pd.DataFrame)->pd.DataFrame:
 
 @patch
 def summary(self:Run, step:int=None, rank:int=None)->pd.DataFrame:
-    "One line per module call of `step` (default: the newest training step; or 'last_finite') on `rank` (default: first)."
+    "A line per module call of `step` (default: the newest training step, or 'last_finite') on `rank` (default: first)."
     rank = _one_rank(self, rank)
     step = None if step == 'last_finite' and self.last_finite_step(rank) is None else _named_step(self, step, rank)
     if step is None: step, it = self.newest_train_step(self.last_steps.get(rank), rank)
@@ -290,7 +304,8 @@ def modules(self:Run)->pd.DataFrame:
     "The run's modules in registration order: name, class, parent's name, parameter count, learnable count and bytes."
     m, p = modules_t, modules_t.alias('p')
     q = (select(m.c.name, m.c.mtype, p.c.name, m.c.n_params, m.c.n_learnable, m.c.param_bytes)
-         .outerjoin(p, sa.and_(p.c.run_id == m.c.run_id, p.c.id == m.c.parent)).where(m.c.run_id == self.id).order_by(m.c.id))
+         .outerjoin(p, sa.and_(p.c.run_id == m.c.run_id, p.c.id == m.c.parent))
+         .where(m.c.run_id == self.id).order_by(m.c.id))
     with engine(self.db).connect() as c: rows = c.execute(q).all()
     sizes = ['n_params', 'n_learnable', 'param_bytes']
     df = pd.DataFrame([tuple(r) for r in rows], columns=['module', 'mtype', 'parent', *sizes], dtype=object)
@@ -301,7 +316,7 @@ _CALLS = ['run', 'step', 'rank', 'module', 'mtype', 'call', 'training', 'fwd_ms'
 
 @patch
 def calls(self:Run, step=None, module=None, rank=None)->pd.DataFrame:
-    "Every timed module call, optionally of step(s), module(s) and rank(s): its mode, forward and backward milliseconds."
+    "Every timed module call, optionally of step(s), module(s) and rank(s): its mode, forward and backward ms."
     k, m = calls_t.c, modules_t
     q = (select(k.step, k.rank, m.c.name, m.c.mtype, k.call, k.training, k.fwd_ms, k.bwd_ms)
          .join(m, sa.and_(m.c.run_id == k.run_id, m.c.id == k.module_id)).where(k.run_id == self.id))
@@ -330,11 +345,13 @@ _STEPS = ['step', 'rank', 'iteration', 'kind', 'closed', 'training', 'n_records'
 def steps(self:Run, rank=None)->pd.DataFrame:
     "One row per step closed by each rank (or `rank`(s)): iteration, kind, time, mode, records, norms, logged scalars."
     st, s = steps_t.c, stats_t.c
-    q = (select(st.step, st.rank, st.iteration, st.kind, st.closed, st.training, st.n_records, st.weight_sq, st.grad_sq, st.summed)
+    q = (select(st.step, st.rank, st.iteration, st.kind, st.closed, st.training, st.n_records, st.weight_sq, st.grad_sq,
+                st.summed)
          .where(st.run_id == self.id).order_by(st.step, st.rank))
     if rank is not None: q = q.where(st.rank.in_(_as_list(rank)))
     with engine(self.db).connect() as c:
-        raw = pd.DataFrame(c.execute(q).cursor.fetchall(), columns=[*_STEPS[:7], 'weight_sq', 'grad_sq', 'summed'], dtype=object)
+        raw = pd.DataFrame(c.execute(q).cursor.fetchall(), columns=[*_STEPS[:7], 'weight_sq', 'grad_sq', 'summed'],
+                           dtype=object)
         steps = raw
         unsummed = sorted(set(raw.loc[raw['summed'].isna(), 'step']))   # steps written before the store kept their sums
         norms = (select(s.step, s.rank, s.ttype, func.sum(s.norm * s.norm), func.count(), func.count(s.norm))
@@ -342,17 +359,20 @@ def steps(self:Run, rank=None)->pd.DataFrame:
         if rank is not None: norms = norms.where(s.rank.in_(_as_list(rank)))
         # a few: one seek each, not a scan
         if len(unsummed) < len(steps) / 2: norms = norms.where(s.step.in_(unsummed))
-        sq = pd.DataFrame([tuple(r) for r in c.execute(norms)] if unsummed else [], columns=['step', 'rank', 'ttype', 'sq', 'n', 'known'])
+        sq = pd.DataFrame([tuple(r) for r in c.execute(norms)] if unsummed else [],
+                          columns=['step', 'rank', 'ttype', 'sq', 'n', 'known'])
     df = raw[_STEPS[:7]].copy()
     df = _old_kinds(df.astype({'step': int, 'rank': int, 'iteration': 'Int64', 'closed': float, 'n_records': 'Int64'}))
     df['closed'], df['training'] = pd.to_datetime(df['closed'], unit='s'), df['training'].astype('boolean')
     key = pd.MultiIndex.from_frame(df[['step', 'rank']])
     # every step's sums kept by the store: its norms are their roots (a NULL sum: a NaN norm, unknown)
     if not unsummed:
-        for col, s in (('grad_norm', 'grad_sq'), ('weight_norm', 'weight_sq')): df[col] = raw[s].astype(float).to_numpy() ** .5
+        for col, s in (('grad_norm', 'grad_sq'), ('weight_norm', 'weight_sq')):
+            df[col] = raw[s].astype(float).to_numpy() ** .5
     else:
         done = raw[raw['summed'].notna()]
-        summed = pd.concat([pd.DataFrame({'step': done['step'], 'rank': done['rank'], 'ttype': tt, 'sq': done[col], 'n': 1, 'known': 1})
+        summed = pd.concat([pd.DataFrame({'step': done['step'], 'rank': done['rank'], 'ttype': tt, 'sq': done[col],
+                                          'n': 1, 'known': 1})
                             for tt, col in (('weight', 'weight_sq'), ('weight_grad', 'grad_sq'))], ignore_index=True)
         sq = pd.concat([d for d in (sq, summed) if len(d)] or [sq], ignore_index=True)
         # a NaN (stored as NULL) norm: unknown
@@ -370,7 +390,7 @@ BACKWARD = ('output_grad', 'input_grad', 'weight_grad')   # as a call's backward
 def flow_order(df:pd.DataFrame,      # records with `module`, `ttype`, and optionally `call`
                events:pd.DataFrame,  # the step's `Run.events`
               )->pd.DataFrame:       # `df`'s rows reordered, index reset
-    "The records of `df` in the order their step made them: forward as calls entered and returned, then grads, then weights."
+    "`df`'s records in their step's order: forward as calls entered and returned, then grads, then weights."
     pos = {}
     for i, (kind, m, call) in enumerate(zip(events['kind'], events['module'], events['call'])):
         pos.setdefault((kind, m, call), i); pos.setdefault((kind, m, None), i)
@@ -441,11 +461,12 @@ def _first_bad_at(c, run_id:int, rank:int, steps:list)->int|None:
     "The first of `steps` at which `rank` held NaN/Inf in `NONFINITE_KINDS`: a seek of the key a step, never a scan."
     if not steps: return None
     kinds = ', '.join(f"'{t}'" for t in NONFINITE_KINDS)
-    one = (f"SELECT 1 FROM stats WHERE run_id = {int(run_id)} AND step = v.s AND rank = {int(rank)} AND ttype IN ({kinds}) "
-           f"AND (nan_count > 0 OR inf_count > 0)")
+    one = (f"SELECT 1 FROM stats WHERE run_id = {int(run_id)} AND step = v.s AND rank = {int(rank)} "
+           f"AND ttype IN ({kinds}) AND (nan_count > 0 OR inf_count > 0)")
     v = f"WITH v(s) AS (VALUES {', '.join(f'({int(s)})' for s in steps)}) "
     if c.dialect.name == 'postgresql':   # a lateral subquery: its planner would rather scan the table once, all of it
-        return c.exec_driver_sql(v + f"SELECT v.s FROM v CROSS JOIN LATERAL ({one} LIMIT 1) x ORDER BY v.s LIMIT 1").scalar()
+        sql = v + f"SELECT v.s FROM v CROSS JOIN LATERAL ({one} LIMIT 1) x ORDER BY v.s LIMIT 1"
+        return c.exec_driver_sql(sql).scalar()
     return c.exec_driver_sql(v + f"SELECT s FROM v WHERE EXISTS ({one}) ORDER BY s LIMIT 1").scalar()
 
 # %% ../nbs/03_query.ipynb #91430041
@@ -471,11 +492,13 @@ def _first_bad(c, run_id:int, rank:int=None, after:int=None)->int|None:
 def _rolled_first_bad(c, run_id:int, rank:int=None, sample:bool=False)->int:
     "Without `nonfinite_ix`: the first step with NaN/Inf in `NONFINITE_KINDS`, from rollups and rows they lack, or -1."
     r, st, s, w = rollups_t.c, steps_t.c, stats_t.c, ROLLUP_WIDTHS[-1]
-    ranks = [rank] if rank is not None else c.execute(select(st.rank).where(st.run_id == run_id).distinct()).scalars().all()
+    ranks = ([rank] if rank is not None
+             else c.execute(select(st.rank).where(st.run_id == run_id).distinct()).scalars().all())
     bad = [s.run_id == run_id, s.ttype.in_(NONFINITE_KINDS), sa.or_(s.nan_count > 0, s.inf_count > 0)]
     firsts = []
     for k in ranks:
-        first = c.execute(select(func.min(r.bad_step)).where(r.run_id == run_id, r.rank == k, r.ttype.in_(NONFINITE_KINDS), r.width == w)).scalar()
+        first = c.execute(select(func.min(r.bad_step)).where(r.run_id == run_id, r.rank == k,
+                                                             r.ttype.in_(NONFINITE_KINDS), r.width == w)).scalar()
         spans = [(a, b) for a, b in bin_spans(unfolded_bins(c, run_id, k)) if first is None or a < first]   # their rows
         if sample and spans:   # a view's read: at most `VIEW_STEPS` of their steps
             at = _sampled(unfolded_steps(c, run_id, k, last=first), VIEW_STEPS)
@@ -496,7 +519,7 @@ def first_nonfinite(self:Run,
                     after:int=None,  # with no `step`: search only the steps after this one
                     rank:int=None,   # look in this rank's records only; default every rank's
                     sample:bool=False,  # no `nonfinite_ix`: where rollups lack bins, read `VIEW_STEPS` of their steps
-                   )->dict|None:     # step, rank, module, mtype, ttype, tname, call, nan_count, inf_count; None if clean
+                   )->dict|None:     # step, rank, module, mtype, ttype, tname, call, nan_count, inf_count; or None
     "The first module call whose output, attached tensor or grad held NaN or Inf, in the order its step computed them."
     s, m = stats_t.c, modules_t
     where = [s.run_id == self.id, s.ttype.in_(NONFINITE_KINDS), sa.or_(s.nan_count > 0, s.inf_count > 0)]
@@ -517,7 +540,8 @@ def first_nonfinite(self:Run,
     df = pd.DataFrame([tuple(r) for r in rows], columns=cols)
     df = df[df['rank'] == df['rank'].iloc[0]]                       # the lowest rank that had one
     first = flow_order(df, self.events(step, int(df['rank'].iloc[0]))).iloc[0]
-    return {k: int(first[k] or 0) if k in ('step', 'rank', 'call', 'nan_count', 'inf_count') else first[k] for k in cols}
+    return {k: int(first[k] or 0) if k in ('step', 'rank', 'call', 'nan_count', 'inf_count') else first[k]
+            for k in cols}
 
 # %% ../nbs/03_query.ipynb #e50a1f02
 @patch
@@ -599,7 +623,8 @@ def to_json(self:Run,
     nbytes = d.groupby(['module', 'ttype'])['nbytes'].sum(min_count=1)
     bad = d.groupby(['module', 'ttype'])['bad'].any()
     out = d[d['ttype'] == 'output'].drop_duplicates('module').set_index('module')
-    ms = self.calls(step=-1 if step is None else step, rank=rank).groupby('module')[['fwd_ms', 'bwd_ms']].sum(min_count=1)
+    ms = (self.calls(step=-1 if step is None else step, rank=rank)
+          .groupby('module')[['fwd_ms', 'bwd_ms']].sum(min_count=1))
     sizes = self.modules().set_index('module')
     def info(name, mtype):
         i = dict(name=name, type=mtype, **{c: sizes[c].get(name) for c in ('n_params', 'n_learnable', 'param_bytes')})
@@ -615,7 +640,9 @@ def to_json(self:Run,
     res = {self.model: node(self.tree())}
     if path is not None:
         p = Path(path).expanduser()
-        if p.is_dir(): raise IsADirectoryError(f"{str(p)!r} is a directory; give a file path such as {str(p/(self.name + '.json'))!r}")
+        if p.is_dir():
+            raise IsADirectoryError(f"{str(p)!r} is a directory; give a file path such as "
+                                    f"{str(p/(self.name + '.json'))!r}")
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(json.dumps(res, indent=1, allow_nan=False), encoding='utf-8')
     return res
@@ -631,7 +658,8 @@ def decode_snapshot(dtype:str,   # a torch dtype's name, e.g. 'float32'
     n = math.prod(shape) * dt.itemsize
     raw = zlib.decompressobj().decompress(data, n + 1)   # never inflates more than the tensor can hold
     if len(raw) != n:
-        raise ValueError(f"corrupt snapshot: {f'more than {n}' if len(raw) > n else len(raw)} bytes for a {dtype} tensor of shape {shape}")
+        raise ValueError(f"corrupt snapshot: {f'more than {n}' if len(raw) > n else len(raw)} bytes for a {dtype} "
+                         f"tensor of shape {shape}")
     if n == 0: return torch.empty(shape, dtype=dt)
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dt).reshape(shape)
 
@@ -646,7 +674,8 @@ def snapshots(self:Run, module=None, rank=None)->pd.DataFrame:
          .join(m, sa.and_(m.c.run_id == p.run_id, m.c.id == p.module_id)).where(p.run_id == self.id))
     if module is not None: q = q.where(m.c.name.in_(_as_list(module)))
     if rank is not None: q = q.where(p.rank.in_(_as_list(rank)))
-    with engine(self.db).connect() as c: rows = c.execute(q.order_by(p.module_id, p.ttype, p.tname, p.call, p.rank, p.step)).all()
+    with engine(self.db).connect() as c:
+        rows = c.execute(q.order_by(p.module_id, p.ttype, p.tname, p.call, p.rank, p.step)).all()
     df = pd.DataFrame([tuple(r) for r in rows], columns=_SNAPS)
     df['shape'] = [tuple(json.loads(s)) for s in df['shape']]
     return df
@@ -655,7 +684,8 @@ def _have(snaps:pd.DataFrame)->str:
     "What `snaps` holds, for an error message: one `ttype tname (call c) at steps ...` per tensor."
     g = snaps.groupby(['module', 'ttype', 'tname', 'call'], sort=False)['step']
     return '; '.join(f"{m!r} {tt} {tn}{f' (call {c})' if c else ''} at step{'s' if len(v) > 1 else ''} "
-                     f"{', '.join(map(str, v.tolist()[:8]))}{' …' if len(v) > 8 else ''}" for (m, tt, tn, c), v in list(g)[:10])
+                     f"{', '.join(map(str, v.tolist()[:8]))}{' …' if len(v) > 8 else ''}"
+                     for (m, tt, tn, c), v in list(g)[:10])
 
 @patch
 def snapshot(self:Run,
@@ -671,14 +701,16 @@ def snapshot(self:Run,
     snaps = self.snapshots(module, rank)
     kinds = sorted(set(snaps.loc[snaps['tname'] == tname, 'ttype']))
     if ttype is None and len(kinds) > 1:
-        raise ValueError(f"module {module!r} has snapshots of {tname!r} as {' and '.join(kinds)}: pass ttype= to choose")
+        raise ValueError(f"module {module!r} has snapshots of {tname!r} as {' and '.join(kinds)}: "
+                         "pass ttype= to choose")
     ttype = ttype if ttype is not None else kinds[0] if kinds else None
     hit = snaps[(snaps['tname'] == tname) & (snaps['ttype'] == ttype) & (snaps['call'] == call)
                 & (snaps['step'] <= (step if step is not None else -1))]
     if hit.empty:
         what = f"{ttype or ''} {tname!r}{f' (call {call})' if call else ''}".strip()
         have = (f"it has {_have(snaps)}" if len(snaps) else
-                f"it has none of {module!r}; the run has {_have(self.snapshots())}" if len(self.snapshots()) else "the run has none")
+                f"it has none of {module!r}; the run has {_have(self.snapshots())}" if len(self.snapshots())
+                else "the run has none")
         when = f"at or before step {step}" if step is not None else "(no step closed yet)"
         raise KeyError(f"no snapshot of module {module!r} {what} {when} in run {self.name!r}; {have}")
     row = hit.iloc[-1]
@@ -697,7 +729,7 @@ GRAPH_ENDS = {-1: '<input>', -2: '<output>', -3: '<const>'}   # `flows`' ids of 
 
 @patch
 def graph(self:Run, step:int=None, rank:int=None)->pd.DataFrame:
-    "The model's data flow captured at or before `step` (default: the newest capture) on `rank`: src, dst, calls, dst_calls."
+    "The data flow captured at or before `step` (default: the newest) on `rank`: src, dst, calls, dst_calls."
     rank, f, m = _one_rank(self, rank), flows_t.c, modules_t.c
     cols = ['src', 'dst', 'calls', 'dst_calls']
     when = select(func.max(f.step)).where(f.run_id == self.id, f.rank == rank)
