@@ -1,4 +1,4 @@
-"""One self-contained HTML file per run, with the explorer's plots, to open in any browser or attach to an issue (`torchember report` writes one from a shell).
+"""One self-contained HTML file per run, with the explorer's plots, to open in any browser or attach to an issue.
 
 Docs: https://torchember.github.io/torchember/report.html.md"""
 
@@ -22,8 +22,8 @@ from .graphview import GraphView
 import warnings
 from .figures import (BLUE, ORANGE, recorded_steps, thin, with_stats, combine, history_traces, heatmap_traces,
                                 latest_by_module, overview_traces, module_label, module_map, map_figure, fold_map,
-                                scalars_figure, log_axis, bars_axis, view_steps, with_kinds, step_name, step_title, step_hover,
-                                iteration_text, forward_order)
+                                scalars_figure, log_axis, bars_axis, view_steps, with_kinds, step_name, step_title,
+                                step_hover, iteration_text, forward_order)
 
 # %% auto #0
 __all__ = ['TOP', 'MODULES_DRAWN', 'MAP_CELLS', 'MODULE_STEPS', 'WIDE_DECADES', 'FINDINGS_DRAWN', 'STORY_CAUSES', 'FOLDED_ROWS',
@@ -115,7 +115,9 @@ def _bars(run:Run, ttype:str, stat:str, rank:int, step:int=None, kinds:pd.DataFr
     o = latest_by_module(run, ttype, step, rank=rank)
     tr = overview_traces(o, stat)
     if not tr: return None
-    return go.Figure(tr, layout=dict(height=340, title=step_name(o['step'].iloc[0], kinds), yaxis=log_axis(o[stat]), xaxis=bars_axis(len(o)), **_LAYOUT))
+    return go.Figure(tr,
+                     layout=dict(height=340, title=step_name(o['step'].iloc[0], kinds), yaxis=log_axis(o[stat]),
+                                 xaxis=bars_axis(len(o)), **_LAYOUT))
 
 def _finite_step(run:Run, steps:list, first:dict|None)->int|None:
     "The step the bars show: None (the latest) unless the run blew up, then the last step before its first NaN/Inf."
@@ -155,7 +157,8 @@ def report_figures(run:Run,
         figs.append((f"Every module: weight_grad norm over {'applied ' if some else ''}steps{fold}",
                      map_figure(m, run, first=first, kinds=kinds, applied=some).update_layout(title=None), True))
     if steps:
-        figs.append(('Training scalars', scalars_figure(run.steps(rank), first_bad=first and first['step'], max_points=max_points)
+        figs.append(('Training scalars',
+                     scalars_figure(run.steps(rank), first_bad=first and first['step'], max_points=max_points)
                                            .update_layout(title=None), True))
     figs += _bar_figures(run, rank, steps, first, kinds)
     if (g := _graph_figure(run, rank, findings)) is not None: figs.append(g)
@@ -177,15 +180,17 @@ def report_figures(run:Run,
         h = with_kinds(combine(o, ['step']), kinds)
         wide = len(h) and decades(pd.concat([h[c].abs() for c in ('min', 'max', 'std') if c in h])) > WIDE_DECADES
         left = 'output std (log: it spans decades)' if wide else 'output'
-        fig = make_subplots(rows=1, cols=2 if len(p) else 1, subplot_titles=(left, 'weight and grad norms')[:2 if len(p) else 1])
+        fig = make_subplots(rows=1, cols=2 if len(p) else 1,
+                            subplot_titles=(left, 'weight and grad norms')[:2 if len(p) else 1])
         fig.add_traces(history_traces(h, ('std',) if wide else ('mean',)), rows=1, cols=1)
         if wide: fig.update_yaxes(**log_axis(h['std']), row=1, col=1)
         for tt, color in (('weight', BLUE), ('weight_grad', ORANGE)):
             ht = with_kinds(combine(p[p['ttype'] == tt], ['step']), kinds)
             cd, at = step_hover(ht)
-            if len(ht): fig.add_trace(go.Scatter(x=ht['step'].tolist(), y=ht['norm'].tolist(), mode='lines', name=f'{tt} norm',
-                                                 line=dict(color=color), customdata=cd, hovertemplate='%{y:.4g}<br>' + at),
-                                      row=1, col=2)
+            if len(ht):
+                fig.add_trace(go.Scatter(x=ht['step'].tolist(), y=ht['norm'].tolist(), mode='lines', name=f'{tt} norm',
+                                         line=dict(color=color), customdata=cd, hovertemplate='%{y:.4g}<br>' + at),
+                              row=1, col=2)
         if len(p): fig.update_yaxes(**log_axis(p['norm']), row=1, col=2)
         head = f"{module_label(m)} · {types.get(m, mtype)}"
         fig = fig.update_xaxes(title_text=x_title).update_layout(height=340, **_LAYOUT)
@@ -197,13 +202,14 @@ def report_figures(run:Run,
 
 # %% ../nbs/06_report.ipynb #ccc50569
 def story_step(run:Run, rank:int, findings:pd.DataFrame=None)->tuple:
-    "`(step, ttype, why)` the graph is coloured at: the first cause's, else the last step before NaN/Inf, else the last."
+    "`(step, ttype, why)` to colour the graph at: the first cause's, else the last step before NaN/Inf, else the last."
     causes = findings[findings['kind'] == 'cause'] if findings is not None and len(findings) else None
     first = run.first_nonfinite(rank=rank)
     if causes is not None and len(causes) and (first is None or causes['step'].iloc[0] < first['step']):
         c = causes.iloc[0]
         tt = 'output' if c['ttype'] == 'input' else c['ttype']
-        return int(c['step']), tt, f"at step {int(c['step'])}, where {module_label(c['module'])}'s {c['ttype']} began the trouble"
+        return (int(c['step']), tt,
+                f"at step {int(c['step'])}, where {module_label(c['module'])}'s {c['ttype']} began the trouble")
     if first is not None and (s := run.last_finite_step(rank)) is not None:
         return s, 'weight_grad', f"at step {s}, the last before NaN/Inf"
     return None, 'weight_grad', 'at the last step'
@@ -216,21 +222,24 @@ def _graph_figure(run:Run, rank:int, findings:pd.DataFrame=None)->tuple|None:
         step, tt, why = story_step(run, rank, findings)
         f = v.figure(tt, 'norm', step=step, findings=findings).update_layout(title=None)
     except Exception as e:
-        warnings.warn(f"torchember: the report draws no graph of run {run.name!r}: {type(e).__name__}: {e}", stacklevel=2)
+        warnings.warn(f"torchember: the report draws no graph of run {run.name!r}: {type(e).__name__}: {e}",
+                      stacklevel=2)
         return None
     ringed = ', findings ringed red' if findings is not None and (findings['severity'] != 'info').any() else ''
     return f"The model: data flow between modules, {tt} norm {why}{ringed}", f, True
 
 # %% ../nbs/06_report.ipynb #df0b628b
-_CSS = """body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2em auto;max-width:1200px;color:#222}
-h1{font-size:1.6em}h2{font-size:1.2em;margin-top:2em;border-bottom:1px solid #ddd}table{border-collapse:collapse;font-size:.9em}
+_CSS = """body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2em auto;\
+max-width:1200px;color:#222}
+h1{font-size:1.6em}h2{font-size:1.2em;margin-top:2em;border-bottom:1px solid #ddd}\
+table{border-collapse:collapse;font-size:.9em}
 td,th{border:1px solid #ddd;padding:.25em .6em;text-align:left}.meta td:first-child{color:#666}.ok{color:#2a7}
 .error{color:#c22;font-weight:bold}.warning{color:#b60}.info{color:#666}ul.story{font-size:1.05em;line-height:1.5}
 details summary{cursor:pointer;color:#1f77b4}"""
 FINDINGS_DRAWN = 8   # findings whose evidence the report draws; the others are listed only
 
 def _evidence(run:Run, fs:pd.DataFrame, rank:int, kinds:pd.DataFrame=None)->tuple:
-    "The first `FINDINGS_DRAWN` findings' evidence as `(heading, figure, anchor)`, one per figure; and each finding's anchor."
+    "Evidence of the first `FINDINGS_DRAWN` findings as `(heading, figure, anchor)`s; and each finding's anchor."
     drawn, anchors = {}, {}
     for i, (_, f) in enumerate(fs.head(FINDINGS_DRAWN).iterrows()):
         fig = evidence_figure(evidence(run, f, rank=rank, kinds=kinds), f)
@@ -238,17 +247,19 @@ def _evidence(run:Run, fs:pd.DataFrame, rank:int, kinds:pd.DataFrame=None)->tupl
         if key not in drawn: drawn[key] = ([], fig, f'finding-{i + 1}', finding_label(f))
         drawn[key][0].append(str(i + 1))
         anchors[i] = drawn[key][2]
-    figs = [(f"Finding{'s' if len(ns) > 1 else ''} {', '.join(ns)}: {label}", fig, a) for ns, fig, a, label in drawn.values()]
+    figs = [(f"Finding{'s' if len(ns) > 1 else ''} {', '.join(ns)}: {label}", fig, a)
+            for ns, fig, a, label in drawn.values()]
     return figs, anchors
 
 STORY_CAUSES = 3   # causes the story at the top of the page tells
 
 def _story(fs:pd.DataFrame, anchors:dict)->str:
-    "The story at the top of the page: each `cause` finding (the module that started an episode, what followed), linked."
+    "The story atop the page: each `cause` finding (the module that started an episode, what followed), linked."
     causes = [(i, f) for i, (_, f) in enumerate(fs.iterrows()) if f['kind'] == 'cause'][:STORY_CAUSES]
     if not causes: return ''
     e = html.escape
-    items = [f"<li><span class='{e(f['severity'])}'>{SEVERITY_MARKS.get(f['severity'], '')} step {f['step']}</span>: {e(f['message'])}"
+    items = [f"<li><span class='{e(f['severity'])}'>{SEVERITY_MARKS.get(f['severity'], '')} step {f['step']}</span>: "
+             f"{e(f['message'])}"
              + (f' <a href="#{anchors[i]}">evidence</a>' if i in anchors else '') + '</li>' for i, f in causes]
     return f'<h2>What happened</h2><ul class="story">{"".join(items)}</ul>'
 
@@ -257,13 +268,14 @@ FOLDED_ROWS = 12   # rows of the NaN/Inf table shown before "show all": the firs
 
 def _nonfinite_table(nf:pd.DataFrame)->str:
     "The NaN/Inf table folded: a first row per module and ttype, in the order trouble spread; all of it in a <details>."
-    if nf.empty: return '<p class="ok">No NaN or Inf in any output, weight or grad: nothing the model made or holds.</p>'
+    if nf.empty:
+        return '<p class="ok">No NaN or Inf in any output, weight or grad: nothing the model made or holds.</p>'
     if len(nf) <= FOLDED_ROWS: return nf.to_html(index=False, border=0)
     first = nf.drop_duplicates(['module', 'ttype'])
     n = nf.groupby(['module', 'ttype'], sort=False).size()
     shown = first.assign(tensors=[n[k] for k in zip(first['module'], first['ttype'])]).head(FOLDED_ROWS)
-    return (f"<p>The first {len(shown)} of the {len(first)} modules and tensor kinds that held NaN or Inf, in the order the "
-            f"trouble spread ({len(nf)} tensors in all):</p>{shown.to_html(index=False, border=0)}"
+    return (f"<p>The first {len(shown)} of the {len(first)} modules and tensor kinds that held NaN or Inf, in the "
+            f"order the trouble spread ({len(nf)} tensors in all):</p>{shown.to_html(index=False, border=0)}"
             f"<details><summary>show all {len(nf)} tensors</summary>{nf.to_html(index=False, border=0)}</details>")
 
 def _findings_table(fs:pd.DataFrame, anchors:dict)->str:
@@ -274,9 +286,10 @@ def _findings_table(fs:pd.DataFrame, anchors:dict)->str:
         link = f'<a href="#{anchors[i]}">evidence</a>' if i in anchors else ''
         module = e(module_label(f['module'])) if isinstance(f['module'], str) else ''
         it = f"<td>{'' if pd.isna(f['iteration']) else int(f['iteration'])}</td>" if its else ''
-        rows.append(f"<tr><td class='{e(f['severity'])}'>{e(f['severity'])}</td><td>{f['step']}</td>{it}<td>{e(f['kind'])}</td>"
-                    f"<td>{module}</td><td>{e(f['message'])}</td><td>{link}</td></tr>")
-    head = f"<th>severity</th><th>step</th>{'<th>iteration</th>' if its else ''}<th>kind</th><th>module</th><th>what</th><th></th>"
+        rows.append(f"<tr><td class='{e(f['severity'])}'>{e(f['severity'])}</td><td>{f['step']}</td>{it}"
+                    f"<td>{e(f['kind'])}</td><td>{module}</td><td>{e(f['message'])}</td><td>{link}</td></tr>")
+    head = (f"<th>severity</th><th>step</th>{'<th>iteration</th>' if its else ''}<th>kind</th><th>module</th>"
+            "<th>what</th><th></th>")
     return f'<table class="findings"><tr>{head}</tr>' + ''.join(rows) + '</table>'
 
 # %% ../nbs/06_report.ipynb #db05a1eb
@@ -287,8 +300,8 @@ def _inputs_note(run:Run, kinds:pd.DataFrame, shown:int=8)->str:
     names = [f"{module_label(m)} {t}" for m, t in zip(ni['module'], ni['tname'])]
     listed = ', '.join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else '')
     since = step_name(int(ni['first_step'].min()), kinds)
-    return (f'<p class="info">Inputs that arrive non-finite, not counted as the model\'s (some are by design, as a causal '
-            f'attention mask\'s -inf): {html.escape(listed)}, from {html.escape(since)} on.</p>')
+    return ('<p class="info">Inputs that arrive non-finite, not counted as the model\'s (some are by design, as a '
+            f'causal attention mask\'s -inf): {html.escape(listed)}, from {html.escape(since)} on.</p>')
 
 LEFT_OUT_LISTED = 50   # names of the modules left out that the page lists
 
@@ -319,7 +332,8 @@ def report_html(run:Run,
     kinds, last = run.step_kinds(rank), run.last_step
     meta = {'model': run.model, 'steps recorded': run.n_steps,
             'last step': f"{last} ({t})" if (t := iteration_text(kinds, last)) else last,
-            **({'ranks': f"{', '.join(map(str, ranks))} of {run.world_size}; figures of rank {rank}"} if len(ranks) > 1 else {}),
+            **({'ranks': f"{', '.join(map(str, ranks))} of {run.world_size}; figures of rank {rank}"} if len(ranks) > 1
+               else {}),
             'started': time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(run.started)) if run.started else None,
             'store': store_name(run.db), 'report written': time.strftime('%Y-%m-%d %H:%M:%S')}
     parts = [f"<h1>torchember report: {e(run.name)}</h1>", '<table class="meta">',
@@ -330,7 +344,8 @@ def report_html(run:Run,
     if not failed: parts.append(_story(fs, anchors))
     parts.append('<h2>Findings</h2>')
     parts.append(f"<p>diagnose() failed: {e(failed)}</p>" if failed else _findings_table(fs, anchors) if len(fs) else
-                 '<p class="ok">diagnose() found nothing wrong: no NaN or Inf, spike, dead output, vanishing or exploding grads.</p>')
+                 '<p class="ok">diagnose() found nothing wrong: no NaN or Inf, spike, dead output, '
+                 'vanishing or exploding grads.</p>')
     parts.append('<h2>NaN and Inf</h2>')
     if f := run.first_nonfinite():
         on = f", rank {f['rank']}" if len(ranks) > 1 else ''
@@ -350,7 +365,8 @@ def report_html(run:Run,
     top = [(h, f, None) for h, f, shown in figs if shown] + ev
     rest = [(h, f, None) for h, f, shown in figs if not shown]
     for i, (head, fig, anchor) in enumerate(top + rest):
-        if rest and i == len(top): parts.append(f'<details><summary>{len(rest)} more figures of the other modules</summary>')
+        if rest and i == len(top):
+            parts.append(f'<details><summary>{len(rest)} more figures of the other modules</summary>')
         at = f' id="{anchor}"' if anchor else ''
         parts += [f"<h2{at}>{e(head)}</h2>", fig.to_html(full_html=False, include_plotlyjs=i == 0, config=config)]
     if rest: parts.append('</details>')
@@ -369,7 +385,7 @@ def page_figures(page:str)->list:
 
 # %% ../nbs/06_report.ipynb #d4b2d2ba
 def _target(path, run:str)->Path:
-    "Where the report of `run` goes for `path`: the file itself, or `<run>.html` in a folder; never outside that folder."
+    "Where `run`'s report goes for `path`: the file itself, or `<run>.html` in a folder; never outside that folder."
     p = Path(path).expanduser()
     if p.is_dir() or str(path).endswith(('/', '\\')):
         folder, name = p, (re.sub(r'[^\w.-]+', '_', run).strip('._') or 'report') + '.html'
