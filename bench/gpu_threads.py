@@ -21,6 +21,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent / 'tests'), str(HERE.parent)]
 import torch
 import gpu, bench
 from torchember import torchEmber, core, stats
+from torchember.store import Writer
 
 HZ = os.sysconf('SC_CLK_TCK')
 
@@ -73,7 +74,7 @@ def block(model, step, k, device, db, fs):
     return dt, cpu
 
 PARTS = [(core.Capture, ('_pre', '_post', '_root_pre', '_grad_hook', '_grads_done', 'close')),
-         (stats.Recorder, ('tensor', '_planned', '_read_later', '_gather')), (torchEmber, ('_write_steps',))]
+         (stats.Recorder, ('tensor', '_planned', '_read_later', '_gather')), (Writer, ('_put',))]
 
 def parts_cpu(model, step, device, db, k:int)->dict:
     "`{(thread, method): CPU seconds a step}` of torchember's main methods over `k` recorded steps (nested calls overlap)."

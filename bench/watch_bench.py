@@ -3,7 +3,7 @@
 
 Each model trains `--steps` recorded steps (every step recorded, `torch.set_num_threads(2)`, SGD) with a thread writer
 (`TORCHEMBER_WRITER=thread`, so that the whole of the writer's work is on one thread of this process) or a process
-writer. On the writer's thread, the CPU time of each `_write_steps` call (turning steps into rows and writing them, or
+writer. On the writer's thread, the CPU time of each `Writer._put` call (turning steps into rows and writing them, or
 handing them to the writer process) and, within it, of `_watched` (the detectors, plus the `on_step` / `on_finding`
 callbacks: none here but `--sink`) are summed with `time.thread_time`. Printed per model: writer CPU ms a step without
 the watch, the watch's ms a step, and the watch's share of the rest. Also: what the `stop_on` pre-hook adds to a step
@@ -20,6 +20,7 @@ import torch
 import corpus
 from torchember import torchEmber
 from torchember import ember as E
+from torchember.store import Writer
 
 def measure(name:str, steps:int, sink:bool)->dict:
     model, make_batch = corpus.BENCH[name]()
@@ -27,16 +28,16 @@ def measure(name:str, steps:int, sink:bool)->dict:
     args, kwargs = make_batch(0)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     spent = {'write': 0.0, 'watch': 0.0, 'steps': 0}
-    write, watched = E.torchEmber._write_steps, E.torchEmber._watched
-    def timed_write(self, recs, sink=None):
+    write, watched = Writer._put, E.torchEmber._watched
+    def timed_write(self, recs):
         t = time.thread_time()
-        try: return write(self, recs, sink=sink)
+        try: return write(self, recs)
         finally: spent['write'] += time.thread_time() - t; spent['steps'] += len(recs)
     def timed_watch(self, args):
         t = time.thread_time()
         try: return watched(self, args)
         finally: spent['watch'] += time.thread_time() - t
-    E.torchEmber._write_steps, E.torchEmber._watched = timed_write, timed_watch
+    Writer._put, E.torchEmber._watched = timed_write, timed_watch
     try:
         with tempfile.TemporaryDirectory() as d:
             te = torchEmber(model, run=name, db=f'{d}/w.db', stop_on=['nonfinite', 'spike'])
@@ -50,7 +51,7 @@ def measure(name:str, steps:int, sink:bool)->dict:
             rows = len(te.latest())
             te.disarm()
             if sink: tb.close()
-    finally: E.torchEmber._write_steps, E.torchEmber._watched = write, watched
+    finally: Writer._put, E.torchEmber._watched = write, watched
     n = max(spent['steps'], 1)
     rest = spent['write'] - spent['watch']
     return dict(model=name, steps=spent['steps'], rows=rows, writer_ms=1e3 * rest / n,

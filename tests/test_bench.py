@@ -87,7 +87,7 @@ def test_gpu_threads_benchmark_runs_as_is():
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout
     for v in ('bare', 'armed', 'writer only at flush', 'no writer', 'nothing but module hooks'): assert f'  {v} ' in out, out
-    assert 'training  Capture._grads_done' in out and 'writer    torchEmber._write_steps' in out, out
+    assert 'training  Capture._grads_done' in out and 'writer    Writer._put' in out, out
 
 def test_gpu_steps_benchmark_runs_as_is():
     "The script that times an `every=10` run step by step runs end to end on the CPU (tiny model), each writer; figures not checked."

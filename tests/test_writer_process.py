@@ -110,9 +110,9 @@ def test_a_dead_child_loses_nothing(tmp_path, process):
     db, model, te = armed(tmp_path, 'dead')
     _steps(model, 2)
     wp = sink(te)
-    wp.proc.kill(); wp.proc.wait()
-    with warnings.catch_warnings(record=True) as rec:
+    with warnings.catch_warnings(record=True) as rec:   # the kill inside: a write in flight as it dies says so here too
         warnings.simplefilter('always')
+        wp.proc.kill(); wp.proc.wait()
         _steps(model, 3, seed=1)
         te.flush()
         _steps(model, 2, seed=2)

@@ -28,7 +28,7 @@ from .reads import joined_ranks
 
 # %% auto #0
 __all__ = ['GROUP', 'PROCESS_LINGER_S', 'LONE_WRITES', 'SIGNAL_WAIT_S', 'FLUSH_WAIT_S', 'torchEmber', 'unwrap', 'process_rank',
-           'agree_run_name', 'rank_selector', 'on_accelerator', 'TrainingStopped']
+           'agree_run_name', 'rank_selector', 'on_accelerator', 'StepArgs', 'TrainingStopped']
 
 # %% ../nbs/04_ember.ipynb #654a6fa8
 class torchEmber:
@@ -87,11 +87,11 @@ class torchEmber:
         if hist: self.stat_fns.update({tt: hist_stats(hist, sample_n, outliers) for tt in TTYPES})
         if snapshot is not None: self.recorder.on_tensor = Snapshots(snapshot, self.capture.names, snapshot_fn)
         if track_updates: self.recorder.param_extras = UpdateTracker()
-        self._changes = Changes()
+        self._steps = StepArgs(self.capture)   # the writer's `prepare`: step records into `write_steps`' dicts
         self._watch = Watch(self.capture.names, self.capture.mtypes)   # the live detectors (`torchember.watch`)
         self._finding_fns, self._step_fns, self.live_findings, self._stopping, self._stop_hook = [], [], [], None, None
         self._flows = GraphCapture(self.capture, off=compiled)   # the model's graph, on its first recorded step
-        self.writer, self._sink, self._disarm_hook, self._last_events = None, None, _Hook(self.disarm), (None, None)
+        self.writer, self._sink, self._disarm_hook = None, None, _Hook(self.disarm)
         # see `_start_sink`
         self._by_process = self.recording and use_process(db, torch.get_num_threads(), on_accelerator(model))
         self._forked, self._dropped, self._released = False, 0, False
@@ -205,12 +205,15 @@ def _emit(self:torchEmber, rec):
 
 @patch
 def _start_writer(self:torchEmber)->Writer:
-    "The writer of this torchEmber, started if it has none."
+    "The writer of this torchEmber, started if it has none: it calls the store's `write_steps` (or the writer process)."
     if self.writer is None:
         sink = self._sink = self._start_sink()
-        self.writer = Writer(partial(self._write_steps, sink=sink), strict=self.strict, size=_rec_bytes, group=GROUP,
-                             stopped=sink.close if sink is not None else None, linger=None if sink is None else PROCESS_LINGER_S,
-                             rows=lambda rec: len(rec.keys), keep=_finding)
+        write = (partial(sink, self.run_id, self.rank) if sink is not None
+                 else partial(write_steps, self.engine, self.run_id, rank=self.rank))
+        self.writer = Writer(write, strict=self.strict, size=_rec_bytes, group=GROUP,
+                             stopped=sink.close if sink is not None else None,
+                             linger=None if sink is None else PROCESS_LINGER_S, rows=lambda rec: len(rec.keys),
+                             keep=_finding, prepare=self._steps, on_written=self._on_written)
     return self.writer
 
 @patch
@@ -237,17 +240,58 @@ def _rec_bytes(rec)->int:
     "About the memory a waiting `StepRecord` holds: its keys and stats, and its snapshots."
     return 320 * len(rec.keys) + sum(s[-1].nbytes for s in rec.snapshots)
 
+# %% ../nbs/04_ember.ipynb #8189234b
+class StepArgs:
+    "`write_steps`' dicts of a run's `StepRecord`s, in order; what they move on is put back if their write fails."
+    def __init__(self, capture:Capture):
+        self.capture, self.changes, self.last_events = capture, Changes(), (None, None)
+
+    def __call__(self, recs:list)->tuple:
+        "`(write_steps' dicts of recs, undo)`: `undo()` puts back what they moved on, should their transaction fail."
+        kept = self.written()
+        try: return [self.step(rec) for rec in recs], partial(self.put_back, kept)
+        except BaseException:
+            self.put_back(kept)
+            raise
+
+    def step(self, rec)->dict:
+        "`write_steps`' dict for `rec` (its rows packed where it can); moves what was written on."
+        same = rec.events and rec.events == self.last_events[1]
+        pack = rec.packed() if not self.capture.pieces else None
+        rows, pieces = ([], []) if pack is not None else self.pieces(rec.rows())
+        kw = dict(step=rec.step, rows=rows, pieces=pieces, events=rec.events, closed=rec.closed,
+                  events_step=self.last_events[0] if same else None, training=rec.training, iteration=rec.iteration,
+                  kind=rec.kind, iteration_after=rec.iteration_after, calls=rec.call_rows(),
+                  scalars=rec.scalar_values(), snapshots=self.changes.rows(rec.snapshots),
+                  flows=getattr(rec, 'flows', ()))
+        if pack is not None: kw['packed'] = pack
+        if rec.events and not same: self.last_events = (rec.step, rec.events)
+        return kw
+
+    def pieces(self, rows:list)->tuple:
+        "`(rows, pieces)`: the weight and grad rows of sharded parameters set apart as `shards` rows."
+        where = self.capture.pieces
+        if not where: return rows, []
+        out, pieces = [], []
+        for r in rows:
+            pc = where.get((r[0], r[3])) if r[2] in ('weight', 'weight_grad') else None
+            # numel, mean and std make a merge
+            if pc is None or r[6] is None or r[7] is None or r[8] is None: out.append(r)
+            else: pieces.append((*r[:4], *pc, *r[4:]))
+        return out, pieces
+
+    def written(self)->tuple:
+        "What writing a step moves on (last events written, snapshots' digests): put back if its transaction fails."
+        return self.last_events, dict(self.changes.last)
+
+    def put_back(self, written:tuple):
+        "Undo `step` back to what `written` returned."
+        self.last_events, self.changes.last = written
+
+# %% ../nbs/04_ember.ipynb #14b17926
 @patch
-def _write_steps(self:torchEmber, recs:list, sink=None):
-    "Write `recs` in one transaction (through `sink` if given); if it fails, put back what writing moved forward, and raise."
-    kept = self._written()
-    try:
-        args = [self._step_args(rec) for rec in recs]
-        if sink is not None: sink(self.run_id, self.rank, args)
-        else: write_steps(self.engine, self.run_id, args, rank=self.rank)
-    except BaseException:
-        self._put_back(kept)
-        raise
+def _on_written(self:torchEmber, args:list):
+    "The writer's listener: steps were written (`write_steps`' dicts); the live detectors judge them."
     self._watched(args)
     if self._piece_writes >= 0 and any(a['pieces'] for a in args): self._lone_rank()
 
@@ -255,52 +299,15 @@ LONE_WRITES = 3   # writes with pieces after which a sharded run that not every 
 
 @patch
 def _lone_rank(self:torchEmber):
-    "Warn once if the ranks recording this sharded model are fewer than the job's: its parameters' pieces never all arrive."
+    "Warn once if fewer ranks record this sharded model than the job has: its parameters' pieces never all arrive."
     self._piece_writes += 1
     if self._piece_writes < LONE_WRITES: return
     self._piece_writes = -1           # checked: never again
     joined = joined_ranks(self.engine, self.run_id)
     if joined < self.world_size:
-        warnings.warn(f"torchember: run {self.run_name!r} records a sharded model on {joined} of {self.world_size} ranks, so no "
-                      "parameter's pieces all arrive and its weights and grads stay per piece (table `shards`); arm it on every rank",
-                      RuntimeWarning)
-
-@patch
-def _step_args(self:torchEmber, rec)->dict:
-    "`write_steps`' dict for `rec` (its rows as `StepRecord.packed` gives them where it can); moves what was written on."
-    same = rec.events and rec.events == self._last_events[1]
-    pack = rec.packed() if not self.capture.pieces else None
-    rows, pieces = ([], []) if pack is not None else self._pieces(rec.rows())
-    kw = dict(step=rec.step, rows=rows, pieces=pieces, events=rec.events, closed=rec.closed,
-              events_step=self._last_events[0] if same else None, training=rec.training, iteration=rec.iteration, kind=rec.kind,
-              iteration_after=rec.iteration_after, calls=rec.call_rows(),
-              scalars=rec.scalar_values(), snapshots=self._changes.rows(rec.snapshots), flows=getattr(rec, 'flows', ()))
-    if pack is not None: kw['packed'] = pack
-    if rec.events and not same: self._last_events = (rec.step, rec.events)
-    return kw
-
-@patch
-def _pieces(self:torchEmber, rows:list)->tuple:
-    "`(rows, pieces)`: the weight and grad rows of sharded parameters set apart as `shards` rows (not a custom stat's own)."
-    where = self.capture.pieces
-    if not where: return rows, []
-    out, pieces = [], []
-    for r in rows:
-        pc = where.get((r[0], r[3])) if r[2] in ('weight', 'weight_grad') else None
-        # numel, mean and std make a merge
-        if pc is None or r[6] is None or r[7] is None or r[8] is None: out.append(r)
-        else: pieces.append((*r[:4], *pc, *r[4:]))
-    return out, pieces
-
-@patch
-def _written(self:torchEmber)->tuple:
-    "What writing a step moves forward (last events written, snapshots' digests): put back if its transaction fails."
-    return self._last_events, dict(self._changes.last)
-
-@patch
-def _put_back(self:torchEmber, written:tuple):
-    "Undo `_step_args` back to what `_written` returned."
-    self._last_events, self._changes.last = written
+        warnings.warn(f"torchember: run {self.run_name!r} records a sharded model on {joined} of {self.world_size} "
+                      "ranks, so no parameter's pieces all arrive and its weights and grads stay per piece (table "
+                      "`shards`); arm it on every rank", RuntimeWarning)
 
 @patch(as_prop=True)
 def dropped(self:torchEmber)->int:

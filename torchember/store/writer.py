@@ -94,10 +94,13 @@ class Writer:
                  linger:float=None,  # the longest an item waits to be taken (default `LINGER_S`)
                  rows=None,          # `rows(item)`: the rows it holds, for the rates the warnings give (default 1)
                  keep=None,          # `keep(item)`: whether an item is never thinned (a step with a finding)
+                 prepare=None,       # `prepare(items)`: `(what write takes, undo)`, `undo()` called if the write fails
+                 on_written=None,    # `on_written(written)`: told what each `write` that succeeded took
                 ):
         self.write, self.strict, self.group, self.stopped = write, strict, group, stopped
         self.size = size or (lambda item: 0)
         self.rows, self.keep = rows or (lambda item: 1), keep or (lambda item: False)
+        self.prepare, self.on_written = prepare, on_written
         self.linger = LINGER_S if linger is None else linger
         self.max_steps, self.max_bytes, self.behind = PENDING_STEPS, PENDING_BYTES, BEHIND_S
         # [arrival, item, bytes, rows, kept, number], oldest 1st
@@ -280,17 +283,27 @@ def _loop(self:Writer):
 
 # %% ../../nbs/02e_store_writer.ipynb #9c246c03
 @patch
+def _put(self:Writer, items:list):
+    "Write `items` in one transaction, as `prepare` makes them what `write` takes; then tell `on_written`."
+    written, undo = self.prepare(items) if self.prepare is not None else (items, None)
+    try: self.write(written)
+    except BaseException:
+        if undo is not None: undo()
+        raise
+    if self.on_written is not None: self.on_written(written)
+
+@patch
 def _write_batch(self:Writer, batch:list)->list:
     "Write `batch` in one transaction, else item by item; the items the store could not take for now (locked, gone)."
     try:
-        self.write([e[1] for e in batch])
+        self._put([e[1] for e in batch])
         return self._wrote(batch)
     except Exception as e:
         if self._unavailable(e): return batch
         if len(batch) == 1: return self._fail(e)
     for i, entry in enumerate(batch):
         try:
-            self.write([entry[1]])
+            self._put([entry[1]])
             self._wrote([entry])
         except Exception as e:
             if self._unavailable(e): return batch[i:]
