@@ -44,7 +44,8 @@ typedef float f32h __attribute__((vector_size(VBYTES / 2)));
    came 15-20% faster so (integer arithmetic: no pointer is formed past the tensor's end). */
 static inline void ahead(const void* p) { __builtin_prefetch((const void*)((uintptr_t)p + 16384), 0, 2); }
 
-/* float64: out = n, sum, sumsq, min, max, nonzero, 0, 0; NaN is skipped by min and max (the caller sees it in the sum) */
+/* float64: out = n, sum, sumsq, min, max, nonzero, 0, 0;
+   NaN is skipped by min and max (the caller sees it in the sum) */
 static void moments_f64(const double* x, int64_t n, double* out) {
   f64v s0 = {0}, s1 = {0}, q0 = {0}, q1 = {0}, lo0, lo1, hi0, hi1;
   i64v c0 = {0}, c1 = {0};
@@ -77,7 +78,9 @@ static void moments_f64(const double* x, int64_t n, double* out) {
 #include <immintrin.h>
 static inline f64v widen(const float* p) { return (f64v)_mm512_cvtps_pd(_mm256_loadu_ps(p)); }
 #else
-static inline f64v widen(const float* p) { f32h h; __builtin_memcpy(&h, p, VBYTES / 2); return __builtin_convertvector(h, f64v); }
+static inline f64v widen(const float* p) {
+  f32h h; __builtin_memcpy(&h, p, VBYTES / 2); return __builtin_convertvector(h, f64v);
+}
 #endif
 
 /* float32: the same, with min, max and the non-zero count on L32 lanes at once and the sums on two halves, in float64;
@@ -147,7 +150,9 @@ static void moments_half(const uint16_t* x, int64_t n, int8_t kind, double* out)
   out[0] = out[1] = out[2] = out[5] = out[6] = out[7] = 0; out[3] = INFINITY; out[4] = -INFINITY;
   for (int64_t i = 0; i < n; i += 4096) {
     int64_t m = n - i < 4096 ? n - i : 4096;
-    if (kind == 2) for (int64_t j = 0; j < m; j++) { uint32_t b = (uint32_t)x[i + j] << 16; __builtin_memcpy(buf + j, &b, 4); }
+    if (kind == 2) for (int64_t j = 0; j < m; j++) {
+      uint32_t b = (uint32_t)x[i + j] << 16; __builtin_memcpy(buf + j, &b, 4);
+    }
     else for (int64_t j = 0; j < m; j++) buf[j] = f16(x[i + j]);
     moments_f32(buf, m, part);
     combine(out, part);
@@ -166,10 +171,15 @@ static void span(void* const* ptrs, const int8_t* kinds, int64_t j, int64_t star
 static void specials(const void* p, int64_t n, int8_t kind, double* out) {
   int64_t nan = 0, inf = 0;
   double big = 0;               /* float64: the sum of the finite values' magnitudes, which bounds every partial sum */
-  if (kind == 0) { const float* x = (const float*)p; for (int64_t i = 0; i < n; i++) { nan += x[i] != x[i]; inf += fabsf(x[i]) == INFINITY; } }
+  if (kind == 0) {
+    const float* x = (const float*)p;
+    for (int64_t i = 0; i < n; i++) { nan += x[i] != x[i]; inf += fabsf(x[i]) == INFINITY; }
+  }
   else if (kind == 1) {
     const double* x = (const double*)p;
-    for (int64_t i = 0; i < n; i++) { double a = fabs(x[i]); nan += x[i] != x[i]; inf += a == INFINITY; big += a < INFINITY ? a : 0; }
+    for (int64_t i = 0; i < n; i++) {
+      double a = fabs(x[i]); nan += x[i] != x[i]; inf += a == INFINITY; big += a < INFINITY ? a : 0;
+    }
   }
   else {                        /* the bits of bfloat16 and float16: an all-ones exponent is Inf, with a mantissa NaN */
     const uint16_t* x = (const uint16_t*)p;
@@ -181,9 +191,9 @@ static void specials(const void* p, int64_t n, int8_t kind, double* out) {
   out[6] = (double)nan; out[7] = (double)inf;
 }
 
-/* The moments of k tensors (data pointers, element counts, dtypes: 0 float32, 1 float64, 2 bfloat16, 3 float16) into out (k x 8),
-   their elements shared out in contiguous ranges among up to `threads` threads: torch's OpenMP team where the loader
-   handed its runtime over, else threads started for the call, the caller's one of them. */
+/* The moments of k tensors (data pointers, element counts, dtypes: 0 float32, 1 float64, 2 bfloat16, 3 float16)
+   into out (k x 8), their elements shared out in contiguous ranges among up to `threads` threads: torch's OpenMP
+   team where the loader handed its runtime over, else threads started for the call, the caller's one of them. */
 extern "C" void torchember_moments(void* const* ptrs, const int64_t* ns, const int8_t* kinds, int64_t k,
                                    double* out, int64_t threads) {
   int64_t total = 0;
@@ -261,7 +271,9 @@ def cache_dir()->Path:
 
 def cpu_id()->str:
     "What a `-march=native` build depends on besides its source: machine, processor and the CPU's feature flags."
-    try: flags = next((l for l in Path('/proc/cpuinfo').read_text().splitlines() if l.startswith(('flags', 'Features'))), '')
+    try:
+        flags = next((l for l in Path('/proc/cpuinfo').read_text().splitlines()
+                      if l.startswith(('flags', 'Features'))), '')
     except OSError: flags = ''
     return f'{platform.machine()} {platform.processor()} {flags}'
 
@@ -270,7 +282,7 @@ def build(cxx:str|None=None,    # the compiler; default `compiler()`
           folder=None,          # where to keep the library; default `cache_dir()`
           flags:tuple=FLAGS,    # compiler flags
          )->Path:
-    "Compile `SOURCE` to a shared library in `folder` unless one for this source, compiler, flags and CPU is there; its path."
+    "Compile `SOURCE` into `folder` unless a library for this source, compiler, flags and CPU is there; its path."
     cxx = cxx or compiler()
     if cxx is None: raise RuntimeError("no C++ compiler found: install one or set CXX")
     folder = Path(folder or cache_dir())
@@ -298,7 +310,8 @@ def openmp_runtime()->ctypes.CDLL|None:
         with open('/proc/self/maps') as maps:
             for line in maps:
                 parts = line.split(maxsplit=5)
-                if len(parts) == 6 and any(n in parts[5] for n in ('libgomp', 'libiomp', 'libomp')): paths.append(parts[5].strip())
+                if len(parts) == 6 and any(n in parts[5] for n in ('libgomp', 'libiomp', 'libomp')):
+                    paths.append(parts[5].strip())
     except OSError: pass
     paths += [str(p) for p in sorted((Path(torch.__file__).parent/'lib').glob('lib*omp*'))]
     for p in dict.fromkeys(paths):
@@ -317,7 +330,8 @@ def _load()->ctypes.CDLL:
     "Build (trying plainer flags and a temporary folder where the defaults fail) and load the kernel library."
     errors = []
     for flags in (FLAGS, tuple(f for f in FLAGS if not f.startswith('-march'))):
-        for folder in (None, Path(tempfile.gettempdir())/f'torchember-{os.getuid() if hasattr(os, "getuid") else "user"}'):
+        for folder in (None,
+                       Path(tempfile.gettempdir())/f'torchember-{os.getuid() if hasattr(os, "getuid") else "user"}'):
             try: lib = ctypes.CDLL(str(build(folder=folder, flags=flags)))
             except (OSError, RuntimeError) as e: errors.append(e); continue
             P, I64, I8 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int8
@@ -342,13 +356,14 @@ def library()->ctypes.CDLL|None:
             if _lib is None:
                 try: _lib = _load()
                 except Exception as e:
-                    warnings.warn(f"torchember: no native moments kernel ({type(e).__name__}: {e}); using torch's kernels")
+                    warnings.warn(f"torchember: no native moments kernel ({type(e).__name__}: {e}); "
+                                  "using torch's kernels")
                     _lib = False
     return _lib or None
 
 # %% ../nbs/00a_native.ipynb #75d1431a
 def use_openmp(on:bool=True)->bool:
-    "Run the kernel's threads on torch's OpenMP workers (`on`, where found) or start them per call; whether OpenMP is used."
+    "Run the kernel's threads on torch's OpenMP workers (`on`, if found) or start them per call; if OpenMP is used."
     lib = library()
     if lib is None: return False
     _hand_over(lib, openmp_runtime() if on else None)
@@ -367,11 +382,11 @@ def _kind(t:torch.Tensor)->int:
     return KINDS.get(t.dtype, -1)
 
 def _threads(n:int, lib)->int:
-    "Threads for a call over `n` elements: at most torch's, one per `PER_THREAD` elements (`PER_STARTED` without OpenMP)."
+    "Threads for `n` elements: at most torch's, one per `PER_THREAD` elements (`PER_STARTED` without OpenMP)."
     return max(1, min(torch.get_num_threads(), n // (PER_THREAD if lib.openmp else PER_STARTED)))
 
 def supports(t:torch.Tensor)->bool:
-    "Whether `moments` reads `t`: a plain dense non-empty CPU tensor of a `KINDS` dtype (a large one only if `large_native`)."
+    "Whether `moments` reads `t`: dense, non-empty, on CPU, of a `KINDS` dtype (a large one only if `large_native`)."
     return _kind(t) >= 0 and 0 < (n := t.numel()) and (n < LARGE or large_native())
 
 def dense(t:torch.Tensor)->bool:
@@ -401,22 +416,24 @@ class Batch:
     def __call__(self, ts:list,
                  checked:bool=False, # the caller matched `ts` to the batch's tensor types, dtypes, sizes and devices
                 )->torch.Tensor:
-        "The `(k, 8)` float64 moments of `ts`: tensors that `supports` accepts, of the sizes and dtypes the batch was made for."
+        "The `(k, 8)` float64 moments of `ts`, tensors `supports` accepts of the sizes and dtypes of this batch."
         ts = [_dense(t) for t in ts]          # kept referenced until the kernel returns
         if not checked:
             # memory of their own, here
             kinds = bytes(KINDS.get(t.dtype, 255) if type(t) in _PLAIN and t.is_cpu else 255 for t in ts)
             if len(ts) != self.k or [t.numel() for t in ts] != self.sizes or kinds != bytes(self.kinds):
-                raise ValueError("tensors of other sizes or dtypes than this Batch was made for, or ones the kernel does not read")
+                raise ValueError("tensors of other sizes or dtypes than this Batch was made for, or ones the kernel "
+                                 "does not read")
         out = torch.empty((self.k, 8), dtype=torch.float64)
         if self.k:
             ptrs = np.array([t.data_ptr() for t in ts], dtype=np.uint64)
-            self._kernel(ptrs.ctypes.data, self.ns.ctypes.data, self.kinds.ctypes.data, self.k, out.data_ptr(), self.threads)
+            self._kernel(ptrs.ctypes.data, self.ns.ctypes.data, self.kinds.ctypes.data, self.k, out.data_ptr(),
+                         self.threads)
         return out
 
 # %% ../nbs/00a_native.ipynb #53e8cf12
 def moments(ts:list,             # tensors that `supports` accepts
-            threads:int|None=None,  # threads to use; default torch's, one per `PER_THREAD` (`PER_STARTED`) elements at most
+            threads:int|None=None,  # default torch's, at most one per `PER_THREAD` (`PER_STARTED`) elements
            )->torch.Tensor:         # (len(ts), 8) float64 on the CPU
     "The 8 moments of each tensor of `ts` in one call (NaN and Inf not counted, NaN skipped by min and max)."
     lib = library()
@@ -424,13 +441,15 @@ def moments(ts:list,             # tensors that `supports` accepts
     if len(ts) != 1: return Batch(ts, threads)(ts)
     t = _dense(ts[0])                     # kept referenced until the kernel returns
     out = torch.empty((1, 8), dtype=torch.float64)
-    lib.torchember_moments1(t.data_ptr(), t.numel(), KINDS[t.dtype], out.data_ptr(), threads or _threads(t.numel(), lib))
+    lib.torchember_moments1(t.data_ptr(), t.numel(), KINDS[t.dtype], out.data_ptr(),
+                            threads or _threads(t.numel(), lib))
     return out
 
 # %% ../nbs/00a_native.ipynb #db9ed1df
 def torch_moments(t:torch.Tensor)->torch.Tensor:
     "The 8 moments of float32 or float64 CPU tensor `t` by torch's fastest kernels, NaN and Inf not counted."
-    # what stats use where the native kernel is not; sums in `t`'s dtype: a float64 `sum` of float32 converts first, ~30x slower
+    # what stats use where the native kernel is not; sums in `t`'s dtype:
+    # a float64 `sum` of float32 converts first, ~30x slower
     mn, mx = torch.aminmax(t)
     z = t.new_zeros((), dtype=torch.float64)
     return torch.stack([z + t.numel(), t.sum().double(), torch.linalg.vector_norm(t).double().square(),
@@ -439,7 +458,7 @@ def torch_moments(t:torch.Tensor)->torch.Tensor:
 def measure_large(n:int=4*LARGE,   # elements of the float32 tensor timed
                   reps:int=5,      # rounds; each times the three in turn
                  )->dict:          # median ms of `native`, `torch` and `sum`
-    "Time the kernel, torch's kernels for the same moments and one `torch.sum`, on `n` float32 elements, on torch's threads."
+    "Time the kernel, torch's kernels for its moments and one `torch.sum`, on `n` float32 elements and torch's threads."
     x = torch.randn(n, generator=torch.Generator().manual_seed(0))
     fns = dict(native=lambda: moments([x]), torch=lambda: torch_moments(x), sum=lambda: x.sum())
     times = {k: [] for k in fns}
@@ -489,9 +508,10 @@ class MomentRows:
         self._buf, self._cap, self._ptr = buf, len(buf), buf.data_ptr()
 
     def take(self, t:torch.Tensor, most:int|None=None)->bool|None:
-        "Moments of `t` into the next row if `supports(t)` (at most `most` elements): whether it is complete; None: not taken."
+        "Moments of `t` into the next row if `supports(t)` (at most `most` elements): if complete; None: not taken."
         kind = _kind(t)
-        if kind < 0 or (n := t.numel()) == 0 or most is not None and n > most or n >= LARGE and not large_native(): return None
+        if kind < 0 or (n := t.numel()) == 0 or most is not None and n > most or n >= LARGE and not large_native():
+            return None
         i = self.n
         if i == self._cap: self._grow()
         if not t.is_contiguous(): t = _dense(t.detach())
@@ -501,7 +521,7 @@ class MomentRows:
         return bool(finite)
 
     def take_many(self,
-                  ptrs:array,      # data pointers (`array('Q')`) of dense tensors the kernel reads, kept alive by the caller
+                  ptrs:array,      # data pointers (`array('Q')`) of dense tensors to read, kept alive by the caller
                   ns:array,        # their element counts (`array('q')`), none of them 0
                   kinds:bytearray, # their dtypes' codes (`KINDS`)
                  )->list:          # the incomplete ones among them (indices into `ptrs`)
