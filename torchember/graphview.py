@@ -1,4 +1,4 @@
-"""The captured data flow drawn: containers collapsed, repeated blocks folded, laid out top to bottom, coloured by a stat.
+"""The captured data flow drawn: containers collapsed, repeated blocks folded, laid out top down, coloured by a stat.
 
 Docs: https://torchember.github.io/torchember/graphview.html.md"""
 
@@ -37,7 +37,7 @@ def node_of(tree:dict,       # `Run.tree()`
             folded=(),       # names of repeated blocks (`blocks`) drawn as one node each
             bl:dict=None,    # `blocks(tree)`, if known
            )->dict:          # module name -> the name of the node that stands for it
-    "The node each module of `tree` is drawn in: itself, its outermost folded block, or its outermost collapsed container."
+    "The node each module of `tree` is drawn in: itself, its outermost folded block or outermost collapsed container."
     folded = set(folded)
     member = {m: k for k, b in (blocks(tree) if bl is None else bl).items() if k in folded for m in b['members']}
     collapsed, out, todo = set(collapsed), {}, [(tree, None)]
@@ -68,7 +68,8 @@ def fold_graph(edges:pd.DataFrame,  # `Run.graph()`: src, dst, calls, dst_calls 
     calls = {**keep.groupby('dst')['dst_calls'].max().to_dict(), **(calls or {})}
     shown = {n for e in pairs for n in e} | set(dst)
     info, order = nodes(tree), {m: i for i, m in enumerate(modules_in_order(tree))}
-    key = lambda n: (-1, 0) if n in ('<input>', '<const>') else (1, 0) if n == '<output>' else (0, order.get(bl[n]['members'][0] if n in bl else n, 0))
+    key = lambda n: ((-1, 0) if n in ('<input>', '<const>') else (1, 0) if n == '<output>'
+                     else (0, order.get(bl[n]['members'][0] if n in bl else n, 0)))
     rows = []
     for n in sorted(shown, key=key):
         if n in ends: rows.append((n, 'end', '', n, [], 1)); continue
@@ -99,11 +100,12 @@ def foldable(tree:dict, edges:pd.DataFrame, bl:dict=None)->set:
     ins, outs = defaultdict(set), defaultdict(set)
     near = edges[edges['src'].isin(leafy) | edges['dst'].isin(leafy)]
     for s, d in zip(near['src'], near['dst']): outs[s].add(d); ins[d].add(s)
-    def parallel(ms): return all(ins[m] == ins[ms[0]] and outs[m] == outs[ms[0]] for m in ms) and ins[ms[0]] and outs[ms[0]]
+    def parallel(ms):
+        return all(ins[m] == ins[ms[0]] and outs[m] == outs[ms[0]] for m in ms) and ins[ms[0]] and outs[ms[0]]
     return out | {k for k, b in bl.items() if k not in out and parallel(b['members'])}
 
 def default_view(tree:dict, edges:pd.DataFrame, max_nodes:int=150, bl:dict=None)->tuple:
-    "`(collapsed, folded)` a graph opens with: `foldable` blocks folded, the tree opened while at most `max_nodes` show."
+    "`(collapsed, folded)` a graph opens with: `foldable` blocks folded, tree opened while at most `max_nodes` show."
     bl = blocks(tree) if bl is None else bl
     under, folded = subtrees(tree), foldable(tree, edges, bl)
     firsts = {bl[k]['members'][0] for k in folded}
@@ -173,7 +175,7 @@ def _crossings(es:list)->int:
     return n
 
 def order_layers(rows:list, pred:dict, succ:dict, sweeps:int=8)->list:
-    "`rows` (node ids per layer) reordered by barycenter sweeps down and up, keeping the order with the fewest crossings."
+    "`rows` (node ids per layer) reordered by barycenter sweeps down and up, keeping the order of fewest crossings."
     def count(rows):
         pos = {v: i for r in rows for i, v in enumerate(r)}
         return sum(_crossings([(pos[a], pos[b]) for a in r for b in succ.get(a, ())]) for r in rows)
@@ -218,10 +220,10 @@ def place(want:np.ndarray,          # where each node of a layer would be, in th
 # %% ../nbs/05c_graphview.ipynb #9349045a
 def layered_layout(names:list,           # the nodes, in forward order (the order breaks ties and cycles)
                    edges:list,           # (src, dst) pairs of names
-                   extent:dict=None,     # name -> (left, right): how far its box reaches either side of its point; default (.5, .5)
+                   extent:dict=None,     # name -> (left, right): how far its box reaches either side; default (.5, .5)
                    gap:float=1.0,        # least space between two boxes of a layer
                    sweeps:int=8,         # barycenter sweeps of the crossing reduction
-                  )->dict:               # x, y, layer (per name); paths (per edge, its points); back (edges drawn upward)
+                  )->dict:               # x, y, layer (per name); paths (per edge, its points); back (edges drawn up)
     "A top-to-bottom layered (Sugiyama) layout: layers by longest path, shared dummies for long edges, few crossings."
     idx = {n: i for i, n in enumerate(names)}
     E = list(dict.fromkeys((idx[s], idx[d]) for s, d in edges if s != d))
@@ -266,7 +268,8 @@ def layered_layout(names:list,           # the nodes, in forward order (the orde
         if (s, d) in back: pts = pts[::-1]
         paths[names[s], names[d]] = [(float(x[p]), -float(layer[p])) for p in pts]
     return dict(x={n: float(x[i]) for i, n in enumerate(names)}, y={n: -float(layer[i]) for i, n in enumerate(names)},
-                layer={n: layer[i] for i, n in enumerate(names)}, paths=paths, back={(names[s], names[d]) for s, d in back})
+                layer={n: layer[i] for i, n in enumerate(names)}, paths=paths,
+                back={(names[s], names[d]) for s, d in back})
 
 # %% ../nbs/05c_graphview.ipynb #5baa2500
 def node_values(g:dict,               # `fold_graph`'s answer
@@ -277,7 +280,8 @@ def node_values(g:dict,               # `fold_graph`'s answer
     "The value of `stat` per node of `g`: a module's own, or the extreme over the modules it stands for."
     under = subtrees(tree)
     val = dict(zip(by_module['module'], by_module[stat])) if stat in by_module else {}
-    bad = dict(zip(by_module['module'], by_module.get('nan_count', 0).fillna(0) + by_module.get('inf_count', 0).fillna(0)))
+    bad = dict(zip(by_module['module'],
+                   by_module.get('nan_count', 0).fillna(0) + by_module.get('inf_count', 0).fillna(0)))
     rows = []
     for n, kind, members in zip(g['nodes']['node'], g['nodes']['kind'], g['nodes']['members']):
         mods = [m for x in (members or [n]) for m in under.get(x, [x])] if kind != 'module' else [n]
@@ -374,13 +378,15 @@ def graph_figure(g:dict,                    # `fold_graph`'s answer, its junctio
              + (f"<br>{len(m)} instances" if k == 'block' else f"<br>called {c} times" if c > 1 else '')
              + (f"<br>from: {', '.join(g['fed'][n])}" if k == 'junction' else '')
              + (f"<br><b>{marks[n]}</b>" if n in marks else '')
-             for n, k, t, l, m, c, val, b in zip(nd['node'], nd['kind'], nd['mtype'], nd['label'], nd['members'], nd['calls'], v, bad)]
+             for n, k, t, l, m, c, val, b in zip(nd['node'], nd['kind'], nd['mtype'], nd['label'], nd['members'],
+                                                 nd['calls'], v, bad)]
     line_c = ['red' if n in marks else 'black' if n in hl else '#444' for n in nd['node']]
     line_w = [4 if n in marks else 3 if n in hl else 1 for n in nd['node']]
     node = go.Scatter(x=x, y=y, mode='markers+text', name='modules', customdata=nd['node'].tolist(),
                       text=['' if j else l for j, l in zip(junction, nd['label'])], textposition='middle right',
                       textfont=dict(size=11), hovertext=hover, hoverinfo='text',
-                      marker=dict(size=np.where(junction, 6, 15).tolist(), color=colors, symbol=[sym[k] for k in nd['kind']],
+                      marker=dict(size=np.where(junction, 6, 15).tolist(), color=colors,
+                                  symbol=[sym[k] for k in nd['kind']],
                                   line=dict(color=line_c, width=line_w)))
     ex, ey, ax, ay, ang = [], [], [], [], []
     for (s, d), pts in lay['paths'].items():
@@ -408,9 +414,11 @@ def graph_figure(g:dict,                    # `fold_graph`'s answer, its junctio
             val = fold_value([iv for _, iv, _ in vals], stat)
             sx.append(lay['x'][n] - 4 + 8 * j); sy.append(lay['y'][n] * LAYER_PX - 17)
             sc.append(val); sbad.append(any(b for _, _, b in vals)); scd.append(vals[0][0])
-            sh.append(f"{vals[0][0]}" + (f" … {vals[-1][0]}" if len(vals) > 1 else '') + (f"<br>{stat} {val:.4g}" if np.isfinite(val) else ''))
+            sh.append(f"{vals[0][0]}" + (f" … {vals[-1][0]}" if len(vals) > 1 else '')
+                      + (f"<br>{stat} {val:.4g}" if np.isfinite(val) else ''))
     squares = go.Scatter(x=sx, y=sy, mode='markers', name='instances', customdata=scd, hovertext=sh, hoverinfo='text',
-                         marker=dict(symbol='square', size=7, color=_colors(np.array(sc, float), np.array(sbad, bool), lo, hi),
+                         marker=dict(symbol='square', size=7,
+                                     color=_colors(np.array(sc, float), np.array(sbad, bool), lo, hi),
                                      line=dict(width=0)))
     scale = go.Scatter(x=[None], y=[None], mode='markers', name='scale', hoverinfo='skip', showlegend=False,
                        marker=dict(colorscale='Viridis', cmin=lo, cmax=hi, color=[lo], showscale=values is not None,
@@ -431,7 +439,8 @@ class GraphView:
                  max_nodes:int=150):     # open the tree while at most this many nodes show
         self.run, self.rank = run, run.ranks[0] if rank is None and run.ranks else rank
         self.edges, self.tree = run.graph(step, self.rank), run.tree()
-        self.blocks, self.info, self.calls = blocks(self.tree), nodes(self.tree), call_counts(run, self.edges.attrs.get('step'), self.rank)
+        self.blocks, self.info, self.calls = (blocks(self.tree), nodes(self.tree),
+                                              call_counts(run, self.edges.attrs.get('step'), self.rank))
         self.collapsed, self.folded = default_view(self.tree, self.edges, max_nodes, self.blocks)
         self.foldable = foldable(self.tree, self.edges, self.blocks)
         self._drawn = None
@@ -439,7 +448,8 @@ class GraphView:
     def __repr__(self):
         g = self.graph()
         return (f"GraphView({self.run.name!r}, {len(g['nodes'])} nodes, {len(g['edges'])} edges, "
-                f"{len(self.folded)} blocks folded, {len(self.collapsed & set(g['nodes']['node']))} containers collapsed)")
+                f"{len(self.folded)} blocks folded, {len(self.collapsed & set(g['nodes']['node']))} containers "
+                "collapsed)")
 
 # %% ../nbs/05c_graphview.ipynb #96634036
 @patch
@@ -481,7 +491,7 @@ def node_of(self:GraphView, module:str)->str|None:
 def figure(self:GraphView,
            ttype:str='weight_grad',   # which tensors colour the nodes, as the heatmap's selector
            stat:str='norm',           # which stat of them (`MAP_STATS`)
-           step:int=None,             # at which step; default the newest, or in a run that blew up the last before NaN/Inf
+           step:int=None,             # the step; default the newest, or in a run that blew up the last before NaN/Inf
            findings:pd.DataFrame=None,  # `Run.diagnose()`'s answer: its modules' nodes get a red ring
            highlight=(),              # node names outlined (`search`'s answer)
           )->go.Figure:
@@ -493,15 +503,19 @@ def figure(self:GraphView,
     values = node_values(g, self.tree, o, stat)
     under, val = subtrees(self.tree), dict(zip(o['module'], o[stat])) if stat in o else {}
     bad = dict(zip(o['module'], o.get('nan_count', 0).fillna(0) + o.get('inf_count', 0).fillna(0))) if len(o) else {}
-    strips = {n: [(m, fold_value([val.get(x, np.nan) for x in under[m]], stat), any(bad.get(x, 0) > 0 for x in under[m]))
-                  for m in members] for n, k, members in zip(g['nodes']['node'], g['nodes']['kind'], g['nodes']['members']) if k == 'block'}
+    strips = {n: [(m, fold_value([val.get(x, np.nan) for x in under[m]], stat),
+                   any(bad.get(x, 0) > 0 for x in under[m]))
+                  for m in members]
+              for n, k, members in zip(g['nodes']['node'], g['nodes']['kind'], g['nodes']['members']) if k == 'block'}
     marks = {}
     if findings is not None and len(findings):
         rep = node_of(self.tree, self.collapsed, self.folded, self.blocks)
         for m, sev, msg in zip(findings['module'], findings['severity'], findings['message']):
-            if m in rep and sev in ('error', 'warning'): marks[rep[m]] = (marks[rep[m]] + '<br>' if rep[m] in marks else '') + f"{sev}: {msg[:120]}"
+            if m in rep and sev in ('error', 'warning'):
+                marks[rep[m]] = (marks[rep[m]] + '<br>' if rep[m] in marks else '') + f"{sev}: {msg[:120]}"
     at = o['step'].iloc[0] if len(o) and 'step' in o else step
-    title = f"{self.run.name}: {stat} of {ttype} at step {at} · {(g['nodes']['kind'] != 'junction').sum()} nodes (click one for its history)"
+    title = (f"{self.run.name}: {stat} of {ttype} at step {at} · {(g['nodes']['kind'] != 'junction').sum()} nodes "
+             "(click one for its history)")
     return graph_figure(g, lay, values, strips, marks, container_boxes(self.tree, g, lay), highlight, stat, title)
 
 # %% ../nbs/05c_graphview.ipynb #f7b2810e
