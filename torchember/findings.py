@@ -1,4 +1,4 @@
-"""A finding's evidence: the series `diagnose` judged, around its step, with the band it left and its step marked; and the one-line labels the explorer and the report list findings by.
+"""A finding's evidence: the series judged around its step, the band it left; and the labels findings are listed by.
 
 Docs: https://torchember.github.io/torchember/findings.html.md"""
 
@@ -31,7 +31,7 @@ def _at(f, iteration=None)->str:
     return f"step {f['step']}" + (f" (it. {int(it)})" if it is not None and pd.notna(it) else '')
 
 def finding_label(f)->str:
-    "One line for finding `f` (a row of `Run.diagnose`): severity, step and its iteration, kind and the module it names."
+    "One line for finding `f` (a row of `Run.diagnose`): severity, step and iteration, kind and the module it names."
     m, head = _module(f), f"{SEVERITY_MARKS.get(f['severity'], '')} {f['severity']} · {_at(f)} · {f['kind']}"
     e = FINDINGS.get(f['kind'])
     # a logged scalar or the grad norm; the module started it
@@ -42,13 +42,14 @@ def finding_label(f)->str:
     return f"{head}{'' if signal else ' ·'} {module_label(m)} ({f['mtype']}){what}"
 
 def severity_counts(fs:pd.DataFrame)->str:
-    "How many findings of each severity `fs` holds, most severe first, those with none left out: '1 error · 3 warnings'."
+    "Findings of `fs` counted by severity, most severe first, zero counts left out: '1 error · 3 warnings'."
     n = fs['severity'].value_counts()
-    return ' · '.join(f"{n[s]} {s}{'s' if n[s] > 1 and s != 'info' else ''}" for s in ('error', 'warning', 'info') if n.get(s, 0))
+    return ' · '.join(f"{n[s]} {s}{'s' if n[s] > 1 and s != 'info' else ''}"
+                      for s in ('error', 'warning', 'info') if n.get(s, 0))
 
 # %% ../nbs/05b_findings.ipynb #bb23c83a
 def _judged(f)->str:
-    "What finding `f` was judged on (its kind's `judged`): 'signal' (a scalar, no culprit) or a stat (rms, zero_frac...)."
+    "What finding `f` was judged on (its kind's `judged`): 'signal' (a scalar, no culprit) or a stat (rms, zero_frac)."
     e = FINDINGS.get(f['kind'])
     return e.judge(f) if e is not None else f['stat']
 
@@ -101,7 +102,7 @@ def evidence_figure(ev:pd.DataFrame,   # `evidence` of `f`
                     f,                 # the finding
                     height:int=340,
                    )->go.Figure:
-    "The evidence of finding `f`: its series over steps, the band it left shaded, values outside it red, its step marked."
+    "Finding `f`'s evidence: its series over steps, the band it left shaded, values outside it red, its step marked."
     judged, x = _judged(f), ev['step'].tolist()
     cd, at = step_hover(ev)
     what = f['stat'] if judged == 'signal' else _YTITLE.get(judged, judged).format(ttype=f['ttype'], tname=f['tname'])
@@ -114,8 +115,10 @@ def evidence_figure(ev:pd.DataFrame,   # `evidence` of `f`
     if band.any():
         common = dict(mode='lines', line=dict(width=0), hoverinfo='skip', legendgroup='band')
         tr += [go.Scatter(x=x, y=_list(lo), name='band low', showlegend=False, **common),
-               go.Scatter(x=x, y=_list(ev['hi']), name='expected band', fill='tonexty', fillcolor='rgba(31,119,180,0.15)', **common)]
-    tr.append(go.Scatter(x=x, y=_list(ev['value']), mode='lines+markers', name=what, line=dict(color=BLUE), marker=dict(size=4),
+               go.Scatter(x=x, y=_list(ev['hi']), name='expected band', fill='tonexty',
+                          fillcolor='rgba(31,119,180,0.15)', **common)]
+    tr.append(go.Scatter(x=x, y=_list(ev['value']), mode='lines+markers', name=what, line=dict(color=BLUE),
+                         marker=dict(size=4),
                          customdata=cd, hovertemplate=at + ': %{y:.4g}<extra></extra>'))
     out = ev[ev['outside']]
     tr.append(go.Scatter(x=out['step'].tolist(), y=_list(out['value']), mode='markers', name='outside the band',
@@ -127,6 +130,7 @@ def evidence_figure(ev:pd.DataFrame,   # `evidence` of `f`
     fig = go.Figure(tr, layout=dict(title=f"{f['kind']} at {at}: {who}, {what} over steps", height=height,
                                     template='plotly_white', margin=dict(l=60, r=20, t=50, b=40),
                                     xaxis_title=step_title(ev), yaxis_title=what,
-                                    yaxis=log_axis(pd.concat([pos, lo[lo > 0], ev['hi'][ev['hi'] > 0]])) if log else {}))
+                                    yaxis=log_axis(pd.concat([pos, lo[lo > 0], ev['hi'][ev['hi'] > 0]])) if log
+                                    else {}))
     fig.add_vline(x=int(f['step']), line=dict(color='black', dash='dot', width=1))
     return fig
