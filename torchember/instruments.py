@@ -19,9 +19,10 @@ def hist_stats(bins:int=32,        # bins between hist_lo and hist_hi
                sample_n:int=None,  # bin a random sample of this many elements of larger tensors
                outliers:float=None,# range mean ± outliers·std (within min..max) instead of min..max
               ):                   # a stat function `tensor -> dict`
-    "A stat function: `default_stats` plus a histogram (`hist`, `hist_lo`, `hist_hi`, `hist_out`) on the tensor's device."
+    "A stat function: `default_stats` plus a histogram (`hist`, `hist_lo`, `hist_hi`, `hist_out`) on the device."
     if not (isinstance(bins, int) and bins >= 1): raise ValueError(f"hist_stats needs at least one bin, got {bins!r}")
-    if sample_n is not None and not (isinstance(sample_n, int) and sample_n >= 1): raise ValueError(f"sample_n must be a positive int, got {sample_n!r}")
+    if sample_n is not None and not (isinstance(sample_n, int) and sample_n >= 1):
+        raise ValueError(f"sample_n must be a positive int, got {sample_n!r}")
     gens = {}                                     # device -> this function's sampling generator
     def hist(t:torch.Tensor)->dict:
         d = default_stats(t)
@@ -31,7 +32,8 @@ def hist_stats(bins:int=32,        # bins between hist_lo and hist_hi
         x = x.to(torch.float32) if x.dtype not in (torch.float32, torch.float64) else x
         if sample_n is not None and x.numel() > sample_n: x = _sample(x, sample_n, gens)
         if x.numel() == 0: return {**d, 'hist': [0.] * bins, 'hist_lo': math.nan, 'hist_hi': math.nan, 'hist_out': 0}
-        if x.device.type == 'cpu' and not (d['nan_count'] or d['inf_count']): return {**d, **_host_hist(x, d, bins, outliers)}
+        if x.device.type == 'cpu' and not (d['nan_count'] or d['inf_count']):
+            return {**d, **_host_hist(x, d, bins, outliers)}
         fin = x.isfinite()
         lo, hi = torch.where(fin, x, math.inf).amin(), torch.where(fin, x, -math.inf).amax()
         if outliers is not None:
@@ -70,7 +72,8 @@ def _host_hist(x, d, bins, outliers):
         lo, hi = max(lo, m - outliers * s), min(hi, m + outliers * s)
     if hi <= lo: lo, hi = lo - 0.5, hi + 0.5
     counts = torch.histc(x, bins, lo, hi).to(torch.float64)
-    return {'hist': counts, 'hist_lo': torch.tensor(lo, dtype=torch.float64), 'hist_hi': torch.tensor(hi, dtype=torch.float64),
+    return {'hist': counts, 'hist_lo': torch.tensor(lo, dtype=torch.float64),
+            'hist_hi': torch.tensor(hi, dtype=torch.float64),
             'hist_out': x.numel() - counts.sum()}
 
 # %% ../nbs/01a_instruments.ipynb #ed16ed32
@@ -80,7 +83,7 @@ def tensor_key(module:str, ttype:str, tname:str)->str:
     return key + '.grad' if ttype == 'weight_grad' else key
 
 def encode_tensor(t:torch.Tensor)->tuple:
-    "`(dtype, shape JSON, zlib bytes)` of `t`, for the store: compressed where a quarter of its bytes are zero, else stored."
+    "`(dtype, shape JSON, zlib bytes)` of `t` for the store: compressed if 1/4 of its bytes are zero, else stored."
     t = t.detach().contiguous().cpu()
     raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b''
     # 0: zlib's stored blocks, at memory speed
@@ -101,7 +104,8 @@ class Snapshots:
         self.patterns = [patterns] if isinstance(patterns, str) else list(patterns)
         bad = [p for p in self.patterns if not isinstance(p, str)]
         if bad: raise TypeError(f"snapshot= takes glob strings such as 'layers.3.output', not {bad[0]!r}")
-        if fn is not None and not callable(fn): raise TypeError(f"snapshot_fn must be callable, got {type(fn).__name__}")
+        if fn is not None and not callable(fn):
+            raise TypeError(f"snapshot_fn must be callable, got {type(fn).__name__}")
         self.names, self.fn, self._match = names, fn, {}
 
     def __call__(self, rec, mi, call, ttype, tname, t):
@@ -109,7 +113,8 @@ class Snapshots:
         hit = self._match.get(k)
         if hit is None:
             key = tensor_key(self.names[mi], ttype, tname)
-            hit = self._match[k] = ttype not in ('input_grad', 'output_grad') and any(fnmatchcase(key, p) for p in self.patterns)
+            hit = self._match[k] = (ttype not in ('input_grad', 'output_grad')
+                                    and any(fnmatchcase(key, p) for p in self.patterns))
         if not hit or rec is None: return
         with torch.no_grad():
             x = self.fn(t) if self.fn is not None else t
