@@ -25,8 +25,10 @@ class EmberCallback:
     "Arm a trainer's model at train start, log its numbers, flush each epoch, disarm at train end."
     def __init__(self,
                  run:str=None,          # the run's name; default: the trainer's run, made unique in the store
-                 all_ranks:bool=False,  # record on every rank, one run with rows tagged by rank (a sharded model: always); else the main one
-                 module=None,           # arm this submodule of the trainer's model: its name, the module, or a function of the model
+                 # record on every rank, one run with rows tagged by rank (a sharded model: always); else the main one
+                 all_ranks:bool=False,
+                 # arm this submodule of the trainer's model: its name, the module, or a function of the model
+                 module=None,
                  **kwargs,              # options of `torchEmber`: db=, every=, timing=, hist=, resume=, strict=, ...
                 ):
         bad = sorted(set(kwargs) - (set(inspect.signature(torchEmber).parameters) - {'model', 'run'}))
@@ -36,7 +38,8 @@ class EmberCallback:
     def __repr__(self):
         opts = {'run': self.name, 'all_ranks': self.all_ranks or None, 'module': self.module, **self.kwargs}
         args = ', '.join(f"{k}={v!r}" for k, v in opts.items() if v is not None)
-        return f"{type(self).__name__}({args}): {self.te!r}" if self.te is not None else f"{type(self).__name__}({args})"
+        return (f"{type(self).__name__}({args}): {self.te!r}" if self.te is not None
+                else f"{type(self).__name__}({args})")
 
 # %% ../nbs/08_callbacks.ipynb #5de0525a
 def _unwrap_parallel(model:nn.Module)->nn.Module:
@@ -63,7 +66,7 @@ def begin(self:EmberCallback,
           rank:int=0,        # this process's global rank
           main:bool=True,    # whether this is the main process
          )->torchEmber|None:
-    "Arm `model` (or the chosen submodule of it) for this training; None, recording nothing, on a rank that does not record."
+    "Arm `model` (or the chosen submodule) for this training; None, recording nothing, on a rank that does not record."
     self.end()
     # a sharded parameter's stats need every rank's piece
     every_rank = self.all_ranks or (_world() > 1 and sharded(model))
@@ -115,8 +118,8 @@ def end(self:EmberCallback):
     te.disarm()
     if te.capture.step < 0:
         warnings.warn(f"torchember: run {te.run_name!r} recorded no step: a step is one call of the armed "
-                      f"{type(te.model).__name__}, and training never called it. If the training step calls a submodule "
-                      "directly, arm that one with module='<its name>'.", stacklevel=2)
+                      f"{type(te.model).__name__}, and training never called it. If the training step calls a "
+                      "submodule directly, arm that one with module='<its name>'.", stacklevel=2)
 
 @patch(as_prop=True)
 def run(self:EmberCallback):
@@ -130,7 +133,8 @@ def _framework(extra:str,      # the torchember extra that installs it
     "The first of `modules` whose package is installed, imported; else an `ImportError` naming the extra to install."
     for m in modules:
         if importlib.util.find_spec(m.split('.')[0]) is not None: return importlib.import_module(m)
-    raise ImportError(f"{modules[0].split('.')[0]} is not installed; install it with: pip install 'torchember[{extra}]'")
+    raise ImportError(f"{modules[0].split('.')[0]} is not installed; "
+                      f"install it with: pip install 'torchember[{extra}]'")
 
 def _join(cls:type, base:type):
     "Make `cls` a subclass of the framework's callback class `base` too (once), its own methods first."
@@ -149,7 +153,8 @@ class EmberHFCallback(EmberCallback):
         self.begin(model, name, rank=args.process_index, main=state.is_world_process_zero)
 
     def on_step_begin(self, args, state, control, **kwargs): self.iteration(state.global_step)
-    def on_log(self, args, state, control, logs=None, **kwargs): self.log_scalars(**{**(logs or {}), 'global_step': state.global_step})
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.log_scalars(**{**(logs or {}), 'global_step': state.global_step})
     def on_epoch_end(self, args, state, control, **kwargs): self.flush()
     def on_train_end(self, args, state, control, **kwargs): self.end()
 
