@@ -17,7 +17,7 @@ __all__ = ['INTERPRETED', 'BLOCK', 'MAXG', 'SPAN', 'WARPS', 'WIDTH', 'DTYPES', '
 
 # %% ../nbs/00b_triton_moments.ipynb #f23d6ebb
 def _interpreter_fix():
-    "Let Triton's interpreter take loop bounds that NumPy holds as one-element arrays (NumPy 2.4 refuses their `int()`)."
+    "Let Triton's interpreter take loop bounds NumPy holds as one-element arrays (NumPy 2.4 refuses their `int()`)."
     import triton.runtime.interpreter as interp
     patch = getattr(interp, '_patch_lang_tensor', None)
     if patch is None or getattr(patch, 'fixed', False): return   # another Triton: nothing to fix, or fixed already
@@ -141,7 +141,8 @@ def _layout(ts:list)->tuple:
     # a launch a class; its segments' first rows from the buffer's first free one
     for (dtype, _), ms in classes.items():
         g = max(g for _, _, g in ms)
-        launches.append((dtype, g, len(ms), np.array([(k * g, g, n) for k, (_, n, _) in enumerate(ms)], dtype=np.int64)))
+        launches.append((dtype, g, len(ms),
+                         np.array([(k * g, g, n) for k, (_, n, _) in enumerate(ms)], dtype=np.int64)))
         order += [i for i, _, _ in ms]
         ns += [n for _, n, _ in ms]
     return len(ts), launches, order, np.array(ns, dtype=np.int64)
@@ -155,7 +156,8 @@ class Partials:
         "Make room for `k` more partial rows."
         if self.buf is not None and self.used + k <= len(self.buf): return
         if self.buf is not None: self.full.append((self.buf, self.segs))
-        self.buf, self.used, self.segs = torch.empty((max(CAP, k), WIDTH), dtype=torch.float64, device=self.device), 0, []
+        self.buf, self.used, self.segs = (torch.empty((max(CAP, k), WIDTH), dtype=torch.float64, device=self.device),
+                                          0, [])
 
     def add(self, t:torch.Tensor):
         "Start the moments of dense float tensor `t`: one launch."
@@ -187,14 +189,16 @@ class Partials:
         table, at = _up(torch.from_numpy(table), self.device), 0
         for dtype, g, k, segs in launches:
             self._room(g * k)
-            if g: _many[(k, g)](table[at:], self.buf, self.used, g, DT=DTYPES[dtype], BLOCK=BLOCK, num_warps=WARPS[dtype.itemsize])
+            if g:
+                _many[(k, g)](table[at:], self.buf, self.used, g, DT=DTYPES[dtype], BLOCK=BLOCK,
+                              num_warps=WARPS[dtype.itemsize])
             self.segs.append(segs + (self.used, 0, 0))
             self.used += g * k
             at += k
         return order
 
     def finish(self)->torch.Tensor:
-        "The `MOMENTS` of the tensors added so far, in the order added, as float64 `(tensors, 8)` on the device; starts over."
+        "The `MOMENTS` of the tensors added so far, in order, as float64 `(tensors, 8)` on the device; starts over."
         parts = self.full + ([(self.buf, self.segs)] if self.segs else [])
         outs = []
         for buf, segs in parts:
