@@ -12,7 +12,7 @@ __all__ = ['signature', 'nodes', 'repeated_blocks', 'block_of', 'subtrees', 'vis
 
 # %% ../nbs/03b_tree.ipynb #efda7f5c
 def signature(node:dict)->str:
-    "The class of module `node` of a `Run.tree()` and its children's signatures, in order: equal for modules shaped alike."
+    "The class of `Run.tree()` node `node` and its children's signatures, in order: equal for modules shaped alike."
     kids = node.get('children') or []
     return node.get('type') or '' if not kids else f"{node.get('type')}({','.join(signature(c) for c in kids)})"
 
@@ -26,7 +26,7 @@ def nodes(tree:dict)->dict:
     return out
 
 def repeated_blocks(tree:dict, min_count:int=2)->list:
-    "Runs of at least `min_count` consecutive siblings of one signature: dicts of `parent`, `members` (in order), `mtype`."
+    "Runs of at least `min_count` siblings in a row of one signature: dicts of `parent`, `members` (in order), `mtype`."
     out, todo = [], [tree]
     while todo:
         n = todo.pop(0)
@@ -36,14 +36,16 @@ def repeated_blocks(tree:dict, min_count:int=2)->list:
         while i < len(kids):
             j, sig = i + 1, signature(kids[i])
             while j < len(kids) and signature(kids[j]) == sig: j += 1
-            if j - i >= min_count: out.append(dict(parent=n['name'], members=[k['name'] for k in kids[i:j]], mtype=kids[i].get('type')))
+            if j - i >= min_count:
+                out.append(dict(parent=n['name'], members=[k['name'] for k in kids[i:j]], mtype=kids[i].get('type')))
             i = j
     return out
 
 # %% ../nbs/03b_tree.ipynb #755a2c13
 def block_of(tree:dict)->dict:
     "Module name -> `(index from 1, count, mtype)` of the repeated block it is a member of."
-    return {m: (i + 1, len(b['members']), b['mtype']) for b in repeated_blocks(tree) for i, m in enumerate(b['members'])}
+    return {m: (i + 1, len(b['members']), b['mtype']) for b in repeated_blocks(tree)
+            for i, m in enumerate(b['members'])}
 
 # %% ../nbs/03b_tree.ipynb #59354841
 def subtrees(tree:dict)->dict:
@@ -58,7 +60,7 @@ def subtrees(tree:dict)->dict:
     return out
 
 def visible(tree:dict, collapsed:set, shown=None)->list:
-    "The rows of a view with `collapsed` modules folded, in tree order: the modules shown and not under a collapsed one."
+    "The rows of a view with `collapsed` modules folded, in tree order: the modules not under a collapsed one."
     under, shown = subtrees(tree), None if shown is None else set(shown)
     out = []
     def go(n):
