@@ -1,4 +1,4 @@
-"""Which module's output feeds which module's input: the model's data flow, followed on one step, through the functional ops between modules.
+"""Which module's output feeds which module's input: the data flow of one step, through the ops between modules.
 
 Docs: https://torchember.github.io/torchember/graph.html.md"""
 
@@ -48,7 +48,7 @@ class Flows:
         for s in srcs or (CONST,): self.edges[s, mi] += 1
 
     def rows(self)->list:
-        "`(src, dst, calls, dst_calls)` of every edge: the calls of `dst` that took an input from `src`, and all of `dst`'s."
+        "`(src, dst, calls, dst_calls)` of every edge: `dst`'s calls that took an input from `src`, and all of `dst`'s."
         return [(s, d, n, self.calls[d]) for (s, d), n in self.edges.items()]
 
 # %% ../nbs/04b_graph.ipynb #69a070c6
@@ -152,7 +152,7 @@ class _Paused:
 MAX_CAPTURES = 8   # the most graphs one arming captures (a model whose calls change every step would capture each)
 
 class GraphCapture:
-    "Follows the data flow of a recorded step of `capture`'s model when asked, and hands its edges to the step's record."
+    "Follows the data flow of a recorded step of `capture`'s model when asked; hands its edges to the step's record."
     def __init__(self, capture,       # the `Capture` whose steps are followed
                  off:bool=False):     # never capture (a compiled model: dynamo would recompile it under the mode)
         self.cap, self.leaf, self.off = capture, graph_nodes(capture.names), off
@@ -250,7 +250,9 @@ def _give_up(self:GraphCapture, e:Exception):
     "Stop capturing for good, with one warning: training never depends on the graph."
     self._stop(); self._unroot()
     self.off = True
-    try: warnings.warn(f"torchember: could not follow the model's data flow ({type(e).__name__}: {e}); its graph is not recorded")
+    try:
+        warnings.warn(f"torchember: could not follow the model's data flow ({type(e).__name__}: {e}); "
+                      "its graph is not recorded")
     except Exception: pass   # warnings turned into errors: still never into the model's forward
 
 @patch
@@ -281,4 +283,5 @@ def on_step(self:GraphCapture, rec):
 
 def is_compiled(model:nn.Module)->bool:
     "Whether `model` is, or holds, a module compiled by `torch.compile`."
-    return any(type(m).__name__ == 'OptimizedModule' or getattr(m, '_compiled_call_impl', None) is not None for m in model.modules())
+    return any(type(m).__name__ == 'OptimizedModule' or getattr(m, '_compiled_call_impl', None) is not None
+               for m in model.modules())
