@@ -1,4 +1,4 @@
-"""`python -m torchember.demo`: arm a small CNN, train it for a few dozen steps into the default store, and print what was recorded.
+"""`python -m torchember.demo`: train a small CNN a few dozen steps into the default store, print what it recorded.
 
 Docs: https://torchember.github.io/torchember/demo.html.md"""
 
@@ -30,7 +30,8 @@ def bars(n:int, size:int=16, seed:int=0):
 def small_cnn()->nn.Module:
     "A small CNN for 16×16 images with BatchNorm and an in-place ReLU."
     return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True), nn.MaxPool2d(2),
-                         nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 2))
+                         nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(16, 2))
 
 # %% ../nbs/09_demo.ipynb #f867a3d0
 @call_parse
@@ -57,5 +58,6 @@ def main(steps:int=40,   # training steps
     store = f" --db {db}" if db else ''
     print(f"\nread it back:  from torchember import load; r = load({r.name!r}{f', {db!r}' if db else ''}); r.df()")
     print(f"look at it:    torchember report {r.name}{store} -o report.html   (then open report.html in a browser)")
-    print(f"               import torchember; torchember.explore({f'{db!r}' if db else ''})   (in Jupyter: the newest run)")
+    print(f"               import torchember; torchember.explore({f'{db!r}' if db else ''})"
+          "   (in Jupyter: the newest run)")
     return r
