@@ -176,7 +176,7 @@ def tensor_series(run:Run, rank:int, module:str, ttype:str,
                   lo:int, hi:int,
                   tname:str=None,   # only the tensor of this name (a weight's), else all of `ttype`
                  )->pd.Series:      # by step
-    "`stat` of `module`'s `ttype` tensors per step of `lo..hi`; 'update_ratio' is ‖Δw‖/‖w‖ (`track_updates=True`)."
+    "`stat` of `module`'s `ttype` per step of `lo..hi`; 'update_ratio' is ‖Δw‖/‖w‖ (`track_updates=True`)."
     s = stats_t.c
     mid = select(modules_t.c.id).where(modules_t.c.run_id == run.id, modules_t.c.name == module).scalar_subquery()
     where = [s.run_id == run.id, s.rank == rank, s.module_id == mid, s.ttype == ttype, s.step.between(lo, hi)]
