@@ -1,4 +1,4 @@
-"""Watch a run from any browser: `torchember serve` serves the explorer as a web app with Voilà, read-only on the store.
+"""Watch a run from any browser: `torchember serve` serves the explorer as a Voilà web app, read-only on the store.
 
 Docs: https://torchember.github.io/torchember/serve.html.md"""
 
@@ -126,8 +126,9 @@ def serve(db=None, port:int=PORT, host:str='127.0.0.1', token:str=None, out=None
     out = out or sys.stdout
     argv, url = voila_command(db, port=port, host=host, token=token)
     print(f"torchember serve: {url}", file=out)
-    if host in LOCAL: print(f"  from another machine: ssh -L {port}:localhost:{port} HOST, then open http://localhost:{port}/",
-                            file=out)
+    if host in LOCAL:
+        print(f"  from another machine: ssh -L {port}:localhost:{port} HOST, then open http://localhost:{port}/",
+              file=out)
     out.flush()
     p = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
     try: return p.wait()
