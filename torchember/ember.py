@@ -352,18 +352,18 @@ if hasattr(os, 'register_at_fork'): os.register_at_fork(after_in_child=_forked_c
 
 SIGNAL_WAIT_S = 10   # the longest SIGTERM or SIGINT waits for the store to take the finished steps
 _chained = {}        # signal -> the handler torchember's stands in front of
-_deferred = {}       # signal -> times it was put off while a step was being handed over
+_deferred = {}       # signal -> times it was put off while a step was being handed over, or a guard checked
 
 def _on_signal(signum, frame):
     "Write every finished step, then do what the handler torchember stands in front of would have done."
-    # a step is changing hands: let it finish, take the signal again
-    if _changing_step(frame) and _deferred.get(signum, 0) < 100:
+    prev = _chained.get(signum, signal.SIG_DFL)
+    # a step is changing hands, or compiled code's guards, which lose any exception, are checked: take the signal again
+    if (_changing_step(frame) or callable(prev) and _in_guard(frame)) and _deferred.get(signum, 0) < 100:
         _deferred[signum] = _deferred.get(signum, 0) + 1
         t = threading.Timer(0.01, os.kill, (os.getpid(), signum))
         t.daemon = True                     # never what an ending interpreter waits for
         return t.start()
     _deferred.pop(signum, None)
-    prev = _chained.get(signum, signal.SIG_DFL)
     try: _write_finished(ends=prev == signal.SIG_DFL)
     except Exception: pass
     if callable(prev): return prev(signum, frame)
@@ -393,6 +393,18 @@ def _changing_step(frame)->bool:
     "Whether the main thread stopped inside torchember opening, ending, closing or handing over a step (not a finished one)."
     while frame is not None:
         if frame.f_code.co_name in _STEP_CHANGES and frame.f_globals.get('__name__', '').startswith('torchember.'): return True
+        frame = frame.f_back
+    return False
+
+# dynamo's guards written in Python: its lambda guards, and the `guard` function it builds from source
+_GUARDS_PY = os.path.join('torch', '_dynamo', 'guards.py')
+
+def _in_guard(frame)->bool:
+    "Whether the main thread stopped inside a guard of `torch.compile`'s, which takes any exception for a failed guard."
+    if 'torch._dynamo' not in sys.modules: return False   # nothing was ever compiled
+    while frame is not None:
+        c = frame.f_code
+        if c.co_filename.endswith(_GUARDS_PY) or (c.co_filename, c.co_name) == ('<string>', 'guard'): return True
         frame = frame.f_back
     return False
 
