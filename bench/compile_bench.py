@@ -6,7 +6,8 @@ Printed: the graph breaks each compile took (dynamo's counters; `fullgraph=True`
 compiled after the warm-up (recompiles: none should follow a change of `every` or a train/eval switch), and the time of
 a training step, in blocks of K steps cycling bare, armed every step and armed `every=10` (the same compiled armed
 model, its capture's `every` switched: the cadence is decided at run time, the graph is the same). Ratios are medians
-of each round's armed/bare.
+of each round's armed/bare: of wall time, and (`cpu`) of the training thread's CPU time, which other work on a shared
+machine moves less (torch on one thread runs there; a writer process's work is not in it).
 """
 import statistics, tempfile, time
 from pathlib import Path
@@ -55,9 +56,10 @@ def _warm(step, n):
     return _graphs() - g0, _breaks() - b0
 
 def _time(step, k):
-    t0 = time.perf_counter()
+    "Wall and thread CPU seconds a step, over `k` steps."
+    t0, c0 = time.perf_counter(), time.thread_time()
     for _ in range(k): step()
-    return (time.perf_counter() - t0) / k
+    return (time.perf_counter() - t0) / k, (time.thread_time() - c0) / k
 
 def bench(name, how, blocks_n, k, warm):
     "One model, one way of compiling: a dict of the figures."
@@ -79,27 +81,29 @@ def bench(name, how, blocks_n, k, warm):
     te.capture.every = 10
     _warm(armed, 10)                      # every=10 from here: no graph may follow
     after = _graphs()
-    times = {'bare': [], 'every1': [], 'every10': []}
+    times, cpu = {'bare': [], 'every1': [], 'every10': []}, {'bare': [], 'every1': [], 'every10': []}
     for r in range(blocks_n):
         order = ['bare', 'every1', 'every10'] if r % 2 == 0 else ['every10', 'every1', 'bare']
         for c in order:
             te.capture.every = 1 if c == 'every1' else 10
-            times[c].append(_time(bare if c == 'bare' else armed, k))
+            wall, used = _time(bare if c == 'bare' else armed, k)
+            times[c].append(wall); cpu[c].append(used)
     recompiles = _graphs() - after     # while every switched between 1 and 10
     g = _graphs(); bare.evaluate(); bare(); eval_bare = _graphs() - g       # a train/eval switch, and back
     g = _graphs(); armed.evaluate(); armed(); eval_armed = _graphs() - g
     te.flush(); rows = len(te.df()); te.disarm()
-    ratio = lambda c: statistics.median(a / b for a, b in zip(times[c], times['bare']))
+    ratio = lambda c, t=times: statistics.median(a / b for a, b in zip(t[c], t['bare']))
     return dict(model=name, how=how, bare_ms=statistics.median(times['bare']) * 1e3,
                 every1_ms=statistics.median(times['every1']) * 1e3, every10_ms=statistics.median(times['every10']) * 1e3,
-                r1=ratio('every1'), r10=ratio('every10'), breaks=armed_breaks - bare_breaks, graphs=(bare_graphs, armed_graphs),
+                r1=ratio('every1'), r10=ratio('every10'), c1=ratio('every1', cpu), c10=ratio('every10', cpu),
+                breaks=armed_breaks - bare_breaks, graphs=(bare_graphs, armed_graphs),
                 recompiles=recompiles, eval_graphs=(eval_bare, eval_armed), compile_s=(bare_s, armed_s), rows=rows)
 
 def main(models, blocks_n=5, k=20, warm=3):
     print(__doc__.split('\n')[0])
     print(f"{blocks_n} rounds of {k} steps each; warm-up {warm} steps (the compile); ms are medians of a step")
     hdr = (f"{'model':<7} {'compile':<8} {'breaks+':>7} {'graphs b/a':>10} {'recompiles':>10} {'eval b/a':>8} {'bare ms':>8} {'every1 ms':>9} "
-           f"{'ratio':>6} {'every10 ms':>10} {'ratio':>6} {'compile s b/a':>14}")
+           f"{'ratio':>6} {'every10 ms':>10} {'ratio':>6} {'cpu ratios':>11} {'compile s b/a':>14}")
     print(hdr); print('-' * len(hdr))
     for name in models:
         for how in ('whole', 'blocks'):
@@ -108,5 +112,5 @@ def main(models, blocks_n=5, k=20, warm=3):
                 print(f"{name:<7} {how:<8} (no blocks: each of its modules is one torch's dynamo skips; compiled whole only)")
                 continue
             print(f"{name:<7} {how:<8} {r['breaks']:7d} {r['graphs'][0]:>4}/{r['graphs'][1]:<5} {r['recompiles']:10d} "
-                  f"{r['eval_graphs'][0]:>3}/{r['eval_graphs'][1]:<4} {r['bare_ms']:8.2f} {r['every1_ms']:9.2f} {r['r1']:5.2f}x {r['every10_ms']:10.2f} {r['r10']:5.2f}x "
+                  f"{r['eval_graphs'][0]:>3}/{r['eval_graphs'][1]:<4} {r['bare_ms']:8.2f} {r['every1_ms']:9.2f} {r['r1']:5.2f}x {r['every10_ms']:10.2f} {r['r10']:5.2f}x {r['c1']:5.2f}/{r['c10']:4.2f}x "
                   f"{r['compile_s'][0]:6.1f}/{r['compile_s'][1]:<6.1f}", flush=True)
