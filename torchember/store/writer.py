@@ -496,11 +496,23 @@ def _answer(err, said:list)->bytes:
     except Exception:
         return pickle.dumps((StoreError(f"{type(err).__name__}: {err}"), [(t, RuntimeWarning) for t, _ in said]))
 
+def _write_held(eng, held:dict, run_id:int, rank:int, steps:list):
+    "Write `steps` with `write_steps`; on PostgreSQL in a transaction of connection `held['c']`, kept between writes."
+    if eng.dialect.name != 'postgresql': return write_steps(eng, run_id, steps, rank=rank)
+    c = held.get('c')
+    if c is None or c.invalidated or c.closed: c = held['c'] = eng.connect()   # checked by the pool as it is taken
+    try:
+        with c.begin(): write_steps(c, run_id, steps, rank=rank)
+    except BaseException:   # given back (dropped if it died): the next write takes one the pool checks
+        try: held.pop('c').close()
+        except Exception: pass
+        raise
+
 def serve(down:int, up:int):
     "The writer process: write each `(run_id, rank, steps)` read from fd `down` with `write_steps`, answer on fd `up`."
     for s in (signal.SIGINT, signal.SIGTERM): signal.signal(s, signal.SIG_IGN)
     with open(down, 'rb', buffering=0) as inp, open(up, 'wb', buffering=0) as out:
-        url, eng, last = receive(inp).decode(), None, {}   # last: (run_id, rank) -> the packed keys last sent
+        url, eng, last, held = receive(inp).decode(), None, {}, {}   # last: (run_id, rank) -> packed keys last sent
         while True:
             try: msg = receive(inp)
             except EOFError: break
@@ -515,10 +527,11 @@ def serve(down:int, up:int):
                         else: steps[i] = with_keys(s, last[run_id, rank])
                     # opened here, so that a server down as the child starts is an answer, not its end
                     eng = eng or engine(url)
-                    write_steps(eng, run_id, steps, rank=rank)
+                    _write_held(eng, held, run_id, rank, steps)
                     err = None
                 except Exception as e: err = e
             send(out, _answer(err, said))
+        if held: held.pop('c').close()
         if eng is not None: eng.dispose()
 
 # %% ../../nbs/02e_store_writer.ipynb #0af72336
