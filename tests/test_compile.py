@@ -199,3 +199,22 @@ def test_bare_instance_compiled_beside(tmp_path):
     assert sorted(set(df.step)) == [0, 1, 2]
     assert (df[df.ttype == 'output'].groupby('step').size() == len(list(armed.modules()))).all()
     te.disarm()
+
+def test_one_op_a_region(tmp_path, monkeypatch):
+    "Python runs once a traced call of a compiled module's child (its `record_calls` op), not once a module call."
+    from torchember.compiled import CompiledHooks
+    calls = {'region': 0, 'hook': 0}
+    take_calls, take = CompiledHooks.take_calls, CompiledHooks.take
+    def counted(name, fn):
+        def f(self, *a):
+            calls[name] += 1
+            return fn(self, *a)
+        return f
+    monkeypatch.setattr(CompiledHooks, 'take_calls', counted('region', take_calls))
+    monkeypatch.setattr(CompiledHooks, 'take', counted('hook', take))
+    # whole: one a child of the root (13 for gpt9's 67 module calls a step); by block: one a child of a block (4 of 7)
+    for make, how, most in ((gpt9, whole, 13), (gpt9, blocks, 9 * 4), (mlp, whole, 8)):
+        calls.update(region=0, hook=0)
+        out = train(make, how, tmp_path, steps=4, every=2)
+        assert calls['hook'] == 0 and 4 <= calls['region'] <= 4 * most, (make.__name__, how.__name__, calls)
+        assert set(out['df'].step) == {0, 2} and (out['df'].ttype == 'output').any()

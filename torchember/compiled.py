@@ -1,4 +1,4 @@
-"""An armed model compiles whole or block by block, `fullgraph=True` included: its hooks trace into one op per compiled region, and nothing recompiles as steps come and go.
+"""An armed model compiles whole or block by block, `fullgraph=True` included: its hooks trace into one op per outermost traced module call, and nothing recompiles as steps come and go.
 
 Docs: https://torchember.github.io/torchember/compiled.html.md"""
 
