@@ -1,4 +1,4 @@
-"""Hooks on every module of a model that turn its calls into steps: enter/exit events and the tensors that went in and out.
+"""Hooks on every module of a model that turn its calls into steps: enter/exit events and the tensors in and out.
 
 Docs: https://torchember.github.io/torchember/core.html.md"""
 
@@ -25,7 +25,7 @@ __all__ = ['WRAPPERS', 'ENTER', 'EXIT', 'STEP_KINDS', 'KEEP_MAX', 'KEEP_BYTES', 
 
 # %% ../nbs/00_core.ipynb #4a1aa61e
 def user_class(m:nn.Module)->type:
-    "The class the user wrote of module `m`: under FSDP2's `fully_shard`, the class its `FSDP<Name>` subclass derives from."
+    "The class the user wrote of module `m` (under FSDP2, the class its `FSDP<Name>` subclass derives from)."
     cls = type(m)
     for c in cls.__mro__[1:]:
         # not imported: FSDP's import is slow
@@ -50,7 +50,8 @@ def user_modules(model:nn.Module)->list:
     return out
 
 def module_tree(model:nn.Module)->dict:
-    "Nested dict of `model`'s `user_modules`: `name` (qualified), `short` (last part), `type` (`user_class`) and `children`."
+    "Nested dict of `model`'s `user_modules`, each with `name`, `short`, `type` and `children`."
+    # `name` qualified, `short` its last part, `type` the `user_class`
     nodes = {}
     for name, m in user_modules(model):
         node = dict(name=name, short=name.rpartition('.')[2], type=user_class(m).__name__, children=[])
@@ -60,7 +61,8 @@ def module_tree(model:nn.Module)->dict:
 
 # %% ../nbs/00_core.ipynb #cb777598
 def dtensor_piece(p:torch.Tensor)->tuple|None:
-    "`(piece, full_shape)` of DTensor `p` (JSON): which piece this rank holds, named alike on replicas; None if no piece."
+    "`(piece, full_shape)` of DTensor `p` (JSON): the piece this rank holds; None if it holds none."
+    # a piece is named alike on replicas
     mesh, placements = getattr(p, 'device_mesh', None), getattr(p, 'placements', None)
     if mesh is None or placements is None or type(p) in (torch.Tensor, nn.Parameter): return None
     if any(pl.is_partial() for pl in placements): return None
@@ -80,14 +82,17 @@ def flat_params(model:nn.Module)->list:
         if fp is None or not hasattr(fp, '_shard_param_infos'): continue
         es = []
         for info, spi, shape in zip(fp._param_infos, fp._shard_param_infos, fp._shapes):
-            if spi.in_shard: piece, off, n = f'{spi.intra_param_start_idx}:{spi.intra_param_end_idx + 1}', spi.offset_in_shard, spi.numel_in_shard
+            if spi.in_shard:
+                piece = f'{spi.intra_param_start_idx}:{spi.intra_param_end_idx + 1}'
+                off, n = spi.offset_in_shard, spi.numel_in_shard
             else: piece, off, n = 'none', 0, 0
             es.append((info.module, info.param_name, piece, str(list(shape)), off, n))
         out.append((fp, es))
     return out
 
 def fsdp2_params(model:nn.Module)->dict:
-    "FSDP2's sharded parameter for each `(id(module), name)` it manages (the module holds the unsharded one in its passes)."
+    "FSDP2's sharded parameter for each `(id(module), name)` it manages."
+    # the module itself holds the unsharded one during its passes
     out = {}
     for m in model.modules():
         state = getattr(m, '_get_fsdp_state', None)
@@ -157,7 +162,7 @@ class _Hook(partial):
 
 # %% ../nbs/00_core.ipynb #62845d51
 def selector(modules=None)->callable:
-    "A predicate `(name, module) -> bool` from globs on names, module classes, a list of those, or a predicate; None: all."
+    "A predicate `(name, module) -> bool` from name globs, module classes, a list of those, or a predicate; None: all."
     if modules is None: return lambda name, m: True
     if callable(modules) and not isinstance(modules, type): return modules
     items = list(modules) if isinstance(modules, (list, tuple, set)) else [modules]
@@ -177,7 +182,7 @@ class Capture:
                  record_eval:bool=True, # record calls made in eval mode (False: they are not steps)
                  timing:bool=False,     # time each call's forward and backward
                  io_grad:bool=False,    # record the grads w.r.t. each module's inputs and outputs
-                 flats:list=None,       # FSDP1's flat parameters, `flat_params` of the model as wrapped (its root outside `model`)
+                 flats:list=None,       # FSDP1's flat parameters: `flat_params` of the wrapped model (its root outside)
                 ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"torchember arms an nn.Module, not {type(model).__name__}")
@@ -220,20 +225,22 @@ class Capture:
             slots.append((m._parameters, [(pn, p, type(p), hasattr(p, 'ds_numel')) for pn, p in m._parameters.items()]))
             for pn, p in m._parameters.items():
                 p = fsdp2.get((id(m), pn), p)
-                if p is None or is_lazy(p) or id(p) in seen or id(p) in self._flat_ids or (id(m), pn) in self._in_flats: continue   # a lazy one: once it has a shape
+                # a lazy one: once it has a shape
+                if p is None or is_lazy(p) or id(p) in seen or id(p) in self._flat_ids or (id(m), pn) in self._in_flats:
+                    continue
                 seen.add(id(p))
                 if p.numel() == 0 or hasattr(p, 'ds_numel'): away.append(f"{self.names[mi]}.{pn}".lstrip('.'))
                 else: out.append((mi, pn, p))
         if away and not getattr(self, '_said_away', False):
             self._said_away = True
-            warnings.warn(f"torchember: {len(away)} parameters hold no elements on this rank between steps ({', '.join(away[:3])}"
-                          f"{', ...' if len(away) > 3 else ''}): partitioned away, as DeepSpeed ZeRO-3 does; their weights and "
-                          "grads are not recorded", stacklevel=3)
+            warnings.warn(f"torchember: {len(away)} parameters hold no elements on this rank between steps "
+                          f"({', '.join(away[:3])}{', ...' if len(away) > 3 else ''}): partitioned away, as DeepSpeed "
+                          "ZeRO-3 does; their weights and grads are not recorded", stacklevel=3)
         self._slots = slots
         return out
 
     def params_moved(self)->bool:
-        "Whether a selected module's parameters changed since `current_params` read them (replaced, added, removed, retyped)."
+        "Whether a selected module's parameters changed (replaced, added, removed, retyped) since `current_params`."
         for d, entries in self._slots:
             if len(d) != len(entries): return True
             # a lazy parameter materializes by changing its class; ZeRO-3 partitions in place
@@ -242,13 +249,15 @@ class Capture:
         return False
 
     def _flats(self, flats:list):
-        "Keep FSDP1's flat parameters as `(flat_param, [(mi, name, piece, full_shape, offset, numel)])` of the selected modules."
+        "Keep the FSDP1 flat parameters of the selected modules, in `flats`."
+        # each `(flat_param, [(mi, name, piece, full_shape, offset, numel)])`
         self._flat_ids = {id(fp) for fp, _ in flats}
         # the parameters a flat one holds: read through it
         self._in_flats = {(id(m), pn) for _, es in flats for m, pn, *_ in es}
         self.flats = []
         for fp, es in flats:
-            mine = [(self.index[id(m)], pn, *rest) for m, pn, *rest in es if id(m) in self.index and self.selected[self.index[id(m)]]]
+            mine = [(self.index[id(m)], pn, *rest) for m, pn, *rest in es
+                    if id(m) in self.index and self.selected[self.index[id(m)]]]
             if mine: self.flats.append((fp, mine))
 
     def piece_map(self)->dict:
@@ -267,7 +276,8 @@ class Capture:
         return out
 
     def flat_grads(self, fi:int)->list:
-        "`(mi, name, grad)` of the parameters flat parameter `fi` holds, from its sharded grad; none while unsharded (`no_sync`)."
+        "`(mi, name, grad)` of the parameters flat parameter `fi` holds, from its sharded grad."
+        # none while its grad is unsharded (`no_sync`)
         fp, es = self.flats[fi]
         g = fp.grad
         if g is None or g.numel() != getattr(fp, '_local_shard', fp).numel(): return []
@@ -280,7 +290,9 @@ class Capture:
 
     def __reduce__(self): return (_Inert, ())
     def __deepcopy__(self, memo): return _Inert()
-    def __repr__(self): return f"Capture({type(self.model).__name__}, {len(self.mods)} modules, step {self.step}, {'armed' if self.armed else 'disarmed'})"
+    def __repr__(self):
+        return (f"Capture({type(self.model).__name__}, {len(self.mods)} modules, step {self.step}, "
+                f"{'armed' if self.armed else 'disarmed'})")
 
 # %% ../nbs/00_core.ipynb #ce21830f
 _owners = weakref.WeakKeyDictionary()   # module -> the Capture that armed it (for `attach`, and copies)
@@ -289,8 +301,9 @@ _HOOK_DICTS = ('_forward_pre_hooks', '_forward_pre_hooks_with_kwargs', '_forward
                '_forward_hooks_always_called')
 
 def _bare_state(state:dict)->dict:
-    "A module's `state` less every `_Hook` in it, and less the entries of its hook dicts that hold one (with their flags)."
-    ours = {k for a in ('_forward_pre_hooks', '_forward_hooks') for k, h in state.get(a, {}).items() if isinstance(h, _Hook)}
+    "A module's `state` less every `_Hook` in it and the entries of its hook dicts that hold one (with their flags)."
+    ours = {k for a in ('_forward_pre_hooks', '_forward_hooks')
+            for k, h in state.get(a, {}).items() if isinstance(h, _Hook)}
     state = {k: v for k, v in state.items() if not isinstance(v, _Hook)}
     for a in _HOOK_DICTS:
         if ours and a in state: state[a] = OrderedDict((k, v) for k, v in state[a].items() if k not in ours)
@@ -299,7 +312,8 @@ def _bare_state(state:dict)->dict:
 def _reduce_bare(m:nn.Module):
     "`m` reduced as it reduces itself, with a bare state if it is armed: what pickles and copies of it are made from."
     rv = m.__reduce_ex__(4)
-    if m in _owners and isinstance(rv, tuple) and len(rv) > 2 and isinstance(rv[2], dict): rv = (*rv[:2], _bare_state(rv[2]), *rv[3:])
+    if m in _owners and isinstance(rv, tuple) and len(rv) > 2 and isinstance(rv[2], dict):
+        rv = (*rv[:2], _bare_state(rv[2]), *rv[3:])
     return rv
 
 def _copy_bare(classes):
@@ -309,7 +323,8 @@ def _copy_bare(classes):
 def _copy_as_usual():
     "Give `copyreg` back the classes that no armed module has any more."
     live = {type(m) for m in list(_owners.keys())}
-    for cls in [c for c, r in copyreg.dispatch_table.items() if r is _reduce_bare and c not in live]: del copyreg.dispatch_table[cls]
+    for cls in [c for c, r in copyreg.dispatch_table.items() if r is _reduce_bare and c not in live]:
+        del copyreg.dispatch_table[cls]
 
 # %% ../nbs/00_core.ipynb #4bd4e179
 def _dynamo_skips(*fns):
@@ -321,7 +336,8 @@ def _dynamo_skips(*fns):
     for f in fns: set_code_exec_strategy(f.__code__, skip)
 
 def _forget_compiled_modules(model:nn.Module=None)->bool:
-    "Discard the code `torch.compile(module)` compiled so far (it would skip hooks put on since); whether there was any."
+    "Discard the code `torch.compile(module)` compiled so far; whether there was any."
+    # that code would skip the hooks put on since
     if 'torch._dynamo' not in sys.modules: return False   # nothing was ever compiled
     try:
         from torch._dynamo.external_utils import wrap_inline
@@ -331,8 +347,10 @@ def _forget_compiled_modules(model:nn.Module=None)->bool:
     # the frames a compiled module's call runs in
     # and the forwards of `model`'s classes: dynamo does not guard on hooks, so another instance of a class compiled
     # before would run that code, its hooks unseen
-    forwards = {f for m in (model.modules() if model is not None else ()) if (f := getattr(type(m).forward, '__code__', None))}
-    codes = [c for c in (wrap_inline(_noop).__code__, nn.Module._wrapped_call_impl.__code__, nn.Module._call_impl.__code__, *forwards)
+    forwards = {f for m in (model.modules() if model is not None else ())
+                if (f := getattr(type(m).forward, '__code__', None))}
+    codes = [c for c in (wrap_inline(_noop).__code__, nn.Module._wrapped_call_impl.__code__,
+                         nn.Module._call_impl.__code__, *forwards)
              if _debug_get_cache_entry_list(c)]
     for c in codes: reset_code(c)
     return bool(codes)
@@ -351,7 +369,8 @@ def _optimizer_stepped(cap:Capture)->callable:
             known = cap._opts.get(opt)
             if known is None or known[0] != len(opt.param_groups):
                 mine = {id(p) for p in cap.model.parameters()}
-                known = cap._opts[opt] = (len(opt.param_groups), any(id(p) in mine for g in opt.param_groups for p in g['params']))
+                known = cap._opts[opt] = (len(opt.param_groups),
+                                          any(id(p) in mine for g in opt.param_groups for p in g['params']))
             if known[1]: cap.iteration, cap._stepped = cap.iteration + 1, True
         except Exception: pass   # counting is never worth an optimizer's step
     return hook
@@ -369,9 +388,10 @@ def arm(self:Capture):
     for m in self.mods: _owners[m] = self
     _copy_bare({type(m) for m in self.mods})
     if _forget_compiled_modules(self.model):
-        warnings.warn(f"torchember: torch.compile had compiled modules before {type(self.model).__name__} was armed; that code "
-                      "skips hooks, so it was discarded (compiled modules recompile once). Compile after arming to avoid this; "
-                      "a function compiled around the model must be compiled after arming (or call torch.compiler.reset())",
+        warnings.warn(f"torchember: torch.compile had compiled modules before {type(self.model).__name__} was armed; "
+                      "that code skips hooks, so it was discarded (compiled modules recompile once). Compile after "
+                      "arming to avoid this; a function compiled around the model must be compiled after arming "
+                      "(or call torch.compiler.reset())",
                       stacklevel=4)
     p = next(iter(self.model.parameters()), None)
     self.clock = _CudaClock() if self.timing and p is not None and p.is_cuda else time.perf_counter
@@ -382,11 +402,13 @@ def arm(self:Capture):
 
 @patch
 def _install(self:Capture):
-    "Put the per-module and per-parameter hooks in place for a recorded step, under one fresh key of torch's hook dicts."
+    "Put the per-module and per-parameter hooks in place for a recorded step."
+    # all under one fresh key of torch's hook dicts
     if self._made is None:
         # no int a graph of one block holds
         tags = range(len(self.mods)) if self.compiled is None else self.compiled.tags
-        self._made = [(m, _Hook(self._pre, tags[mi]), _Hook(self._post, tags[mi])) for mi, m in enumerate(self.mods) if mi and self.selected[mi]]
+        self._made = [(m, _Hook(self._pre, tags[mi]), _Hook(self._post, tags[mi]))
+                      for mi, m in enumerate(self.mods) if mi and self.selected[mi]]
     key = RemovableHandle.next_id     # taken as a handle takes it, so no later handle gets it
     while self._key_taken(key): key += 1
     RemovableHandle.next_id, self._hooked = key + 1, key
@@ -408,10 +430,12 @@ def _hook_dicts(m:nn.Module)->tuple:
 
 @patch
 def _key_taken(self:Capture, key:int)->bool:
-    "Whether a hook of the model already sits under `key` (unpickled hooks keep the keys of the process that saved them)."
+    "Whether a hook of the model already sits under `key`."
+    # unpickled hooks keep the keys of the process that saved them
     # torch keys a with-kwargs or always-called hook in `_forward_pre_hooks` and `_forward_hooks` too: those two tell
     return (any(key in m._forward_pre_hooks or key in m._forward_hooks for m, _, _ in self._made)
-            or any(p._post_accumulate_grad_hooks is not None and key in p._post_accumulate_grad_hooks for p in self.hooked()))
+            or any(p._post_accumulate_grad_hooks is not None and key in p._post_accumulate_grad_hooks
+                   for p in self.hooked()))
 
 @patch
 def _uninstall(self:Capture):
@@ -454,12 +478,13 @@ def _capturing()->bool:
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 def _set_aside()->bool:
-    "Whether torchember's hook work must step aside: the call runs under `torch.inference_mode` or `torch.func`'s transforms."
+    "Whether torchember's hook work must step aside: under `torch.inference_mode` or `torch.func`'s transforms."
     return _inference_on() or (_transforms_on() and not getattr(_aside, 'on', False))
 
 @contextmanager
 def _normal_mode():
-    "Inference mode and grad off, `torch.func`'s transforms set aside (tensors made are plain), for torchember's own work."
+    "Inference mode and grad off, `torch.func`'s transforms set aside, for torchember's own work."
+    # tensors made under it are plain
     prev, _aside.on = getattr(_aside, 'on', False), True
     try:
         with torch.inference_mode(False), torch.no_grad(), torch._C._DisableFuncTorch(): yield
@@ -513,8 +538,9 @@ def _in_capture(self:Capture):
     self._depth += 1
     if not self._said_capture:
         self._said_capture = True
-        warnings.warn("torchember: a CUDA graph is being captured; torchember records nothing inside a capture, and a replay "
-                      "runs no hooks, so replayed steps are not recorded (calls run outside a graph are)", stacklevel=4)
+        warnings.warn("torchember: a CUDA graph is being captured; torchember records nothing inside a capture, and a "
+                      "replay runs no hooks, so replayed steps are not recorded (calls run outside a graph are)",
+                      stacklevel=4)
 
 @patch
 def _nested(self:Capture)->bool:
@@ -564,7 +590,8 @@ def _pre(self:Capture, tag, mod, args, kwargs, inference:bool=False):   # tag: w
     stack = self._stack
     stack.append((mi, c))
     self._events.append((ENTER, mi, c))
-    if not kwargs and len(args) == 1 and isinstance(a := args[0], torch.Tensor) and (pos := self.sigs[mi][0]): ins = [(pos[0], a)]
+    if not kwargs and len(args) == 1 and isinstance(a := args[0], torch.Tensor) and (pos := self.sigs[mi][0]):
+        ins = [(pos[0], a)]
     else: ins = named_inputs(args, kwargs, self.sigs[mi])
     self._keep(mi, c, 'input', ins)
     if self.timing or self.io_grad: self._watch_grads(mi, c, 'input_grad', ins)
@@ -611,7 +638,7 @@ def _room(self:Capture)->int:
 
 @patch
 def _keep(self:Capture, mi, c, ttype, named):
-    "Hand tensors `named` of call `c` of module `mi` to the recorder, or keep them to be handed over together (see above)."
+    "Hand tensors `named` of call `c` of module `mi` to the recorder, or keep them to hand over together (see above)."
     eager = self._eager.get(mi)
     if eager is False and self._keeping and not _transforms_on():
         kept = self._kept
@@ -639,7 +666,8 @@ def _keep(self:Capture, mi, c, ttype, named):
 
 @patch
 def _measure_kept(self:Capture, ended:bool=True):
-    "Hand the kept tensors to the recorder (an empty row for one changed since its hook); `ended`: learn from the watched."
+    "Hand the kept tensors to the recorder; `ended`: learn from the watched."
+    # an empty row for a tensor changed since its hook
     kept, self._kept, self._held = self._kept, [], 0
     watched, self._watched = (self._watched, []) if ended else ((), self._watched)
     # a recorder of one's own may lack `tensors`
@@ -729,7 +757,8 @@ def _grads_done(self:Capture, again:bool=False):
         try: return torch.autograd.Variable._execution_engine.queue_callback(_Hook(self._grads_done))
         except RuntimeError: pass
     grads, self._grads, self._backward_due = self._grads, None, False
-    items = [(self.params[pi][0], self.params[pi][1], p.grad) for pi, p in grads.items() if not isinstance(pi, tuple) and p.grad is not None]
+    items = [(self.params[pi][0], self.params[pi][1], p.grad) for pi, p in grads.items()
+             if not isinstance(pi, tuple) and p.grad is not None]
     for pi in grads:
         if isinstance(pi, tuple): items += self.flat_grads(pi[1])
     if items and self.step >= 0: self.recorder.params(self.step, 'weight_grad', items)
@@ -757,8 +786,9 @@ def close(self:Capture):
 CLOSE_AFTER_S = 0.25   # a finished step that nothing took back within this long is closed by the closer thread
 _CLOSER_POLL_S = 0.05  # how often the closer looks at the armed captures
 
-# `Capture._done_at`: when the open step finished (monotonic s), None if unfinished or taken back; `_closing`: the closer
-# is closing it (seen true only on the closer's thread); `close_after`: None, only the next call closes a step
+# `Capture._done_at`: when the open step finished (monotonic s), None if unfinished or taken back;
+# `_closing`: the closer is closing it (seen true only on the closer's thread);
+# `close_after`: None, only the next call closes a step
 
 @patch
 def close_finished(self:Capture, after:float=CLOSE_AFTER_S):
@@ -827,7 +857,8 @@ class _Closer:
         with self.lock: pass
 
     def _after_fork(self):
-        "In a forked child: no closer thread, and the locks of the parent's captures free (one may be held at the fork)."
+        "In a forked child: no closer thread, and the locks of the parent's captures free."
+        # one may be held at the fork
         for c in list(self.caps): c._lock, c._closing = threading.RLock(), False
         self.__init__()
 
@@ -864,5 +895,5 @@ def _attach(self:Capture, module, name, t):
     self.recorder.tensor(mi, max(self._calls[mi] - 1, 0), 'attached', name, t)
 
 # %% ../nbs/00_core.ipynb #fa44ee2f
-_dynamo_skips(Capture._root_pre, Capture._root_post, Capture._pre, Capture._post, Capture._keep, Capture._measure_kept, Capture._on_grad,
-              Capture._grad_hook, Capture._grads_done, Capture._attach, Capture.close)
+_dynamo_skips(Capture._root_pre, Capture._root_post, Capture._pre, Capture._post, Capture._keep, Capture._measure_kept,
+              Capture._on_grad, Capture._grad_hook, Capture._grads_done, Capture._attach, Capture.close)
