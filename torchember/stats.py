@@ -1,4 +1,4 @@
-"""Turn tensors into numbers without leaving their device: the default stats, fused reductions, and the per-step recorder.
+"""Turn tensors into numbers on their own device: the default stats, fused reductions, and the per-step recorder.
 
 Docs: https://torchember.github.io/torchember/stats.html.md"""
 
@@ -29,7 +29,8 @@ __all__ = ['MOMENTS', 'STATS', 'TRITON_DEVICES', 'F64', 'SMALL', 'FLOATS', 'SLOW
 MOMENTS = kinds.MOMENTS   # what every kernel measures: n, sum, sum of squares, min, max, nonzeros, NaNs, Infs
 
 def as_real(t:torch.Tensor)->torch.Tensor:
-    "`t` detached, flattened and as float64 (magnitude for complex, stored values for sparse, values for quantized), copied."
+    "`t` detached, flattened, as float64 and copied."
+    # the magnitude of a complex one, the stored values of a sparse one, the values of a quantized one
     t = t.detach()
     if t.is_nested: t = t.values() if t.layout == torch.jagged else torch.cat([c.reshape(-1) for c in t.unbind()])
     if t.is_quantized: t = t.dequantize()
@@ -43,7 +44,9 @@ def _eager_rows(x:torch.Tensor, counts:bool)->torch.Tensor:
     d = x if x.dtype == torch.float64 else x.to(torch.float64)   # squares of half-precision values in float64, exact
     cols = [x.new_full((k,), n, dtype=torch.float64), d.sum(1), (d*d).sum(1), x.amin(1), x.amax(1)]
     if counts: cols += [(x != 0).sum(1), x.isnan().sum(1), x.isinf().sum(1)]
-    else: cols += [x.sign().abs().sum(1, dtype=torch.float64), x.new_zeros(k, dtype=torch.float64), x.new_zeros(k, dtype=torch.float64)]
+    else:
+        cols += [x.sign().abs().sum(1, dtype=torch.float64), x.new_zeros(k, dtype=torch.float64),
+                 x.new_zeros(k, dtype=torch.float64)]
     return torch.stack(cols, 1).to(torch.float64)
 
 def moments(x:torch.Tensor)->torch.Tensor:
@@ -94,13 +97,14 @@ def _flat8(x):
     "The 8 `MOMENTS` of 1-d `x`, NaN and Inf counted, all in one graph."
     d = x.to(F64)    # sums in float64; min and max in x's own dtype (exact, and 2-3x faster)
     z = d.new_zeros(())
-    return torch.stack([z + x.shape[0], d.sum(), (d*d).sum(), x.amin().to(F64), x.amax().to(F64), (x != 0).sum().to(F64),
-                        x.isnan().sum().to(F64), x.isinf().sum().to(F64)])
+    return torch.stack([z + x.shape[0], d.sum(), (d*d).sum(), x.amin().to(F64), x.amax().to(F64),
+                        (x != 0).sum().to(F64), x.isnan().sum().to(F64), x.isinf().sum().to(F64)])
 
 SMALL = 2**16   # elements up to which a tensor is small: copied and stacked with others of its size, summed in float64
 
 def _eager8(x):
-    "The 8 `MOMENTS` of 1-d `x` with eager kernels; NaN and Inf counts zero (a CPU counts them where the sum isn't finite)."
+    "The 8 `MOMENTS` of 1-d `x` with eager kernels; NaN and Inf counts zero."
+    # a CPU counts them where the sum isn't finite
     # sums in float32 (torch's cascade sums): a float64 sum of float32 converts it first, ~30x slower
     if x.numel() > SMALL:
         return native.torch_moments(x if x.dtype in (torch.float32, torch.float64) else x.float())
@@ -118,7 +122,8 @@ def _rows8(x):
                         (x != 0).sum(1).to(F64), x.isnan().sum(1).to(F64), x.isinf().sum(1).to(F64)], 1)
 
 # kind -> (fused graph for an accelerator, its eager stand-in, the CPU's eager kernel: NaN and Inf not counted)
-_KERNELS = {'flat': (_flat8, _flat8, _eager8), 'rows': (_rows8, partial(_eager_rows, counts=True), partial(_eager_rows, counts=False))}
+_KERNELS = {'flat': (_flat8, _flat8, _eager8),
+            'rows': (_rows8, partial(_eager_rows, counts=True), partial(_eager_rows, counts=False))}
 _compiled, _COMPILE = {}, {}   # kernels compiled so far; what stopped compiling ('failed') or was said ('slow')
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 SLOW_COMPILE_S = 5.0           # a first compile longer than this is said in a warning
@@ -156,7 +161,8 @@ def _guarded(compiled, eager):
     return f
 
 def _flat(t:torch.Tensor)->torch.Tensor:
-    "`t` as a 1-d tensor that is not a view: the compiled kernel then guards on its length alone, one graph for every shape."
+    "`t` as a 1-d tensor that is not a view, so that the compiled kernel guards on its length alone."
+    # one graph for every shape
     # a copy with no base, or a subclass's own
     if type(t) not in native._PLAIN or not t.is_contiguous(): return t.reshape(-1)
     return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), (t.numel(),), (1,))
@@ -166,7 +172,7 @@ def _native(t:torch.Tensor)->bool:
     return native.supports(t) and native.library() is not None
 
 def _counted(t:torch.Tensor)->torch.Tensor:
-    "The 8 `MOMENTS` of float `t` with NaN and Inf counted (and a NaN min or max): for a tensor whose sum is not finite."
+    "The 8 `MOMENTS` of float `t` with NaN and Inf counted (and a NaN min or max), for a sum that is not finite."
     return _flat8(_flat(t.detach()))
 
 def native_moments(ts:list, batch=None, checked:bool=False)->torch.Tensor:
@@ -199,23 +205,27 @@ def default_stats(t:torch.Tensor)->dict:
 VECTOR_MAX = 4096    # values one stat may hold (a histogram, quantiles); a longer one is refused
 
 def _too_long(fn_name:str, k:str, n:int)->ValueError:
-    return ValueError(f"{fn_name}: stat {k!r} has {n} values, over the bound of {VECTOR_MAX} (torchember.stats.VECTOR_MAX); not stored")
+    return ValueError(f"{fn_name}: stat {k!r} has {n} values, over the bound of {VECTOR_MAX} "
+                      "(torchember.stats.VECTOR_MAX); not stored")
 
 def check_stats(d, fn_name:str='stat function')->dict:
     "Validate a stat function's result: str -> number, 0-d tensor, or at most `VECTOR_MAX` numbers."
-    if not isinstance(d, dict): raise TypeError(f"{fn_name} must return a dict of name -> value, got {type(d).__name__}")
+    if not isinstance(d, dict):
+        raise TypeError(f"{fn_name} must return a dict of name -> value, got {type(d).__name__}")
     out = {}
     for k, v in d.items():
         if not isinstance(k, str): raise TypeError(f"{fn_name}: stat names must be str, got {k!r}")
         if isinstance(v, torch.Tensor):
             if v.layout != torch.strided or v.is_nested or v.device.type == 'meta':
-                raise TypeError(f"{fn_name}: stat {k!r} must be a dense tensor with values, got a {v.layout} tensor on {v.device}")
+                raise TypeError(f"{fn_name}: stat {k!r} must be a dense tensor with values, "
+                                f"got a {v.layout} tensor on {v.device}")
             if v.dim() > 1: raise TypeError(f"{fn_name}: stat {k!r} must be 0-d or 1-d, got shape {tuple(v.shape)}")
             if v.numel() > VECTOR_MAX: raise _too_long(fn_name, k, v.numel())
             v = v.detach()
         elif isinstance(v, (list, tuple)):
             if len(v) > VECTOR_MAX: raise _too_long(fn_name, k, len(v))
-            if not all(isinstance(i, (int, float, bool)) for i in v): raise TypeError(f"{fn_name}: stat {k!r} must be a list of numbers")
+            if not all(isinstance(i, (int, float, bool)) for i in v):
+                raise TypeError(f"{fn_name}: stat {k!r} must be a list of numbers")
             v = [float(i) for i in v]
         elif isinstance(v, (int, float, bool)) or v is None: v = None if v is None else float(v)
         else: raise TypeError(f"{fn_name}: stat {k!r} has unsupported type {type(v).__name__}")
@@ -314,7 +324,7 @@ def _meta(shape:tuple|None, dtype:str)->tuple:
 _PACKINGS = {}   # (rows, moment rows) -> [(keys, perm, (packed keys, stats rows))]: the layouts of steps seen lately
 
 def _layout(keys:list, perm:list)->tuple|None:
-    "`(packed keys, the stats matrix's row of each)` of a step's `keys` and `perm`: the same objects for every step alike."
+    "`(packed keys, the stats matrix's row of each)` of a step's `keys` and `perm`: one object for alike steps."
     for k, p, out in _PACKINGS.get((len(keys), len(perm)), ()):
         if k == keys and p == perm: return out
     packed, at, meta = [], [], _META
@@ -332,7 +342,8 @@ def _layout(keys:list, perm:list)->tuple|None:
 
 @patch_to(StepRecord)
 def packed(self)->tuple|None:
-    "`rows` as `(keys, stats)`: each row's first six fields and `nbytes`, and a float64 stats matrix; None with custom stats."
+    "`rows` as `(keys, stats)`: each row's first six fields and `nbytes`, and a float64 stats matrix."
+    # None with custom stats
     if self.extras: return None
     layout = _layout(self.keys, self.perm)
     if layout is None: return None
@@ -372,7 +383,8 @@ class Recorder:
         self._spent, self._t0, self._t1 = {}, time.perf_counter(), None
 
     def set_kind(self, kind:str):
-        "What the open step turned out to be, once its forward is over (a train-mode call that built no graph: 'no_grad')."
+        "What the open step turned out to be, once its forward is over."
+        # a train-mode call that built no graph: 'no_grad'
         if self.rec is not None: self.rec.kind = kind
 
     def finished(self):
@@ -391,7 +403,7 @@ def dtype_name(t:torch.Tensor)->str:
     return _DTYPES[d]
 
 def local_shard(t:torch.Tensor)->torch.Tensor:
-    "`t`, or this rank's shard of it where it is a DTensor (FSDP2, tensor parallel): what is measured, never a collective."
+    "What is measured of `t`: this rank's shard where it is a DTensor (FSDP2, tensor parallel), never a collective."
     return t.to_local() if type(t) not in native._PLAIN and callable(getattr(t, 'to_local', None)) else t
 
 def shape_of(t:torch.Tensor)->tuple|None:
@@ -408,7 +420,8 @@ def unwrapped(t:torch.Tensor)->torch.Tensor:
 
 @patch_to(Recorder)
 def _repeated(self, s, mi, call, ttype, tname, t, version, fn)->bool:
-    "Whether `t`, seen in this step as `s`, was measured with `fn` and is unchanged since `version`: its key reuses its row."
+    "Whether `t`, seen in this step as `s`, was measured with `fn` and is unchanged since `version`."
+    # if so, its key reuses its row
     if s[0]() is not t or version is None or s[1] != version or s[2] is not fn: return False
     keys = self.rec.keys
     prev = keys[s[3]]
@@ -431,7 +444,8 @@ def tensor(self, mi, call, ttype, tname, t):
     if fn is not default_stats: mrow, xi = -1, self._custom(fn, t, mi, ttype, tname)
     elif (version is not None and type(t) in _PLAIN and self._batchable.get(where) is True and self._batch
           and t.dtype in FLOATS and (dev := t.device).type in TRITON_DEVICES and not (self._nat and dev.type == 'cpu')
-          and t.layout == torch.strided and not t.is_nested):   # an accelerator's activation seen unchanged before: batched
+          and t.layout == torch.strided and not t.is_nested):
+        # an accelerator's activation seen unchanged before: batched
         mrow, xi = self._nm, -1
         self._nm += 1
         self._later.append((t.detach(), version, mrow, where))
@@ -441,7 +455,8 @@ def tensor(self, mi, call, ttype, tname, t):
 
 @patch_to(Recorder)
 def _default(self, t, copy:bool, where=None, row:int=None):
-    "Start the default stats of `t` (a copy of it if small and `copy`) in `row` of the moments (default: a new row); the row."
+    "Start the default stats of `t` in `row` of the moments (default: a new row); the row."
+    # of a copy of `t` if it is small and `copy`
     if row is None:
         row = self._nm
         self._nm += 1
@@ -450,7 +465,8 @@ def _default(self, t, copy:bool, where=None, row:int=None):
         t = t.detach()
         t = local_shard(t)
         if t.dtype in FLOATS and t.layout == torch.strided and not t.is_nested and t.device.type != 'meta':
-            if t.device.type in TRITON_DEVICES and (self._at_hook(t, row, where) if copy and where else self._on_device([t], [row])):
+            if t.device.type in TRITON_DEVICES and (self._at_hook(t, row, where) if copy and where
+                                                    else self._on_device([t], [row])):
                 return row
             if t.numel() > SMALL: self._pieces.append(([row], fused_moments(t)[None]))
             else: self._groups.setdefault((t.device, t.dtype, t.shape), []).append((row, t.clone() if copy else t))
@@ -461,12 +477,14 @@ def _default(self, t, copy:bool, where=None, row:int=None):
     except Exception as e:                    # a tensor torch itself can't reduce: record its key, not its stats
         if self.strict: raise
         self._pieces.append(([row], _unmeasured(None)))
-        self._warn(('measure',) + tuple(where or ()), f"cannot measure {self._where(where)}: {type(e).__name__}: {e}; its stats are left empty")
+        self._warn(('measure',) + tuple(where or ()),
+                   f"cannot measure {self._where(where)}: {type(e).__name__}: {e}; its stats are left empty")
     return row
 
 @patch_to(Recorder)
 def changed(self, mi, call, ttype, tname, t):
-    "Record the key of `t`, changed in place between its hook and its measuring (`core.Capture._keep`): no stats, said once."
+    "Record the key of `t`, changed in place between its hook and its measuring: no stats, said once."
+    # see `core.Capture._keep`
     row = self._nm
     self._nm += 1
     self._pieces.append(([row], _unmeasured(t.numel())))
@@ -475,7 +493,8 @@ def changed(self, mi, call, ttype, tname, t):
 
 @patch_to(Recorder)
 def _say_changed(self, key:tuple):
-    "Warn once that the tensor of `key` `(mi, ttype, tname)` was changed in place before it was read (its row left empty)."
+    "Warn once that the tensor of `key` `(mi, ttype, tname)` was changed in place before it was read."
+    # its row is left empty
     self._warn(('inplace',) + key, f"{self._where(key)} was changed in place after its hook, before it was read; its "
                f"stats at step {self.rec.step} are left empty, and it is read at its hook from now on")
 
@@ -523,9 +542,10 @@ def _run_custom(self, fn, t, mi, ttype, tname):
     # a DTensor's own ops are collectives: a function of it could hang ranks that do not record
     if (shard := local_shard(t)) is not t:
         t = shard
-        self._warn(('shard', name), f"stat function {name!r} is given this rank's shard of sharded tensors (a DTensor's to_local()): "
-                                    "of weights and grads, the default stats it returns are merged into the whole parameter's; "
-                                    "its other values are per shard, each rank's own (in the `shards` table)")
+        self._warn(('shard', name),
+                   f"stat function {name!r} is given this rank's shard of sharded tensors (a DTensor's to_local()): "
+                   "of weights and grads, the default stats it returns are merged into the whole parameter's; "
+                   "its other values are per shard, each rank's own (in the `shards` table)")
     try:
         with torch.no_grad():
             d = check_stats(fn(t), name)
@@ -555,7 +575,8 @@ def tensors(self, items:list):
     for mi, call, ttype, tname, t, version in items:
         fn, key = fns[ttype], id(t)
         if (s := seen.get(key)) is not None and self._repeated(s, mi, call, ttype, tname, t, version, fn): continue
-        if fn is not default_stats or (kind := kind_of(t)) < 0 or not 0 < (n := t.numel()) < large or not native.dense(t):
+        if (fn is not default_stats or (kind := kind_of(t)) < 0 or not 0 < (n := t.numel()) < large
+                or not native.dense(t)):
             self.tensor(mi, call, ttype, tname, t)
         else:
             seen[key] = (weakref.ref(t), version, fn, len(keys))
@@ -578,7 +599,7 @@ def tensors(self, items:list):
 
 @patch_to(Recorder)
 def _launched(self, items:list):
-    "Record kept items of Triton's devices: plain float ones with default stats launched per device, the rest by `tensor`."
+    "Record kept items of Triton's devices: plain float ones with default stats per device, the rest by `tensor`."
     if not self._batch:   # `TORCHEMBER_LATER=0`: each read as at its hook
         for it in items: self.tensor(*it[:5])
         return
@@ -611,8 +632,9 @@ def _name_slow(self):
     for fn, s in self._spent.items():
         if s > SLOW_S and s > SLOW_FRACTION * wall:
             name = getattr(fn, '__name__', repr(fn))
-            self._warn(('slow', name), f"stat function {name!r} took {s:.2f} s of a {wall:.2f} s step ({s/wall:.0%} of it); "
-                                       "give it fewer tensors (`how_record_*`), sample, or record fewer steps (`every=`)")
+            self._warn(('slow', name),
+                       f"stat function {name!r} took {s:.2f} s of a {wall:.2f} s step ({s/wall:.0%} of it); "
+                       "give it fewer tensors (`how_record_*`), sample, or record fewer steps (`every=`)")
 
 # %% ../nbs/01_stats.ipynb #5797d0eb
 @patch_to(Recorder)
@@ -630,7 +652,8 @@ def _late(self, step:int):
 def _failed(self, what:str, e:Exception):
     "A part of recording failed: raise `e` with `strict`, else warn once per part (its stats are left empty)."
     if self.strict: raise e
-    self._warn(('failed', what), f"{what} failed ({type(e).__name__}: {e}); those stats are left empty, training goes on")
+    self._warn(('failed', what),
+               f"{what} failed ({type(e).__name__}: {e}); those stats are left empty, training goes on")
 
 @patch_to(Recorder)
 def params(self, step, ttype, items):
@@ -660,7 +683,8 @@ def _params(self, ttype, items):
         for i, (mi, tname, t) in enumerate(items):
             if self.on_tensor is not None: self.on_tensor(self.rec, mi, 0, ttype, tname, t)
             xi = self._extras(more[i]) if more and more[i] else -1
-            keys.append((mi, 0, ttype, tname, shape_of(t), dtype_name(t), self._default(t, copy=False, where=(mi, ttype, tname)), xi))
+            keys.append((mi, 0, ttype, tname, shape_of(t), dtype_name(t),
+                         self._default(t, copy=False, where=(mi, ttype, tname)), xi))
         self._reduce_groups()
     else:
         for i, (mi, tname, t) in enumerate(items):
@@ -687,7 +711,8 @@ def scalar(self, step:int, name:str, value):
 
 @patch_to(Recorder)
 def _reduce_groups(self):
-    "Read what is pending (batched activations, small tensors stacked by size, Triton's partial rows) into the step's pieces."
+    "Read what is pending into the step's pieces."
+    # batched activations, small tensors stacked by size, Triton's partial rows
     if self._later or self._watch: self._read_later()
     self._reduce_small()
     if self._direct_rows: self._pieces.append((self._direct_rows, self._direct.matrix()))
@@ -702,7 +727,8 @@ def _reduce_groups(self):
 
 @patch_to(Recorder)
 def _reduce_small(self):
-    "Measure the small tensors stacked by size (copies, or weights and grads that must be read before the optimizer's step)."
+    "Measure the small tensors stacked by size."
+    # copies, or weights and grads that must be read before the optimizer's step
     for rows_snaps in self._groups.values():
         rows = [r for r, _ in rows_snaps]
         try: m = moments(torch.stack([s for _, s in rows_snaps]).reshape(len(rows), -1))
@@ -714,7 +740,7 @@ def _reduce_small(self):
 
 @patch_to(Recorder)
 def _on_device(self, ts:list, rows:list, memo:dict=None)->bool:
-    "Start the moments of plain float tensors `ts` (one device) into `rows` with the Triton kernels; whether they run here."
+    "Start the moments of plain float tensors `ts` (one device) into `rows` with Triton; whether they run here."
     tm = triton_moments()
     if tm is None or any(type(t) not in _PLAIN for t in ts): return False
     dev = ts[0].device
@@ -750,7 +776,7 @@ LATER_MAX = 64   # activations kept for one batched read, at most (and `core.hel
 
 @patch_to(Recorder)
 def _at_hook(self, t:torch.Tensor, row:int, key:tuple)->bool:
-    "Start the moments of activation `t` into `row` with the Triton kernels, now or batched (see above); whether they run."
+    "Start the moments of activation `t` into `row` with Triton, now or batched (see above); whether they run."
     try: version = t._version
     except RuntimeError: version = None      # an inference tensor keeps no version counter
     batchable = self._batchable.get(key)
@@ -798,7 +824,9 @@ def _plan(batches, nat:bool=False)->tuple:
             j = len(metas)
             metas.append((mi, ttype, tname, shape_of(t), dtype_name(t)))
             if nat and native.supports(t): natives.append(j); nts.append(t)
-            elif type(t) not in native._PLAIN or t.dtype not in FLOATS or t.layout != torch.strided or t.is_nested or t.device.type == 'meta': other.append(j)
+            elif (type(t) not in native._PLAIN or t.dtype not in FLOATS or t.layout != torch.strided or t.is_nested
+                  or t.device.type == 'meta'):
+                other.append(j)
             elif t.numel() > SMALL: large.append(j)
             else: groups.setdefault((t.device, t.dtype, t.shape), []).append(j)
     # memo: Triton's layout
@@ -812,9 +840,11 @@ def _planned(self, batches):
     lib = native.library()
     nat = lib is not None
     try:
+        # a DTensor's shard, not its whole shape: a run of another layout plans anew
         sig = (nat and lib.openmp, nat, torch.get_num_threads(),
-               *[(ttype, *[(mi, tname, type(t), t.dtype, t.shape if type(t) in _PLAIN else shape_of(t), t.device) for mi, tname, t in items])
-                 for ttype, items in batches])   # a DTensor's shard, not its whole shape: a run of another layout plans anew
+               *[(ttype, *[(mi, tname, type(t), t.dtype, t.shape if type(t) in _PLAIN else shape_of(t), t.device)
+                           for mi, tname, t in items])
+                 for ttype, items in batches])
         plan = _PLANS.get(sig)
         if plan is None:
             if len(_PLANS) > 64: _PLANS.clear()
@@ -825,17 +855,20 @@ def _planned(self, batches):
     metas, natives, batch, groups, large, other, memo = plan
     base = self._nm
     self._nm += len(metas)
-    self.rec.keys += [(mi, 0, ttype, tname, shape, dtype, base + j, -1) for j, (mi, ttype, tname, shape, dtype) in enumerate(metas)]
+    self.rec.keys += [(mi, 0, ttype, tname, shape, dtype, base + j, -1)
+                      for j, (mi, ttype, tname, shape, dtype) in enumerate(metas)]
     ts = [t for _, items in batches for _, _, t in items]
     with torch.no_grad():
         if natives:     # all of them in one call, shared out over torch's threads
-            try: self._pieces.append(([base + j for j in natives], native_moments([ts[j] for j in natives], batch, checked=True)))
+            try: self._pieces.append(([base + j for j in natives],
+                                      native_moments([ts[j] for j in natives], batch, checked=True)))
             except Exception as e:
                 self._failed("the native kernel", e)
                 large = large + natives
         if groups or large: groups, large = self._triton_planned(ts, groups, large, base, memo)
         for idx in groups:
-            try: self._pieces.append(([base + j for j in idx], moments(torch.stack([ts[j] for j in idx]).reshape(len(idx), -1))))
+            try: self._pieces.append(([base + j for j in idx],
+                                      moments(torch.stack([ts[j] for j in idx]).reshape(len(idx), -1))))
             except Exception:            # measure them one by one, each with its own error handling
                 for j in idx: self._default(ts[j], copy=False, where=metas[j][:3], row=base + j)
         for j in large + other: self._default(ts[j], copy=False, where=metas[j][:3], row=base + j)
@@ -843,15 +876,17 @@ def _planned(self, batches):
 
 @patch_to(Recorder)
 def _one_by_one(self, batches):
-    "Record `(ttype, [(mi, tname, tensor)])` batches with default stats, tensor by tensor, each with its own error handling."
+    "Record `(ttype, [(mi, tname, tensor)])` batches with default stats, each tensor with its own error handling."
     for ttype, items in batches:
         for mi, tname, t in items:
-            self.rec.keys.append((mi, 0, ttype, tname, shape_of(t), dtype_name(t), self._default(t, copy=False, where=(mi, ttype, tname)), -1))
+            self.rec.keys.append((mi, 0, ttype, tname, shape_of(t), dtype_name(t),
+                                  self._default(t, copy=False, where=(mi, ttype, tname)), -1))
     self._reduce_groups()
 
 @patch_to(Recorder)
 def read_weights(self):
-    "Read the open step's weights now: no backward will bring grads to read them with (the forward's output needs none)."
+    "Read the open step's weights now: no backward will bring grads to read them with."
+    # the forward's output needs no grad
     if self._weights is not None and self.rec is not None: self._planned(self._pending_weights())
 
 @patch_to(Recorder)
@@ -863,7 +898,8 @@ def _pending_weights(self)->list:
 # %% ../nbs/01_stats.ipynb #fd0ce0b7
 def _plain(m:torch.Tensor)->torch.Tensor:
     "Moments a tensor subclass returned as that subclass, as a plain tensor (NaN where it can't give its values)."
-    try: return torch.tensor([x.item() for x in m.reshape(-1).unbind()], dtype=torch.float64, device=m.device).reshape(m.shape)
+    try: return torch.tensor([x.item() for x in m.reshape(-1).unbind()],
+                             dtype=torch.float64, device=m.device).reshape(m.shape)
     except Exception: return torch.full(tuple(m.shape), float('nan'), dtype=torch.float64)
 
 def _to_host(ts:list):
@@ -890,7 +926,8 @@ def close(self, step, events, closed:bool=True, calls=()):
     try: self._gather(rec)
     except Exception as e:     # the step is written all the same, with the stats that could not be gathered empty
         self._failed("gathering the step's stats", e)
-        rec.perm, rec.moments, rec.values, rec.done = list(range(self._nm)), _unmeasured(None).repeat(self._nm, 1), None, None
+        rec.perm, rec.moments = list(range(self._nm)), _unmeasured(None).repeat(self._nm, 1)
+        rec.values = rec.done = None
         rec.extras = [{k: v for k, v in d.items() if not isinstance(v, tuple)} for d in rec.extras]
     rec.events, rec.closed, rec.calls = events, closed, list(calls)
     self._name_slow()
