@@ -7,6 +7,12 @@
 Each step prints `step time` after its backward and optimizer step, so a printed step has finished by the time printed.
 `OPTIONS_JSON` may hold `"compile": true`: the armed model is then compiled whole with `torch.compile` (inductor,
 `fullgraph=True` but in `first` mode, whose hook of the user's breaks the graph itself), as users compile.
+`OPTIONS_JSON` may hold `"slow_write": k`: each step written then costs the writer `k` times what a step costs the run
+(its time bar what it waited for the writer), a store slower than the run whatever the machine's load: the writer
+thread sleeps before each write what its writes do not already take of that (then writes itself, or through the
+writer process). After each step the writer's `paced` (the seconds the run has waited for it) is printed as `paced s`,
+and each step the writer drops, thinning what waits (it falls behind by more than holding the run back makes up), as
+`dropped step`. `"step_s": s` has each step spend `s` more outside torch (loading data, say).
 `TE_MATRIX_BREAK` breaks a promise on purpose, to show that the matrix sees it: `linger` makes the writer wait 5 s
 before it takes a step, `closer` leaves a finished step open until the next call.
 """
@@ -28,6 +34,26 @@ def main(db:str, options:dict, mode:str):
     model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(32, 32), nn.ReLU())], nn.Linear(32, 1))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     compiled = options.pop('compile', False)
+    # s a step costs the run, bar its waits for the writer; and the writer, bar its sleep
+    slow, work, wrote, step_s = options.pop('slow_write', 0), [0.01], [0.], options.pop('step_s', 0)
+    if slow:
+        class SlowWriter(torchember.ember.Writer):
+            def __init__(self, write, *args, **kwargs):
+                def slow_write(steps):
+                    time.sleep(max(slow * work[0] - wrote[0], 0) * len(steps))
+                    t = time.monotonic()
+                    try: return write(steps)
+                    finally: wrote[0] = 0.8 * wrote[0] + 0.2 * (time.monotonic() - t) / len(steps)
+                super().__init__(slow_write, *args, **kwargs)
+            def _thin(self, *args, **kwargs):
+                before = [e[1] for e in self.pending]
+                try: return super()._thin(*args, **kwargs)
+                finally:
+                    left = {id(e[1]) for e in self.pending}
+                    for rec in before:
+                        if id(rec) not in left: print('dropped', rec.step, flush=True)
+        torchember.ember.Writer = SlowWriter   # the writer a torchEmber starts
+    paced = lambda: te.writer.paced if te.writer is not None else 0.
     te = torchEmber(model, run='r', db=db, **options)
     if mode == 'first':
         def slow_once(m, args, out):
@@ -36,9 +62,14 @@ def main(db:str, options:dict, mode:str):
     call = torch.compile(model, fullgraph=mode != 'first') if compiled else model   # arm, then compile
     step = 0
     while True:
+        t, waited = time.monotonic(), paced()
         loss = call(torch.randn(16, 32)).pow(2).mean()
         loss.backward(); opt.step(); opt.zero_grad()
         print(step, time.monotonic(), flush=True)   # one clock for every process of the machine
+        if step_s: time.sleep(step_s)
+        if slow:
+            work[0] = 0.8 * work[0] + 0.2 * (time.monotonic() - t - (paced() - waited))
+            print('paced', paced(), flush=True)
         step += 1
         if mode == 'pause' and step == PAUSE_AFTER:
             print("pause", time.monotonic(), flush=True)

@@ -25,16 +25,20 @@ share code are run once.
   (`torchember.compiled`), the step opened and closed from the graph, and unrecorded steps keep their hooks;
 - `stop_on=['nonfinite']` (`watched`): the writer judges each written step (`torchember.watch`) and a stop hook runs
   before every call of the model; nothing fires in these runs, so every promise must hold as without it;
+- a store slower than the run (`paced`, a worker option): each step written costs the writer 1.5 times what a step
+  costs the run, so the writer holds the run back (`Writer.paced`, which must be over 0 by the kill) and may thin what
+  waits; a step it dropped (printed by the worker as it drops it; warned and counted by torchember) is not lost, every
+  other step that finished over 1 s before `kill -9` must be in the store;
 - the writer thread and the child-process writer (`TORCHEMBER_WRITER`), SQLite and PostgreSQL (the `store` fixture;
   PostgreSQL cells skip without `$TORCHEMBER_PG_URL`).
 
 Durability depends on the write path and on what a step holds, so `kill -9` runs every option with both writers on
-SQLite, and snapshots (the largest records) and the plain run with both writers on PostgreSQL; the pause, SIGTERM and
-SIGINT, whose code is shared by every option, run the options that change how a step ends (`hooks`) or how big it is
-(`snapshot`) on one writer each, and one cell each on PostgreSQL. A locked store runs every option, both writers,
-on both stores, in one lock. Training and its RNG do not depend on the writer or the store: every option, SQLite,
-the thread. A stat's path depends on its ttype and on whether snapshots take tensors one by one: every ttype, with and
-without snapshots.
+SQLite, and snapshots (the largest records), the plain run and a paced writer with both writers on PostgreSQL; the
+pause, SIGTERM and SIGINT, whose code is shared by every option, run the options that change how a step ends (`hooks`)
+or how big it is (`snapshot`) on one writer each, and one cell each on PostgreSQL. A locked store runs every option,
+both writers, on both stores, in one lock. Training and its RNG do not depend on the writer or the store: every
+option, SQLite, the thread. A stat's path depends on its ttype and on whether snapshots take tensors one by one: every
+ttype, with and without snapshots.
 
 The processes (one training script, `matrix_worker.py`) run two at a time in a pool, started together when the first
 cell needs them; each is short (a few seconds of training). On a 2-core Xeon shared with other work (load average
@@ -62,7 +66,11 @@ OPTIONS = {'plain': {}, 'snapshot': dict(snapshot=['*.weight', '*.output', '*.we
            'hooks': dict(timing=True, io_grad=True, track_updates=True), 'every': dict(every=3),
            'compiled': dict(compile=True), 'compiled_hooks': dict(compile=True, every=3, io_grad=True, track_updates=True),
            'watched': dict(stop_on=['nonfinite'])}   # live findings judged by the writer, a stop hook before every call
-EVERY = {k: v.get('every', 1) for k, v in OPTIONS.items()}
+# a store slower than the run: each step written costs the writer 1.5 times what a step costs the run (which spends
+# 20 ms a step outside torch), so the writer holds the run back (`Writer.paced`); worker options, not torchEmber's
+PACED = {'paced': dict(slow_write=1.5, step_s=0.02)}
+RUNS = {**OPTIONS, **PACED}
+EVERY = {k: v.get('every', 1) for k, v in RUNS.items()}
 
 def _arm(model:nn.Module, run:str, db:str, options:dict):
     "Arm `model` with `options`, then compile it whole if they say `compile` (inductor, `fullgraph=True`): what to call, and the torchEmber."
@@ -96,11 +104,22 @@ CELLS = ([Cell('kill9', o, w, 'sqlite') for o in OPTIONS for w in ('thread', 'pr
             Cell('sigint', 'snapshot', 'thread', 'postgresql', after=0)]
          + [Cell('pause', 'compiled', 'thread', 'sqlite'), Cell('sigterm', 'compiled_hooks', 'process', 'sqlite'),
             Cell('sigint', 'compiled', 'thread', 'sqlite', after=-1), Cell('sigint', 'compiled_hooks', 'process', 'sqlite')]
-         + [Cell('sigterm', 'watched', 'process', 'sqlite'), Cell('sigint', 'watched', 'thread', 'sqlite')])
+         + [Cell('sigterm', 'watched', 'process', 'sqlite'), Cell('sigint', 'watched', 'thread', 'sqlite')]
+         + [Cell('kill9', 'paced', w, s) for w in ('thread', 'process') for s in ('sqlite', 'postgresql')])
+
+# A writer that each step costs more than it costs the run takes up to a group (16 steps) a transaction, the thread
+# after waiting up to LINGER_S to fill one: a step can wait for the write before its own and then for its own, over
+# 1 s in all. Measured on a 2-core EPYC at load 4-12: steps finished 1.0-8.6 s before the kill were lost (neither
+# stored nor dropped) in 5 runs of 13 with the thread, 4 of 14 with the writer process, later the busier the machine
+# (a written step costs 1.5 of the run's steps, so a slow step makes a slow store). The fix is the writer's
+# (torchember.store.writer: a transaction no bigger than what it writes within the bound, from its recent time a
+# step), which another change owns; the cells say so until then.
+PACED_LATE = pytest.mark.xfail(reason="a slow writer's transactions outlast the 1 s bound (issue 47, the writer's)",
+                               strict=False)
 
 def _mark(cell:Cell):
     "The store-side work of issue 47 that a cell waits on (the `store` helper's), as an xfail that says so; else none."
-    return ()
+    return PACED_LATE if (cell.guarantee, cell.option) == ('kill9', 'paced') else ()
 
 @dataclass
 class Outcome:
@@ -109,6 +128,8 @@ class Outcome:
     code: int        # the process's exit status
     err: str         # its stderr
     stored: set      # the steps of run 'r' in the store afterwards
+    paced: float = 0.   # s the run had waited for its writer when the signal was sent (`paced` cells)
+    dropped: set = frozenset()   # the steps its writer dropped, thinning what waited (`paced` cells)
 
 def _stored(db:str)->set:
     "The steps of run 'r' in store `db` (a SQLite file or a PostgreSQL URL)."
@@ -126,15 +147,21 @@ def _run(cell:Cell, db:str)->Outcome:
     "Train in a process with `cell`'s options and writer, into `db`, then end it as the cell says; what came of it."
     env = {**os.environ, 'TORCHEMBER_COMPILE': '0', 'PYTHONUNBUFFERED': '1', 'TORCHEMBER_WRITER': cell.writer}
     mode = 'pause' if cell.guarantee == 'pause' else 'first' if cell.after == -1 else 'run'
-    p = subprocess.Popen([sys.executable, WORKER, db, json.dumps(OPTIONS[cell.option]), mode], stdout=subprocess.PIPE,
+    p = subprocess.Popen([sys.executable, WORKER, db, json.dumps(RUNS[cell.option]), mode], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, env=env)
     sig = {'sigterm': signal.SIGTERM, 'sigint': signal.SIGINT}.get(cell.guarantee, signal.SIGKILL)
     after = cell.after
     if after is None: after = random.uniform(1.5, 3) if sig == signal.SIGKILL else random.uniform(0.05, 2)
-    printed, t0 = {}, None
+    printed, t0, first, paced, dropped = {}, None, None, 0., set()
     try:
         for line in p.stdout:
             parts = line.split()
+            if parts[:1] == ['paced']:
+                paced = float(parts[1])
+                continue
+            if parts[:1] == ['dropped']:
+                dropped.add(int(parts[1]))
+                continue
             if mode == 'pause' and parts[0] == 'pause':
                 time.sleep(1.5)                     # the last step finished 1.5 s ago
                 break
@@ -142,18 +169,21 @@ def _run(cell:Cell, db:str)->Outcome:
             if len(parts) != 2: continue
             printed[int(parts[0])] = float(parts[1])
             now = time.monotonic()     # the worker's clock too: never set back, unlike the wall clock
+            first = first or now
+            if cell.option in PACED and not paced and now - first < 30: continue   # counted from when the run is held
             t0 = t0 or now
             settled = sig != signal.SIGKILL or sum(t < now - 1.2 for t in printed.values()) >= 8   # steps to judge
             if mode == 'run' and now - t0 >= after and settled: break
     finally:
         sent = time.monotonic()
         p.send_signal(sig)
-        try: _, err = p.communicate(timeout=120)
+        try: rest, err = p.communicate(timeout=120)
         except subprocess.TimeoutExpired:
             p.kill()
-            _, err = p.communicate()
+            rest, err = p.communicate()
             err += f'\n(still running 120 s after {sig.name}: killed)'
-    return Outcome(printed, sent, p.returncode, err, _stored(db))
+    dropped |= {int(l.split()[1]) for l in rest.splitlines() if l.startswith('dropped ')}   # unread at the kill
+    return Outcome(printed, sent, p.returncode, err, _stored(db), paced, dropped)
 
 @pytest.fixture(scope='module')
 def outcomes(request, tmp_path_factory):
@@ -195,7 +225,8 @@ def test_kill_9_keeps_every_step_finished_over_a_second_before(outcomes, cell):
     assert o.code == -signal.SIGKILL, o.err[-3000:]
     old = _recorded(cell, [s for s, t in o.printed.items() if t < o.sent - 1.0])
     assert len(old) >= 2, f"too few steps to judge: {sorted(o.printed)}"
-    lost = old - o.stored
+    if cell.option in PACED: assert o.paced > 0, "the writer never held the run back: the cell tests no pacing"
+    lost = old - o.stored - o.dropped   # a step the writer dropped was said to be (a warning and a count), not lost
     assert not lost, f"{len(lost)} steps finished over 1 s before the kill are not stored: {sorted(lost)[:10]}"
 
 @pytest.mark.parametrize('cell', _cells('pause'))
