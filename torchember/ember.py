@@ -18,8 +18,8 @@ from .core import Capture, module_tree, module_info, user_class, is_wrapper, fla
 from .stats import Recorder, TTYPES, VECTOR_MAX, default_stats
 from .instruments import hist_stats, Snapshots, Changes, UpdateTracker
 from .store.writer import WriterProcess, use_process
-from .store import (engine, create_run, claim, release, write_steps, Writer, db_url, keyed_by_rank, StoreError, store_busy, RETRY_S,
-                    last_iteration, _flush_all)
+from .store import (engine, create_run, claim, release, write_steps, Writer, db_url, keyed_by_rank,
+                    StoreError, store_busy, RETRY_S, last_iteration, _flush_all)
 from .query import Run
 from .graph import GraphCapture, is_compiled
 from .compiled import CompiledHooks
@@ -34,9 +34,10 @@ __all__ = ['GROUP', 'PROCESS_LINGER_S', 'LONE_WRITES', 'SIGNAL_WAIT_S', 'FLUSH_W
 class torchEmber:
     "Arm `model`: record every module call's inputs, outputs, weights and weight grads into a store, step by step."
     def __init__(self,
-                 model:nn.Module,       # the model to arm (a `DistributedDataParallel` or compiled one is armed inside); a step is one call of it
-                 run:str=None,          # the run's name; unique default from the model class and time (agreed by all ranks)
-                 db=None,               # store path or SQLAlchemy URL; default `~/.torchember/torchember.db` or `$TORCHEMBER_DB`
+                 model:nn.Module,       # the model to arm (inside a DDP or compiled wrapper); a step is one call of it
+                 run:str=None,          # the run's name; default unique, from the model class and time (ranks agree)
+                 # store path or SQLAlchemy URL; default `~/.torchember/torchember.db` or `$TORCHEMBER_DB`
+                 db=None,
                  every:int=1,           # record one step in `every`
                  resume:bool=False,     # continue the run of this name instead of refusing it
                  overwrite:bool=False,  # replace a run of this name: its records are deleted
@@ -51,7 +52,8 @@ class torchEmber:
                  snapshot=None,         # glob(s) of tensor keys to save raw, e.g. 'layers.3.output' or '*.weight.grad'
                  snapshot_fn=None,      # applied to a tensor before it is saved
                  track_updates:bool=False, # update_norm and init_dist of every weight (keeps two copies of the weights)
-                 ranks=None,            # which ranks of a distributed job record: a list of ranks or a predicate `rank -> bool`; default all
+                 # which ranks of a distributed job record: a list of ranks or a predicate `rank -> bool`; default all
+                 ranks=None,
                  stop_on=None,          # kinds of finding that stop training at the next step: nonfinite, spike, dead
                 ):
         _check_args(run, db, every, hist, sample_n, outliers, snapshot, snapshot_fn, stop_on, resume=resume,
@@ -69,7 +71,8 @@ class torchEmber:
         self.recording = bool(pick(self.rank))
         prev = _armed.get(model)
         if self.recording and prev is not None and prev.capture.armed:
-            warnings.warn(f"torchember: this model was armed for run {prev.run_name!r}; disarming that one first", stacklevel=2)
+            warnings.warn(f"torchember: this model was armed for run {prev.run_name!r}; disarming that one first",
+                          stacklevel=2)
             prev.disarm()
         self.model, self.db, self.strict = model, db, strict
         self.run_name = agree_run_name(run, model)
@@ -80,9 +83,10 @@ class torchEmber:
         CompiledHooks(self.capture)      # its hooks' path inside compiled graphs (`torchember.compiled`)
         writers = sum(bool(pick(r)) for r in range(self.world_size))
         if self.capture.pieces and writers < self.world_size:
-            raise ValueError(f"this model is sharded (FSDP or tensor parallel): each rank holds a piece of each parameter, so the "
-                             f"whole parameter's stats need every rank's piece, and ranks={ranks!r} records {writers} of "
-                             f"{self.world_size} ranks; leave out ranks= (each rank writes its own pieces, with no collective)")
+            raise ValueError(f"this model is sharded (FSDP or tensor parallel): each rank holds a piece of each "
+                             f"parameter, so the whole parameter's stats need every rank's piece, and ranks={ranks!r} "
+                             f"records {writers} of {self.world_size} ranks; leave out ranks= (each rank writes its "
+                             "own pieces, with no collective)")
         self.recorder.names = self.capture.names
         if hist: self.stat_fns.update({tt: hist_stats(hist, sample_n, outliers) for tt in TTYPES})
         if snapshot is not None: self.recorder.on_tensor = Snapshots(snapshot, self.capture.names, snapshot_fn)
@@ -106,11 +110,14 @@ class torchEmber:
                 for n, t, m in zip(self.capture.names, self.capture.mtypes, self.capture.mods)]
         self.engine = engine(db)
         if writers > 1 and not keyed_by_rank(self.engine):
-            raise StoreError(f"store {self.engine.url.render_as_string(hide_password=True)} was made before torchember kept ranks "
-                             f"apart: record the {writers} ranks of this job into a new store file, or only one of them (ranks=[0])")
+            raise StoreError(f"store {self.engine.url.render_as_string(hide_password=True)} was made before torchember "
+                             f"kept ranks apart: record the {writers} ranks of this job into a new store file, or only "
+                             "one of them (ranks=[0])")
         self.run_id, last = create_run(self.engine, self.run_name, user_class(model).__name__, mods, module_tree(model),
-                                       config=config, resume=resume, rank=self.rank, world_size=self.world_size, overwrite=overwrite)
-        if last is not None: self.capture.step, self.capture.iteration = last, last_iteration(self.engine, self.run_id, self.rank)
+                                       config=config, resume=resume, rank=self.rank, world_size=self.world_size,
+                                       overwrite=overwrite)
+        if last is not None:
+            self.capture.step, self.capture.iteration = last, last_iteration(self.engine, self.run_id, self.rank)
         self.arm()
 
     def __reduce__(self): return (_Inert, ())
@@ -118,7 +125,8 @@ class torchEmber:
         state = 'armed' if self.capture.armed else 'disarmed' if self.recording else f'rank {self.rank} not recorded'
         where = f", rank={self.rank} of {self.world_size}" if self.world_size > 1 else ''
         store = self.engine.url.database or self.engine.url if self.engine is not None else self.db
-        return f"torchEmber(run={self.run_name!r}, model={type(self.model).__name__}, step={self.capture.step}{where}, store={store}, {state})"
+        return (f"torchEmber(run={self.run_name!r}, model={type(self.model).__name__}, "
+                f"step={self.capture.step}{where}, store={store}, {state})")
 
 # %% ../nbs/04_ember.ipynb #d7b7bb8c
 def _check_args(run, db, every, hist, sample_n, outliers, snapshot, snapshot_fn, stop_on=None, **flags):
@@ -133,14 +141,17 @@ def _check_args(run, db, every, hist, sample_n, outliers, snapshot, snapshot_fn,
     need(isint(every), 'every', every, 'an int')
     need(every >= 1, 'every', every, 'an int >= 1', ValueError)
     need(isint(hist), 'hist', hist, 'an int (histogram bins, 0 for none)')
-    need(0 <= hist <= VECTOR_MAX, 'hist', hist, f'an int from 0 to {VECTOR_MAX} (a stat holds at most that many values)', ValueError)
+    need(0 <= hist <= VECTOR_MAX, 'hist', hist,
+         f'an int from 0 to {VECTOR_MAX} (a stat holds at most that many values)', ValueError)
     need(sample_n is None or isint(sample_n), 'sample_n', sample_n, 'an int or None')
     need(sample_n is None or sample_n > 0, 'sample_n', sample_n, 'an int > 0 or None', ValueError)
-    need(outliers is None or isinstance(outliers, (int, float)) and not isinstance(outliers, bool), 'outliers', outliers, 'a number or None')
-    need(outliers is None or math.isfinite(outliers) and outliers > 0, 'outliers', outliers, 'a finite number > 0 or None', ValueError)
+    need(outliers is None or isinstance(outliers, (int, float)) and not isinstance(outliers, bool),
+         'outliers', outliers, 'a number or None')
+    need(outliers is None or math.isfinite(outliers) and outliers > 0,
+         'outliers', outliers, 'a finite number > 0 or None', ValueError)
     pats = [snapshot] if isinstance(snapshot, str) else snapshot
-    need(snapshot is None or isinstance(pats, (list, tuple)) and all(isinstance(p, str) for p in pats), 'snapshot', snapshot,
-         "a glob str such as 'layers.3.output', a list of them, or None")
+    need(snapshot is None or isinstance(pats, (list, tuple)) and all(isinstance(p, str) for p in pats),
+         'snapshot', snapshot, "a glob str such as 'layers.3.output', a list of them, or None")
     need(snapshot_fn is None or callable(snapshot_fn), 'snapshot_fn', snapshot_fn, 'callable or None')
     need(stop_on is None or isinstance(stop_on, (str, list, tuple, set)), 'stop_on', stop_on,
          "a kind of finding ('nonfinite', 'spike', 'dead'), a list of them, or None")
@@ -155,7 +166,7 @@ torchEmber.__doc__ = _with_params(torchEmber, torchEmber.__init__)
 
 # %% ../nbs/04_ember.ipynb #34287e9d
 def unwrap(model:nn.Module)->nn.Module:
-    "The model inside `torch.compile`, `checkpoint_wrapper`, FSDP1, `DistributedDataParallel` or `DataParallel` (nested too)."
+    "The model inside `torch.compile`, `checkpoint_wrapper`, FSDP1, DDP or `DataParallel` (nested too)."
     while True:
         if is_wrapper(model): model = getattr(model, WRAPPERS[user_class(model).__name__])
         elif isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)): model = model.module
@@ -181,7 +192,8 @@ def rank_selector(ranks=None)->callable:
     if ranks is None: return lambda rank: True
     if callable(ranks): return ranks
     chosen = {ranks} if isinstance(ranks, int) else set(ranks)
-    if not all(isinstance(r, int) and r >= 0 for r in chosen): raise TypeError(f"ranks= takes ranks (ints >= 0) or a predicate, not {ranks!r}")
+    if not all(isinstance(r, int) and r >= 0 for r in chosen):
+        raise TypeError(f"ranks= takes ranks (ints >= 0) or a predicate, not {ranks!r}")
     return lambda rank: rank in chosen
 
 # %% ../nbs/04_ember.ipynb #373fa6cd
@@ -218,7 +230,8 @@ def _start_writer(self:torchEmber)->Writer:
 
 @patch
 def _start_sink(self:torchEmber)->WriterProcess|None:
-    "A started `WriterProcess` where a process writes (`store.writer.use_process`), else None: the writer thread writes."
+    "A started `WriterProcess` where a process writes, else None (the writer thread writes)."
+    # where a process writes: `store.writer.use_process`
     if not self._by_process: return None
     sink = WriterProcess(self.db)
     try: return sink.start()
@@ -228,11 +241,12 @@ def _start_sink(self:torchEmber)->WriterProcess|None:
 
 @patch(as_prop=True)
 def writer_process(self:torchEmber)->WriterProcess|None:
-    "The child process that writes this run's store (`torchember.store.writer`); None where a thread of this process does."
+    "The child process that writes this run's store (`torchember.store.writer`); None where a thread here does."
     return self._sink
 
 def _finding(rec)->bool:
-    "Whether a waiting `StepRecord` holds a NaN or Inf (once its moments are on the host): the writer never thins it away."
+    "Whether a waiting `StepRecord` holds a NaN or Inf: the writer never thins it away."
+    # known once its moments are on the host
     m = rec.moments
     return m is not None and len(m) > 0 and (rec.done is None or rec.done.query()) and bool(m[:, 6:8].any())
 
@@ -344,12 +358,14 @@ def _exit_as_interrupted():
     try: exec('raise KeyboardInterrupt')   # what CPython notes: a string's code ending with KeyboardInterrupt
     except KeyboardInterrupt: pass
 
+# %% ../nbs/04_ember.ipynb #09152712
 def _forked_child():
     "In a forked child every torchEmber of the parent goes inert: its steps and its writer thread are the parent's."
     for te in list(_embers): te._forked, te.writer, te.capture.enabled = True, None, False
 
 if hasattr(os, 'register_at_fork'): os.register_at_fork(after_in_child=_forked_child)
 
+# %% ../nbs/04_ember.ipynb #11c0553d
 SIGNAL_WAIT_S = 10   # the longest SIGTERM or SIGINT waits for the store to take the finished steps
 _chained = {}        # signal -> the handler torchember's stands in front of
 _deferred = {}       # signal -> times it was put off while a step was being handed over, or a guard checked
@@ -386,13 +402,15 @@ def _write_finished(ends:bool):
     for te in list(_embers):
         if te.writer is not None: te.writer.wait(max(end - time.monotonic(), 0))
 
+# %% ../nbs/04_ember.ipynb #dda439a4
 # where a step opens, its forward ends, it closes, it is handed over
 _STEP_CHANGES = ('_root_pre', '_root_post', 'close', '_emit')
 
 def _changing_step(frame)->bool:
-    "Whether the main thread stopped inside torchember opening, ending, closing or handing over a step (not a finished one)."
+    "Whether the main thread stopped inside torchember opening, ending, closing or handing over an unfinished step."
     while frame is not None:
-        if frame.f_code.co_name in _STEP_CHANGES and frame.f_globals.get('__name__', '').startswith('torchember.'): return True
+        if frame.f_code.co_name in _STEP_CHANGES and frame.f_globals.get('__name__', '').startswith('torchember.'):
+            return True
         frame = frame.f_back
     return False
 
@@ -408,6 +426,7 @@ def _in_guard(frame)->bool:
         frame = frame.f_back
     return False
 
+# %% ../nbs/04_ember.ipynb #e8b595dc
 def _install_handlers():
     "Put `_on_signal` in front of SIGTERM's and SIGINT's handlers (main thread only; C-set or ignored ones left alone)."
     # called at arming, and at each recorded step for a handler the user set since
@@ -417,7 +436,8 @@ def _install_handlers():
         if cur is _on_signal or cur is None or cur == signal.SIG_IGN: continue
         _chained[sig] = cur
         signal.signal(sig, _on_signal)
-    if getattr(sys.excepthook, 'func', None) is not _note_uncaught: sys.excepthook = partial(_note_uncaught, sys.excepthook)
+    if getattr(sys.excepthook, 'func', None) is not _note_uncaught:
+        sys.excepthook = partial(_note_uncaught, sys.excepthook)
 
 def _restore_handlers():
     "Once no model is armed, give back the handlers `_install_handlers` stood in front of (unless the user set others)."
@@ -427,12 +447,14 @@ def _restore_handlers():
         del _chained[sig]
     if getattr(sys.excepthook, 'func', None) is _note_uncaught: sys.excepthook = sys.excepthook.args[0]
 
+# %% ../nbs/04_ember.ipynb #b4a02e5b
 @patch
 def arm(self:torchEmber):
     "Arm the model (again); recording continues the same run. On a rank that `ranks=` leaves out, nothing happens."
     if not self.recording: return self
-    if self._forked: raise RuntimeError(f"this torchEmber (run {self.run_name!r}) was made in another process, of which this one is "
-                                        "a fork; arm the model here with a torchEmber of its own, under another run name")
+    if self._forked:
+        raise RuntimeError(f"this torchEmber (run {self.run_name!r}) was made in another process, of which this one "
+                           "is a fork; arm the model here with a torchEmber of its own, under another run name")
     other = _armed.get(self.model)
     if other is not None and other is not self and other.capture.armed: other.disarm()
     if self._released:                 # disarmed before: claim the run's rank again
@@ -452,6 +474,7 @@ def arm(self:torchEmber):
 
 torchEmber.rearm = torchEmber.arm
 
+# %% ../nbs/04_ember.ipynb #d1111b06
 FLUSH_WAIT_S = 30   # the longest `flush` and `disarm` wait for a store that another program holds locked
 
 @patch
@@ -480,11 +503,14 @@ def disarm(self:torchEmber):
     if self.engine is not None and not self._forked and not self._released:
         self._released = True
         if done: _release(self.engine, self.run_id, self.rank)
-        else: threading.Thread(target=_release, args=(self.engine, self.run_id, self.rank, w), name='torchember-release', daemon=True).start()
+        else:
+            threading.Thread(target=_release, args=(self.engine, self.run_id, self.rank, w), name='torchember-release',
+                             daemon=True).start()
     return self
 
 def _release(eng, run_id:int, rank:int, after=None):
-    "Give up the claim on `rank` of run `run_id` (another process may resume it), after writer `after` wrote all it holds."
+    "Give up the claim on `rank` of run `run_id`, after writer `after` wrote all it holds."
+    # so that another process may resume it
     # retried while the store is locked
     if after is not None: after._t.join()
     while True:
@@ -512,7 +538,7 @@ def df(self:torchEmber, **filters):
 
 @patch
 def latest(self:torchEmber):
-    "Records of the latest complete step (in a distributed job, the newest that every rank has closed: see `Run.latest`)."
+    "Records of the latest complete step (in a distributed job, the newest every rank has closed: `Run.latest`)."
     return self.flush().run.latest()
 
 @patch
@@ -571,7 +597,8 @@ from .store import check_name
 def log(self:torchEmber, **scalars):
     "Store `scalars` (numbers or 0-d tensors) with the current step (on a rank not recorded, nothing)."
     for k, v in scalars.items():
-        if isinstance(v, torch.Tensor) and v.numel() != 1 or not isinstance(v, (int, float, torch.Tensor)) or isinstance(v, bool):
+        if (isinstance(v, torch.Tensor) and v.numel() != 1 or not isinstance(v, (int, float, torch.Tensor))
+                or isinstance(v, bool)):
             raise TypeError(f"te.log takes numbers or one-element tensors, got {k}={type(v).__name__}")
         # refused here: a name the store cannot hold would fail every step carrying it
         check_name(k, 'te.log: scalar name')
@@ -586,13 +613,16 @@ def log(self:torchEmber, **scalars):
 
 def _set_enabled(self:torchEmber, on:bool): self.capture.enabled = bool(on)
 torchEmber.enabled = property(lambda self: self.recording and self.capture.enabled, _set_enabled,
-                              doc="Whether steps are recorded (the model stays armed either way); always False on a rank `ranks=` leaves out.")
+                              doc="Whether steps are recorded (the model stays armed either way); "
+                                  "always False on a rank `ranks=` leaves out.")
 
 def _set_iteration(self:torchEmber, n:int):
-    if not (isinstance(n, int) and not isinstance(n, bool) and n >= 0): raise ValueError(f"te.iteration must be an int >= 0, not {n!r}")
+    if not (isinstance(n, int) and not isinstance(n, bool) and n >= 0):
+        raise ValueError(f"te.iteration must be an int >= 0, not {n!r}")
     self.capture.iteration = n
 torchEmber.iteration = property(lambda self: self.capture.iteration, _set_iteration,
-                                doc="Optimizer steps completed so far (of the model's parameters' optimizers), or as set by hand.")
+                                doc="Optimizer steps completed so far (of the model's parameters' optimizers), "
+                                    "or as set by hand.")
 
 @patch
 def enable(self:torchEmber): self.enabled = True; return self
@@ -610,6 +640,7 @@ class TrainingStopped(RuntimeError):
         super().__init__(f"torchember stopped training ({f.kind} at step {f.step}{it}{mod}): {f.message}. Every step "
                          f"recorded so far is in the store; {where}")
 
+# %% ../nbs/04_ember.ipynb #d53c0e7e
 @patch
 def on_finding(self:torchEmber, fn):
     "Call `fn(finding)` on the writer's thread with each `Finding` the live detectors make; a decorator too."
@@ -629,8 +660,10 @@ def _call_user(fn, x, what:str):
     try: fn(x)
     except Exception as e:
         name = getattr(fn, '__name__', fn)
-        warnings.warn(f"torchember: the {what} function {name!r} raised {type(e).__name__}: {e}; training goes on", RuntimeWarning)
+        warnings.warn(f"torchember: the {what} function {name!r} raised {type(e).__name__}: {e}; training goes on",
+                      RuntimeWarning)
 
+# %% ../nbs/04_ember.ipynb #efdc184c
 @patch
 def _watched(self:torchEmber, args:list):
     "Judge the steps just written (`write_steps`' dicts): note what stops training, then hand on views and findings."
