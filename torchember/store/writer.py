@@ -17,7 +17,7 @@ from .write import write_steps
 
 # %% auto #0
 __all__ = ['LINGER_S', 'PENDING_STEPS', 'PENDING_BYTES', 'RETRY_S', 'GONE_RETRY_S', 'BEHIND_S', 'WITHIN_S', 'RATE_S', 'STUCK_S',
-           'GROUP_BYTES', 'CATCH_UP', 'PACE', 'PACE_MAX_S', 'PACE_SAY_S', 'GONE_SQLSTATES', 'EXIT_WAIT_S', 'WRITER_ENV',
+           'GROUP_BYTES', 'PACE', 'PACE_MAX_S', 'PACE_SAY_S', 'GONE_SQLSTATES', 'EXIT_WAIT_S', 'WRITER_ENV',
            'idle_priority', 'store_busy', 'store_gone', 'Writer', 'cores', 'use_process', 'send', 'with_keys',
            'receive', 'serve', 'WriterProcess']
 
@@ -39,7 +39,6 @@ WITHIN_S = 0.8                                    # ... so that each left is wri
 RATE_S = 5                                        # the span the rates in the warnings are measured over
 STUCK_S = 2                                       # a write taking longer waits for a lock (SQLite's busy wait), maybe
 GROUP_BYTES = 4 << 20                             # the most bytes in one `write` (bar its first item)
-CATCH_UP = 4                                      # after a write that stalled, the next takes this many groups
 PACE = 1.0                                        # a step waits for a writer behind at most this share of its own time
 PACE_MAX_S = 0.25                                 # ... and at most this long
 PACE_SAY_S = 1.0                                  # steps waited this long in all: said once
@@ -120,7 +119,6 @@ class Writer:
         self._since, self._n, self._why = 0., 0, None             # batch taken at; items submitted; why dropped
         # s submitters waited for the writer; last submit's end
         self.paced, self._left, self._pace_said = 0., None, False
-        self._durs = deque(maxlen=9)                              # the last writes' seconds
         self._t = threading.Thread(target=self._run, name='torchember-writer', daemon=True)
         self._t.start()
         _writers.add(self)
@@ -253,13 +251,6 @@ def _run(self:Writer):
             except Exception: pass
 
 @patch
-def _most(self:Writer)->int:
-    "How many waiting items the next write takes: a group, or `CATCH_UP` groups right after a write that stalled."
-    d = self._durs   # stalled: over `behind`, where the writes before took under a quarter of that (the median)
-    stalled = len(d) > 2 and d[-1] > self.behind and sorted(d)[len(d) // 2] < self.behind / 4
-    return self.group * (CATCH_UP if stalled else 1)
-
-@patch
 def _loop(self:Writer):
     "Take batches as they are due and write them, until closed."
     while True:
@@ -272,17 +263,16 @@ def _loop(self:Writer):
                     self._cv.wait(wait)
                 elif self._stop: return
                 else: self._cv.wait()
-            batch, most = [self.pending.popleft()], self._most()
+            batch = self._busy = [self.pending.popleft()]
             size = batch[0][2]
-            while self.pending and len(batch) < most and size + self.pending[0][2] <= GROUP_BYTES:
+            while self.pending and len(batch) < self.group and size + self.pending[0][2] <= GROUP_BYTES:
                 batch.append(self.pending.popleft())
                 size += batch[-1][2]
-            self._busy, self._since = batch, time.monotonic()
+            self._since = time.monotonic()
             self.nbytes -= sum(e[2] for e in batch)
         try: back = self._write_batch(batch)
         except BaseException: back = []
         with self._cv:
-            if not back: self._durs.append(time.monotonic() - self._since)
             if back:                                  # the store is locked or gone: back to the front, in order
                 self.pending.extendleft(reversed(back))
                 self.nbytes += sum(e[2] for e in back)
