@@ -112,6 +112,7 @@ class CompiledHooks:
         for m, sig in zip(cap.mods, cap.sigs): self.sigs.setdefault(type(m), sig)
         self._grads, self._tap = (None, {}), _tap_class(self.grad_token)
         self.depth, self.pending, self.tagged, self.hooks = 0, [], [], []   # the traced region's, until `flush`
+        self.open = []   # the tags of the traced module calls open now: a post-hook takes its pre-hook's
         _HOOKS[self.key] = weakref.ref(self)
         cap.compiled = self
         _hook_guards()   # here if dynamo is imported, else as the hooks are first traced
@@ -173,8 +174,9 @@ def flush(self:CompiledHooks):
     torch.ops.torchember.record_calls(ts, tags, self.token, self.key, _plan(hooks))
 
 @patch
-def pre(self:CompiledHooks, tag:torch.Tensor, mod:nn.Module, args:tuple, kwargs:dict):
+def pre(self:CompiledHooks, tag:torch.Tensor, mod:nn.Module, args:tuple, kwargs:dict, root:bool=False):
     "A module's forward pre-hook, traced: its inputs (and the opening of its call) for the region's op."
+    if not (root or self.cap.io_grad): self.open = self.open + [tag]
     named = named_inputs(args, kwargs, self.sigs[type(mod)])
     self._pend(tag, _what(self.key, 'input', tuple(n for n, _ in named)), [t for _, t in named])
     if not self.cap.io_grad: self.depth += 1
@@ -192,6 +194,7 @@ def _record_grad(token:torch.Tensor, tag:torch.Tensor, key:int, what:int, g:torc
 @patch
 def post(self:CompiledHooks, tag:torch.Tensor, mod:nn.Module, args:tuple, out):
     "A module's forward hook, traced: its outputs (and the closing of its call); the op, if the region's outermost call ends."
+    if tag is None: tag, self.open = self.open[-1], self.open[:-1]   # a post-hook's: the one of the call it closes
     tensor = isinstance(out, torch.Tensor)
     named = [('output', out)] if tensor else named_tensors(out, 'output')
     self._pend(tag, _what(self.key, 'output', tuple(n for n, _ in named)), [t for _, t in named])
@@ -208,7 +211,7 @@ def root_pre(self:CompiledHooks, mod:nn.Module, args:tuple, kwargs:dict):
     _root_traced(self.key)
     torch.ops.torchember.step(self.token, self.key, True, torch.is_grad_enabled(), False)
     if not self.cap.io_grad: self.depth += 1
-    if self.cap.selected[0]: self.pre(self.tags[0], mod, args, kwargs)
+    if self.cap.selected[0]: self.pre(self.tags[0], mod, args, kwargs, root=True)
 
 @patch
 def root_post(self:CompiledHooks, mod:nn.Module, args:tuple, out):

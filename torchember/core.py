@@ -378,6 +378,28 @@ def _optimizer_stepped(cap:Capture)->callable:
 # %% ../nbs/00_core.ipynb #a259bdd5
 from fastcore.basics import patch
 
+_BY_KEY = {}   # key -> weakref to a `Capture` whose hooks find it by key (a compiled model's)
+
+@patch
+def _by_key(self:Capture)->int:
+    "This capture's key in `_BY_KEY`, for hooks that find it there rather than hold it."
+    key = id(self)   # the weakref's callback frees the key before the id can be another's
+    if key not in _BY_KEY: _BY_KEY[key] = weakref.ref(self, lambda _, k=key: _BY_KEY.pop(k, None))
+    return key
+
+# A compiled model's module hooks find the capture by key, through one global, and a post-hook holds no tag (it takes
+# its pre-hook's; with io_grad it holds one, as the traced hooks keep no state then): dynamo guards `a is b`, in Python,
+# for an object reached two ways, and a hook's bound method and a post-hook's tag made three such guards a module.
+def _pre_of(key:int, tag, mod, args, kwargs):
+    "A compiled model's forward pre-hook: the capture's, found by `key`."
+    if (cap := _BY_KEY[key]()) is not None: return cap._pre(tag, mod, args, kwargs)
+
+def _post_of(key:int, tag, mod, args, out):
+    "A compiled model's forward hook: the capture's, found by `key`."
+    if (cap := _BY_KEY[key]()) is not None: return cap._post(tag, mod, args, out)
+
+_dynamo_skips(_pre_of, _post_of)   # as the capture's own hooks (below): traced where inlined, never a frame
+
 @patch
 def arm(self:Capture):
     "Put the root hooks on the model (idempotent)."
@@ -405,10 +427,13 @@ def _install(self:Capture):
     "Put the per-module and per-parameter hooks in place for a recorded step."
     # all under one fresh key of torch's hook dicts
     if self._made is None:
-        # no int a graph of one block holds
-        tags = range(len(self.mods)) if self.compiled is None else self.compiled.tags
-        self._made = [(m, _Hook(self._pre, tags[mi]), _Hook(self._post, tags[mi]))
-                      for mi, m in enumerate(self.mods) if mi and self.selected[mi]]
+        if self.compiled is None:
+            self._made = [(m, _Hook(self._pre, mi), _Hook(self._post, mi))
+                          for mi, m in enumerate(self.mods) if mi and self.selected[mi]]
+        else:   # no int a graph of one block holds: a tag; a post-hook takes its pre-hook's (see `_pre_of`)
+            key, tags = self._by_key(), self.compiled.tags
+            self._made = [(m, _Hook(_pre_of, key, tags[mi]), _Hook(_post_of, key, tags[mi] if self.io_grad else None))
+                          for mi, m in enumerate(self.mods) if mi and self.selected[mi]]
     key = RemovableHandle.next_id     # taken as a handle takes it, so no later handle gets it
     while self._key_taken(key): key += 1
     RemovableHandle.next_id, self._hooked = key + 1, key
