@@ -17,9 +17,9 @@ from .write import write_steps
 
 # %% auto #0
 __all__ = ['LINGER_S', 'PENDING_STEPS', 'PENDING_BYTES', 'RETRY_S', 'GONE_RETRY_S', 'BEHIND_S', 'WITHIN_S', 'RATE_S', 'STUCK_S',
-           'GROUP_BYTES', 'PACE', 'PACE_MAX_S', 'PACE_SAY_S', 'GONE_SQLSTATES', 'EXIT_WAIT_S', 'WRITER_ENV',
-           'idle_priority', 'store_busy', 'store_gone', 'Writer', 'cores', 'use_process', 'send', 'with_keys',
-           'receive', 'serve', 'WriterProcess']
+           'GROUP_BYTES', 'PACE', 'PACE_MAX_S', 'PACE_SAY_S', 'PACE_AT_S', 'TXN_S', 'GONE_SQLSTATES', 'EXIT_WAIT_S',
+           'WRITER_ENV', 'idle_priority', 'store_busy', 'store_gone', 'Writer', 'cores', 'use_process', 'send',
+           'with_keys', 'receive', 'serve', 'WriterProcess']
 
 # %% ../../nbs/02e_store_writer.ipynb #73755c1a
 _writers = weakref.WeakSet()
@@ -42,6 +42,8 @@ GROUP_BYTES = 4 << 20                             # the most bytes in one `write
 PACE = 1.0                                        # a step waits for a writer behind at most this share of its own time
 PACE_MAX_S = 0.25                                 # ... and at most this long
 PACE_SAY_S = 1.0                                  # steps waited this long in all: said once
+PACE_AT_S = 0.5                                   # a step waits, too, while the oldest unwritten is this old
+TXN_S = 0.25                                      # the longest one write should take, by the last writes' pace
 
 # %% ../../nbs/02e_store_writer.ipynb #c70e4f7e
 def store_busy(e:Exception)->bool:
@@ -119,6 +121,7 @@ class Writer:
         self._since, self._n, self._why = 0., 0, None             # batch taken at; items submitted; why dropped
         # s submitters waited for the writer; last submit's end
         self.paced, self._left, self._pace_said = 0., None, False
+        self._per = deque(maxlen=9)                               # the last writes' seconds an item
         self._t = threading.Thread(target=self._run, name='torchember-writer', daemon=True)
         self._t.start()
         _writers.add(self)
@@ -143,9 +146,10 @@ class Writer:
 @patch
 def _pacing(self:Writer, now:float)->bool:
     "Whether a step waits for the writer: the store takes items, yet one waits that came before its last write ended."
-    p = self.pending   # (a writer that keeps up takes, after each write, all that came meanwhile, up to its group)
-    return (PACE > 0 and self._left is not None and self._busy is not None and self._out is None
-            and self._took > p[0][0] and now - self._since < STUCK_S and not (self._stop or self._urgent))
+    p, busy = self.pending, self._busy   # (a writer that keeps up takes, after each write, all that came meanwhile)
+    late = busy is not None and (self._took > p[0][0] or now - busy[0][0] > PACE_AT_S)   # or its write is long
+    return (PACE > 0 and self._left is not None and late and self._out is None
+            and now - self._since < STUCK_S and not (self._stop or self._urgent))
 
 @patch
 def _pace(self:Writer, now:float):
@@ -251,6 +255,12 @@ def _run(self:Writer):
             except Exception: pass
 
 @patch
+def _most(self:Writer)->int:
+    "How many waiting items the next write takes: a group, or fewer where the last writes say it would outlast `TXN_S`."
+    per = sorted(self._per)[len(self._per) // 2] if self._per else 0.   # the median of the last writes, an item
+    return min(self.group, max(1, int(TXN_S / per))) if per > 0 else self.group
+
+@patch
 def _loop(self:Writer):
     "Take batches as they are due and write them, until closed."
     while True:
@@ -265,7 +275,8 @@ def _loop(self:Writer):
                 else: self._cv.wait()
             batch = self._busy = [self.pending.popleft()]
             size = batch[0][2]
-            while self.pending and len(batch) < self.group and size + self.pending[0][2] <= GROUP_BYTES:
+            most = self._most()
+            while self.pending and len(batch) < most and size + self.pending[0][2] <= GROUP_BYTES:
                 batch.append(self.pending.popleft())
                 size += batch[-1][2]
             self._since = time.monotonic()
@@ -273,6 +284,7 @@ def _loop(self:Writer):
         try: back = self._write_batch(batch)
         except BaseException: back = []
         with self._cv:
+            if not back: self._per.append((time.monotonic() - self._since) / len(batch))
             if back:                                  # the store is locked or gone: back to the front, in order
                 self.pending.extendleft(reversed(back))
                 self.nbytes += sum(e[2] for e in back)
