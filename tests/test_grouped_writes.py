@@ -30,13 +30,13 @@ def _commits(te):
     event.listen(te.engine, 'commit', lambda conn: n.append(1))
     return n
 
-def _fail_step(monkeypatch, bad):
-    "Make writing step `bad` fail, in a transaction of several steps and in one of its own."
-    real = ember.write_steps
-    def write_steps(c, run_id, steps, **kw):
+def _fail_step(monkeypatch, te, bad):
+    "Make writing step `bad` fail, in a transaction of several steps and in one of its own (the writer's `write`)."
+    real = te.writer.write   # `store.write_steps` bound to the run, or the writer process
+    def write(steps):
         if any(s['step'] == bad for s in steps): raise OSError(f"step {bad} cannot be written")
-        return real(c, run_id, steps, **kw)
-    monkeypatch.setattr(ember, 'write_steps', write_steps)
+        return real(steps)
+    monkeypatch.setattr(te.writer, 'write', write)
 
 def _stored_steps(te): return sorted(set(te.df().step))
 
@@ -76,7 +76,7 @@ def test_a_step_that_fails_is_the_only_one_lost_and_later_steps_keep_their_event
     model.skip = True
     for _ in range(3): _step(model)               # steps 1-3: a alone; step 1 would be the one to write these events
     te.capture.close()
-    _fail_step(monkeypatch, 1)
+    _fail_step(monkeypatch, te, 1)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter('always')
         gate.set(); te.flush()
@@ -95,7 +95,7 @@ def test_snapshot_of_a_failed_step_is_saved_by_the_next_step_that_has_it(store, 
     with torch.no_grad(): model.a.weight.add_(1.0)   # steps 1-3 see these weights (no optimizer: nothing else moves them)
     for _ in range(3): _step(model)
     te.capture.close()
-    _fail_step(monkeypatch, 1)
+    _fail_step(monkeypatch, te, 1)
     with warnings.catch_warnings():
         warnings.simplefilter('ignore')
         gate.set(); te.flush()
@@ -111,7 +111,7 @@ def test_strict_raises_the_failed_write_from_flush(store, monkeypatch):
     gate = _held(te)
     for _ in range(3): _step(model)
     te.capture.close()
-    _fail_step(monkeypatch, 2)
+    _fail_step(monkeypatch, te, 2)
     gate.set()
     with pytest.raises(OSError, match="step 2 cannot be written"): te.flush()
     assert _stored_steps(te) == [0, 1, 3]
