@@ -1,4 +1,4 @@
-"""An armed model compiles whole or block by block, `fullgraph=True` included: its hooks trace into one op per outermost traced module call, and nothing recompiles as steps come and go.
+"""An armed model compiles whole or per block, `fullgraph=True` too: one op an outermost traced call, no recompile.
 
 Docs: https://torchember.github.io/torchember/compiled.html.md"""
 
@@ -39,7 +39,7 @@ def _step(token:torch.Tensor, key:int, enter:bool, grad:bool, backward:bool):
     if hooks is not None: hooks.root_call(enter, grad, backward)
 
 def _register():
-    "Define torchember's ops once a process (a rerun of this notebook finds them defined); the `Library` that holds them."
+    "Define torchember's ops once a process (a notebook's rerun finds them defined); the `Library` holding them."
     try: return torch.ops.torchember.record_calls.default and None
     except (AttributeError, RuntimeError): pass
     lib = torch.library.Library('torchember', 'DEF')
@@ -58,12 +58,12 @@ _LIB = _register()
 
 # %% ../nbs/01b_compiled.ipynb #574745c9
 def _constant(fn):
-    "`torch._dynamo.assume_constant_result`, without importing dynamo (a second of import, and Triton) where none compiles."
+    "`torch._dynamo.assume_constant_result`, without importing dynamo where none compiles (a second, and Triton)."
     fn._dynamo_marked_constant = True
     return fn
 
 def _hook_guards():
-    "Have dynamo guard on module hooks (code compiled without the hooks is not theirs); a no-op until dynamo is imported."
+    "Have dynamo guard on module hooks (code compiled without them is not theirs); a no-op until dynamo is imported."
     dynamo = sys.modules.get('torch._dynamo')
     if dynamo is not None: dynamo.config.skip_nnmodule_hook_guards = False
 
@@ -89,7 +89,7 @@ def _plan(hooks:tuple)->int:
 
 @_constant
 def _root_traced(key:int)->int:
-    "At trace time: the root's hooks are traced (the root is compiled whole); the module hooks go on before its children are."
+    "At trace time: the root is compiled whole; the module hooks go on before its children are traced."
     hooks = CompiledHooks.of(key)
     _hook_guards()
     if hooks is not None:
@@ -123,7 +123,8 @@ class CompiledHooks:
         r = _HOOKS.get(key)
         return None if r is None else r()
 
-    def __repr__(self): return f"CompiledHooks({type(self.cap.model).__name__}, {'compiled' if self.seen else 'not compiled yet'})"
+    def __repr__(self):
+        return f"CompiledHooks({type(self.cap.model).__name__}, {'compiled' if self.seen else 'not compiled yet'})"
 
 def _compiled(model:nn.Module)->bool:
     "Whether a module of `model` is compiled: `module.compile()`, or a `torch.compile` wrapper put in its place."
@@ -134,7 +135,8 @@ def _compiled(model:nn.Module)->bool:
 def keeps_hooks(self:CompiledHooks)->bool:
     "Whether the module hooks stay on through an unrecorded step: code was traced with them, or a module is compiled."
     dynamo = sys.modules.get('torch._dynamo')   # not imported: nothing compiled
-    if not self.seen and dynamo is not None and dynamo.utils.counters['stats']['unique_graphs'] and _compiled(self.cap.model): self.seen = True
+    graphs = dynamo is not None and dynamo.utils.counters['stats']['unique_graphs']
+    if not self.seen and graphs and _compiled(self.cap.model): self.seen = True
     return self.seen
 
 # %% ../nbs/01b_compiled.ipynb #8b0e552b
@@ -158,7 +160,7 @@ def _tap_class(token:torch.Tensor)->type:
 
 @patch
 def _pend(self:CompiledHooks, tag:torch.Tensor, what:int, ts:list):
-    "A hook's tensors `ts` (`what`: their ttype and names), of the module tagged `tag`, for the region's `record_calls`."
+    "A hook's tensors `ts` (`what`: their ttype and names) of the module tagged `tag`, for the region's `record_calls`."
     if self.cap.io_grad:   # a region that sets tensor hooks: dynamo loses its Python state (see below), so an op each
         return torch.ops.torchember.record([t.detach() for t in ts], self.token, tag, self.key, what)
     # new lists, never the old ones changed: dynamo would hand every tensor out of the graph to replay that
@@ -193,7 +195,7 @@ def _record_grad(token:torch.Tensor, tag:torch.Tensor, key:int, what:int, g:torc
 
 @patch
 def post(self:CompiledHooks, tag:torch.Tensor, mod:nn.Module, args:tuple, out):
-    "A module's forward hook, traced: its outputs (and the closing of its call); the op, if the region's outermost call ends."
+    "A module's forward hook, traced: its outputs, its call closed; the op, if the region's outermost call ends."
     if tag is None: tag, self.open = self.open[-1], self.open[:-1]   # a post-hook's: the one of the call it closes
     tensor = isinstance(out, torch.Tensor)
     named = [('output', out)] if tensor else named_tensors(out, 'output')
@@ -221,7 +223,8 @@ def root_post(self:CompiledHooks, mod:nn.Module, args:tuple, out):
         self.depth -= 1
         self.flush()
     grad = torch.is_grad_enabled()
-    torch.ops.torchember.step(self.token, self.key, False, grad, grad and any(t.requires_grad for _, t in named_tensors(out)))
+    backward = grad and any(t.requires_grad for _, t in named_tensors(out))
+    torch.ops.torchember.step(self.token, self.key, False, grad, backward)
     return out
 
 @patch
@@ -252,7 +255,7 @@ def _call(self:CompiledHooks, mi:int, ttype:str, what:int)->int:
 
 @patch
 def take_calls(self:CompiledHooks, tags:list, plan:int, ts:list):
-    "Record the hooks of a region (`plan`: each one's what and number of tensors) into the open step, if it is recorded."
+    "Record a region's hooks (`plan`: each one's what and number of tensors) into the open step, if it is recorded."
     cap = self.cap
     if not cap._open or cap._skip or not cap.armed: return
     try:
@@ -267,7 +270,7 @@ def take_calls(self:CompiledHooks, tags:list, plan:int, ts:list):
 
 @patch
 def take(self:CompiledHooks, tag:torch.Tensor, what:int, ts:list):
-    "Record tensors `ts` of the module tagged `tag` into the open step, if it is recorded (`what`: their ttype and names)."
+    "Record tensors `ts` of the module tagged `tag` into the open step, if recorded (`what`: their ttype and names)."
     cap = self.cap
     if not cap._open or cap._skip or not cap.armed: return
     try:
