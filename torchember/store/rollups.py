@@ -6,7 +6,7 @@ Docs: https://torchember.github.io/torchember/store_rollups.html.md"""
 
 # %% ../../nbs/02c_store_rollups.ipynb #d922656a
 from __future__ import annotations
-import weakref
+import struct, weakref
 import numpy as np
 from sqlalchemy import select, func
 from ..kinds import TTYPES
@@ -257,7 +257,7 @@ def _fold_known(c, rid:int, rank:int, first:int, last:int)->bool:
     try: bins = _known_bins(here, got)
     except Exception: return False   # never a write lost to this shortcut: the SQL fold does it
     if bins:
-        _upsert_bins(c, _bin_rows(rid, rank, ROLLUP_WIDTHS[0], got[0][0], bins), merge=True)
+        _upsert_bins(c, rid, rank, [(ROLLUP_WIDTHS[0], got[0][0], bins, None)], merge=True)
         _fold_wider(c, rid, rank, got[0][0], bins)
     return True
 
@@ -302,14 +302,84 @@ _PG_TYPES_BINS = ['integer'] * 2 + ['text'] + ['integer'] * 3 + ['float8'] * 7 +
 # its rows as arrays, in binary
 _PG_BINS = 'SELECT * FROM unnest(' + ', '.join(f'%b::{t}[]' for t in _PG_TYPES_BINS) + ')'
 
-def _upsert_bins(c, rows:list, merge:bool):
-    "Write `rollups` rows: a stored bin keeps the extremes of both (`merge`), or takes the new row's values."
-    if not rows: return
+def _upsert_bins(c, rid:int, rank:int, blocks:list, merge:bool):
+    "Write the `rollups` rows of `blocks` (`_bin_rows`' arguments after `rank`): a stored bin keeps both's extremes."
+    # (`merge`, else it takes the new row's values)
     if c.dialect.name == 'postgresql':   # one statement of a column array each, not a statement a row
-        c.exec_driver_sql(_upsert_rollups('postgresql', _PG_BINS, merge=merge), tuple(map(list, zip(*rows))))
+        if (arrays := _pg_bins(c, rid, rank, blocks)) is not None:
+            c.exec_driver_sql(_upsert_rollups('postgresql', _PG_BINS, merge=merge), arrays)
         return
+    if not (rows := [r for b in blocks for r in _bin_rows(rid, rank, *b)]): return
     mark = '?' if c.dialect.paramstyle == 'qmark' else '%s'
     c.exec_driver_sql(_upsert_rollups(c.dialect.name, f"VALUES ({', '.join([mark] * 15)})", merge=merge), rows)
+
+# %% ../../nbs/02c_store_rollups.ipynb #a47e0c02
+class _PgArray(bytes):
+    "A one-dimensional PostgreSQL array in binary (`_pg_array`): psycopg sends it as it is, its type its class's `oid`."
+class _Float8s(_PgArray): oid, elem, dtype = 1022, 701, '>f8'   # float8[]
+class _Int4s(_PgArray): oid, elem, dtype = 1007, 23, '>i4'      # integer[]
+class _Texts(_PgArray): oid, elem = 1009, 25                    # text[]
+
+def _pg_array(kind:type, values:np.ndarray, null:np.ndarray=None)->_PgArray:
+    "`values` as a PostgreSQL array of `kind` (`_Float8s`, `_Int4s`) in binary, NULL where `null` is true."
+    n = len(values)
+    rec = np.empty(n, [('len', '>i4'), ('v', kind.dtype)])
+    rec['len'], rec['v'] = np.dtype(kind.dtype).itemsize, values if null is None else np.where(null, 0, values)
+    some = null is not None and bool(null.any())
+    out = rec.view(np.uint8).reshape(n, rec.itemsize)
+    if some:   # a NULL is its length alone
+        rec['len'][null] = -1
+        keep = np.ones(out.shape, bool)
+        keep[null, 4:] = False
+        out = out[keep]
+    return kind(struct.pack('>5i', 1, some, kind.elem, n, 1) + out.tobytes())
+
+def _pg_texts(encoded:list)->_Texts:
+    "A PostgreSQL text array in binary of elements already `encoded` (each its length and its UTF-8 bytes)."
+    return _Texts(struct.pack('>5i', 1, 0, _Texts.elem, len(encoded), 1) + b''.join(encoded))
+
+_SENDING = weakref.WeakSet()   # psycopg connections that send `_PgArray`s
+
+def _send_arrays(pg):
+    "Have psycopg connection `pg` send each `_PgArray` as it is, in binary."
+    if pg in _SENDING: return
+    from psycopg.adapt import Dumper
+    from psycopg.pq import Format
+    for kind in (_Float8s, _Int4s, _Texts):
+        pg.adapters.register_dumper(kind, type(f'{kind.__name__}Dumper', (Dumper,),
+                                               dict(format=Format.BINARY, oid=kind.oid, dump=lambda self, a: a)))
+    _SENDING.add(pg)
+
+# %% ../../nbs/02c_store_rollups.ipynb #a47e0c04
+_KEY_ARRAYS = {}   # id of a step's module keys -> (the keys, (module ids, ttypes encoded as a text array's elements))
+
+def _key_arrays(keys:tuple)->tuple:
+    "`(module ids, ttypes)` of module keys `keys`: an integer array, and an object array of encoded text elements."
+    def make(keys):
+        enc = {t: struct.pack('>i', len(t.encode())) + t.encode() for t in {k[0] for k in keys}}
+        return (np.array([k[1] for k in keys], dtype=np.int64),
+                np.array([enc[k[0]] for k in keys], dtype=object))
+    return _per_object(_KEY_ARRAYS, keys, make)
+
+def _pg_bins(c, rid:int, rank:int, blocks:list)->tuple|None:
+    "The arrays of `_PG_BINS` holding the `rollups` rows of `blocks` (as `_bin_rows` makes them); None if none."
+    widths, mids, tts, bins, vals = [], [], [], [], []
+    for width, keys, bs, which in blocks:
+        if not keys or not bs: continue
+        mi, tt = _key_arrays(keys)
+        at = slice(None) if which is None else which
+        for b, agg in bs:
+            v = agg[at]
+            widths.append(np.full(len(v), width)); bins.append(np.full(len(v), b))
+            mids.append(mi[at]); tts += tt[at].tolist(); vals.append(v)
+    if not vals or not (n := len(tts)): return None
+    _send_arrays(c.connection.driver_connection)
+    v, ints = np.concatenate(vals), lambda x: _pg_array(_Int4s, x)
+    null = np.isnan(v)
+    return (ints(np.full(n, rid)), ints(np.full(n, rank)), _pg_texts(tts), ints(np.concatenate(widths)),
+            ints(np.concatenate(bins)), ints(np.concatenate(mids)),
+            *[_pg_array(_Float8s, v[:, i], null[:, i]) for i in range(7)],
+            _pg_array(_Int4s, v[:, 7], null[:, 7]), ints(v[:, 8]))
 
 # %% ../../nbs/02c_store_rollups.ipynb #0e4c3a0a
 # engine -> {(run_id, rank): {width: (bin, keys, values)}}: the wider bins being filled
@@ -317,17 +387,17 @@ _wide = weakref.WeakKeyDictionary()
 
 def _fold_wider(c, rid:int, rank:int, keys:tuple, bins:list):
     "Fold the wider bins that new bins of 8 `bins` fall in: from the bins of 8 this writer folded, else again in SQL."
-    state, rows = _wide.setdefault(c.engine, {}).setdefault((rid, rank), {}), []
+    state, blocks = _wide.setdefault(c.engine, {}).setdefault((rid, rank), {}), []
     for w in ROLLUP_WIDTHS[1:]:
         st, done, sql = _wider(c, rid, rank, w, state.pop(w, None), keys, bins)
         if st is not None: state[w] = st
         for at, (v, stored) in done.items():   # of a bin the store holds, only the modules whose values changed
             new = np.ones(len(keys), bool) if stored is None else _changed(v, stored)
-            rows += _bin_rows(rid, rank, w, keys, [(at, v)], new)
+            blocks.append((w, keys, [(at, v)], new))
         if sql:   # bins this writer did not see whole: folded again in SQL, from the width below as stored
-            _upsert_bins(c, rows, merge=False); rows = []
+            _upsert_bins(c, rid, rank, blocks, merge=False); blocks = []
             _refold(c, rid, f"rank IN ({rank})", sql[0] * w, sql[-1] * w + w - 1, widths=(w,))
-    _upsert_bins(c, rows, merge=False)
+    _upsert_bins(c, rid, rank, blocks, merge=False)
 
 def _wider(c, rid:int, rank:int, w:int, st, keys:tuple, bins:list)->tuple:
     "`(state, {bin: (values, stored values or None)}, [bins for SQL])` of width `w`, `bins` of 8 folded into `st`."

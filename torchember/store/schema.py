@@ -139,7 +139,8 @@ rollups_t = Table('rollups', metadata,
     Column('module_id', Integer, nullable=False),
     *[Column(c, Float) for c in ('norm_sq', 'std_sq', 'mean_hi', 'mean_lo', 'zero_frac', 'hi', 'lo')],
     Column('bad_step', Integer), Column('bad_steps', Integer),
-    PrimaryKeyConstraint('run_id', 'rank', 'ttype', 'width', 'bin', 'module_id'), sqlite_with_rowid=False)
+    PrimaryKeyConstraint('run_id', 'rank', 'ttype', 'width', 'bin', 'module_id'), sqlite_with_rowid=False,
+    postgresql_with={'fillfactor': 70})   # room on a page: a bin rewritten as it fills updates in place (HOT)
 snapshots_t = Table('snapshots', metadata,
     Column('run_id', Integer, nullable=False), Column('module_id', Integer, nullable=False),
     Column('ttype', Str, nullable=False), Column('tname', Str, nullable=False), Column('call', Integer, nullable=False),

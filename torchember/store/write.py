@@ -6,7 +6,7 @@ Docs: https://torchember.github.io/torchember/store_write.html.md"""
 
 # %% ../../nbs/02d_store_write.ipynb #6626b014
 from __future__ import annotations
-import hashlib, itertools, json, math, pickle, sqlite3, time
+import hashlib, itertools, json, math, pickle, sqlite3, struct, time
 from contextlib import nullcontext
 from functools import partial
 import numpy as np
@@ -139,19 +139,71 @@ def _copyable(keys:list)->bool:
 
 _PG_TYPES = {}   # (store URL, table) -> its columns' types as the store has them
 
-def _copy_rows(c, table:Table, m:np.ndarray):
-    "Insert the rows of object matrix `m` (`table`'s columns in order) into a PostgreSQL store with one binary `COPY`."
+def _pg_types(c, table:Table)->list:
+    "The types of `table`'s columns as the PostgreSQL store of `c` has them (an older store may have others)."
     key = (c.engine.url, table.name)
-    # an older store may have other types than `metadata` says (binary COPY takes them exactly)
     if key not in _PG_TYPES:
         got = dict(c.exec_driver_sql("SELECT attname, atttypid::regtype::text FROM pg_attribute WHERE attrelid = "
                                      "%(t)s::regclass AND attnum > 0 AND NOT attisdropped", dict(t=table.name)).all())
         _PG_TYPES[key] = [got[col.name] for col in table.columns]
+    return _PG_TYPES[key]
+
+def _copy_sql(table:Table)->str:
+    "The `COPY` of `table`'s columns, in order, from binary rows."
     cols = ', '.join(f'"{col.name}"' for col in table.columns)
-    sql = f'COPY {table.name} ({cols}) FROM STDIN (FORMAT BINARY)'
-    with c.connection.driver_connection.cursor() as cur, cur.copy(sql) as cp:
-        cp.set_types(_PG_TYPES[key])
+    return f'COPY {table.name} ({cols}) FROM STDIN (FORMAT BINARY)'
+
+def _copy_rows(c, table:Table, m:np.ndarray):
+    "Insert the rows of object matrix `m` (`table`'s columns in order) into a PostgreSQL store with one binary `COPY`."
+    with c.connection.driver_connection.cursor() as cur, cur.copy(_copy_sql(table)) as cp:
+        cp.set_types(_pg_types(c, table))   # binary COPY takes them exactly
         for r in m.tolist(): cp.write_row(r)
+
+# %% ../../nbs/02d_store_write.ipynb #a47e0d01
+# `stats`' columns as today's schema makes them on PostgreSQL: what `_copy_layout` encodes
+_STATS_PG = ['integer'] * 5 + ['character varying'] * 4 + ['double precision'] * len(STAT_COLS) + ['text', 'bigint']
+_NULL = struct.pack('>i', -1)
+
+def _pg_field(v, kind:str)->bytes:
+    "One field of a binary `COPY` row: its length and `v` as a PostgreSQL `integer`, `bigint` or text; a NULL for None."
+    if v is None: return _NULL
+    if kind == 'text': return struct.pack('>i', len(b := v.encode())) + b
+    return struct.pack('>iq', 8, v) if kind == 'bigint' else struct.pack('>ii', 4, v)
+
+def _copy_layout(keys:list, k:int)->tuple:
+    "`(template, blanks)`: packed `keys`' binary `COPY` rows of `k` stats, run, step and stats blank; where those go."
+    lay = _packed_layout(keys)
+    if ('copy', k) not in lay:
+        parts, blank, stats = [], [], 12 * k   # a stat: its length (8) and a float64
+        for key in keys:
+            # the number of fields, then run_id, step and rank: each its length and an integer
+            pre = b''.join(_pg_field(x, t) for x, t in zip(key[:6], ['integer'] * 2 + ['text'] * 4))
+            post = _NULL * (len(STAT_COLS) - k + 1) + _pg_field(key[6], 'bigint')   # stats not given; extra; nbytes
+            parts += [bytes(26), pre, bytes(stats), post]
+            blank += [np.ones(26, bool), np.zeros(len(pre), bool), np.ones(stats, bool), np.zeros(len(post), bool)]
+        lay['copy', k] = (np.frombuffer(b''.join(parts), np.uint8), np.concatenate(blank or [np.zeros(0, bool)]))
+    return lay['copy', k]
+
+_SIGNATURE, _TRAILER = b'PGCOPY\n\xff\r\n\x00' + bytes(8), b'\xff\xff'   # of a binary COPY: no flags, no extension
+
+def _copy_body(head:tuple, keys:list, stats:np.ndarray)->np.ndarray:
+    "The binary `COPY` rows (bytes) of a packed step, `keys` and their `stats` matrix, after `head`."
+    tmpl, blank = _copy_layout(keys, stats.shape[1])
+    stat = [('len', '>i4'), ('v', '>f8')]
+    got = np.empty(len(keys), [('n', '>i2'), ('head', '>i4', (6,)), ('stats', stat, stats.shape[1:])])
+    got['n'], got['head'] = len(stats_t.columns), (4, head[0], 4, head[1], 4, head[2])
+    got['stats']['len'], got['stats']['v'] = 8, stats
+    body = tmpl.copy()
+    body[blank] = got.view(np.uint8)   # the blanks of each row in order: its head, then its stats
+    return body
+
+def _copy_packed(c, parts:list):
+    "Insert the rows of packed steps `[(head, keys, stats)]` into a PostgreSQL store's `stats` with one binary `COPY`."
+    pg = c.connection.driver_connection
+    if _pg_types(c, stats_t) != _STATS_PG or pg.info.encoding != 'utf-8':   # rows of other types: psycopg encodes
+        return _copy_rows(c, stats_t, np.concatenate([_packed_rows(*p) for p in parts]))
+    data = _SIGNATURE + np.concatenate([_copy_body(*p) for p in parts]).tobytes() + _TRAILER
+    with pg.cursor() as cur, cur.copy(_copy_sql(stats_t)) as cp: cp.write(data)
 
 # %% ../../nbs/02d_store_write.ipynb #3d376352
 def rows_digest(rows:list)->str|None:
@@ -252,7 +304,7 @@ def _prepared(eng, run_id:int, steps:list, rank:int)->dict:
         keys, st = s.get('packed') or (None, None)   # `StepRecord.packed`, in place of `rows`
         head = (run_id, step, rank)
         # one COPY
-        if keys and closed and postgres and _copyable(keys): copied.append(_packed_rows(head, keys, st))
+        if keys and closed and postgres and _copyable(keys): copied.append((head, keys, st))
         elif keys: _stats_rows(stats, _packed_rows(head, keys, st))
         elif rows: _stats_rows(stats, (head, rows))
         if pieces:
@@ -315,7 +367,7 @@ def write_steps(eng, run_id:int, steps:list, rank:int=0):
                 else: _insert_rows(c, stats_t, *m, replace=True)
             for t, got in p['rows_of'].items():
                 if got: _insert_rows(c, t, (), got, replace=t is not events_t)
-            if copied: _copy_rows(c, stats_t, np.concatenate(copied) if len(copied) > 1 else copied[0])
+            if copied: _copy_packed(c, copied)
             summed, prev = sorted({s['step'] for s in steps if _brings_rows(s)}), None
             if p['postgres']:
                 ask = last_before_sql(run_id, rank, [r[1] for r in closes]) if closes or summed else None
