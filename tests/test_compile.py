@@ -59,6 +59,7 @@ def train(make, how, tmp, armed=True, steps=STEPS, every=EVERY, **kw):
     out = dict(graphs=graphs, breaks=sum(counters['graph_break'].values()), params=[p.detach().clone() for p in model.parameters()])
     if te is not None:
         te.flush()
+        out['events'] = te.capture.recorder.last.events   # the eval call's (step 30) or the last recorded step's
         out['df'] = te.df().sort_values(KEYS).reset_index(drop=True)
         te.disarm()
     return out
@@ -85,6 +86,7 @@ def test_rows_equal_eager(runs):
     assert c[KEYS + ['shape', 'dtype']].equals(e[KEYS + ['shape', 'dtype']])
     for col in ['numel', 'mean', 'std', 'min', 'max', 'norm', 'nan_count', 'inf_count']:
         np.testing.assert_allclose(c[col].to_numpy(float), e[col].to_numpy(float), rtol=1e-5, atol=1e-6, err_msg=col)
+    assert runs['armed']['events'] == runs['eager']['events']
     act = c.ttype != 'weight_grad'   # a grad exactly 0 in eager (attention's key bias) is rounding noise compiled
     np.testing.assert_allclose(c.zero_frac[act].to_numpy(float), e.zero_frac[act].to_numpy(float), atol=1e-6)
 
@@ -218,3 +220,31 @@ def test_one_op_a_region(tmp_path, monkeypatch):
         out = train(make, how, tmp_path, steps=4, every=2)
         assert calls['hook'] == 0 and 4 <= calls['region'] <= 4 * most, (make.__name__, how.__name__, calls)
         assert set(out['df'].step) == {0, 2} and (out['df'].ttype == 'output').any()
+
+
+class Shared(nn.Module):
+    "One block applied three times a step (ALBERT's sharing), between two layers of its own."
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = nn.Linear(8, 16), nn.Linear(16, 2)
+        self.block = nn.Sequential(nn.Linear(16, 16), nn.GELU())
+    def forward(self, x):
+        x = self.inp(x)
+        for _ in range(3): x = x + self.block(x)
+        return self.out(x)
+
+def shared():
+    torch.manual_seed(0)
+    return Shared(), lambda s: torch.randn(4, 8, generator=torch.Generator().manual_seed(s))
+
+def shared_block(m): m.block.compile(fullgraph=True); return m
+
+def test_a_block_called_again(tmp_path):
+    "A compiled block called three times a step: calls 0, 1 and 2 of each of its modules, and events, as eager."
+    c = train(shared, shared_block, tmp_path, steps=3, every=1)
+    e = train(shared, eager, tmp_path, steps=3, every=1)
+    assert c['breaks'] == 0 and c['events'] == e['events']
+    cols = KEYS + ['shape', 'dtype']
+    assert c['df'][cols].equals(e['df'][cols]) and set(c['df'].call) == {0, 1, 2}
+    for col in ['mean', 'std', 'norm']:
+        np.testing.assert_allclose(c['df'][col].to_numpy(float), e['df'][col].to_numpy(float), rtol=1e-5, atol=1e-6)

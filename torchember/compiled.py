@@ -113,6 +113,7 @@ class CompiledHooks:
         self._grads, self._tap = (None, {}), _tap_class(self.grad_token)
         self.depth, self.pending, self.tagged, self.hooks = 0, [], [], []   # the traced region's, until `flush`
         self.open = []   # the tags of the traced module calls open now: a post-hook takes its pre-hook's
+        self._regions = {}   # (plan, its tags' ids) -> its `_Region`
         _HOOKS[self.key] = weakref.ref(self)
         cap.compiled = self
         _hook_guards()   # here if dynamo is imported, else as the hooks are first traced
@@ -236,21 +237,23 @@ def root_call(self:CompiledHooks, enter:bool, grad:bool, backward:bool):
         else: cap._root_post(root, (), None, backward=backward)
 
 # %% ../nbs/01b_compiled.ipynb #d1de814f
+def _call_in(calls, stack:list, events:list, mi:int, ttype:str)->int:
+    "The call of module `mi` that its tensors of `ttype` ('input' or 'output') met now are of, kept in the three."
+    if mi == 0: return max(calls[0] - 1, 0)   # the root: its call opened and closes in its eager hooks (`step`)
+    if ttype == 'input':
+        c = calls[mi]
+        calls[mi] = c + 1
+        stack.append((mi, c))
+        events.append((ENTER, mi, c))
+        return c
+    c = stack.pop()[1] if stack and stack[-1][0] == mi else max(calls[mi] - 1, 0)
+    events.append((EXIT, mi, c))
+    return c
+
 @patch
 def _call(self:CompiledHooks, mi:int, ttype:str, what:int)->int:
     "The call of module `mi` that tensors of `ttype` (`what`: with their names) met now are of; its event, if any."
-    cap = self.cap
-    if mi == 0: return max(cap._calls[0] - 1, 0)   # the root: its call opened and closes in its eager hooks (`step`)
-    if ttype == 'input':
-        c = cap._calls[mi]
-        cap._calls[mi] = c + 1
-        cap._stack.append((mi, c))
-        cap._events.append((ENTER, mi, c))
-        return c
-    if ttype == 'output':
-        c = cap._stack.pop()[1] if cap._stack and cap._stack[-1][0] == mi else max(cap._calls[mi] - 1, 0)
-        cap._events.append((EXIT, mi, c))
-        return c
+    if ttype in ('input', 'output'): return _call_in(self.cap._calls, self.cap._stack, self.cap._events, mi, ttype)
     return self._grad_call(mi, what)
 
 @patch
@@ -259,6 +262,9 @@ def take_calls(self:CompiledHooks, tags:list, plan:int, ts:list):
     cap = self.cap
     if not cap._open or cap._skip or not cap.armed: return
     try:
+        at = (plan, *map(id, tags))
+        if (reg := self._regions.get(at)) is None: reg = self._regions[at] = _Region(_PLAN[plan], tags)
+        if reg.fits(cap): return reg.take(cap, ts)
         items, i = [], 0
         for tag, (what, n) in zip(tags, _PLAN[plan]):
             mi, (ttype, names) = int(tag), _WHAT[what]
@@ -288,6 +294,68 @@ def _grad_call(self:CompiledHooks, mi:int, what:int)->int:
     seen[mi, what] = n + 1
     return max(self.cap._calls[mi] - 1 - n, 0)
 
+# %% ../nbs/01b_compiled.ipynb #f72643fb
+class _Region:
+    "A compiled region's calls, events and row keys, worked out from its plan once, for runs that start fresh."
+    def __init__(self, hooks:tuple, tags:list):
+        calls, stack, self.events, self.metas, i = {0: 1}, [], [], [], 0   # metas: (mi, call, ttype, tname, position)
+        self.balanced = True
+        for tag, (what, n) in zip(tags, hooks):
+            mi, (ttype, names) = int(tag), _WHAT[what]
+            calls.setdefault(mi, 0)
+            if ttype not in ('input', 'output'): self.balanced = False
+            elif ttype == 'output' and mi and not (stack and stack[-1][0] == mi): self.balanced = False
+            else: self.metas += [(mi, _call_in(calls, stack, self.events, mi, ttype), ttype, name, i + k)
+                                 for k, name in enumerate(names)]
+            i += n
+        self.balanced = self.balanced and not stack   # a region cut short by `FLUSH_AT` leaves calls open
+        self.counts = [(mi, n) for mi, n in calls.items() if mi]
+        self.shapes = None                           # the sizes `learn` planned the kernel's batch for
+
+    def fits(self, cap:Capture)->bool:
+        "Whether this run finds its modules uncalled in the step, and the recorder measuring as `take` does."
+        rec, calls = cap.recorder, cap._calls
+        return (self.balanced and calls[0] <= 1 and all(calls[mi] == 0 for mi, _ in self.counts)
+                and rec.rec is not None and rec.on_tensor is None and rec._nat
+                and rec.stat_fns['input'] is default_stats and rec.stat_fns['output'] is default_stats)
+
+# %% ../nbs/01b_compiled.ipynb #613bb4c5
+@patch
+def learn(self:_Region, ts:list):
+    "Plan the kernel's batch for tensors `ts`: which positions it reads (a tensor met twice, once), the rest aside."
+    seen, self.uniq, self.rows, self.aside, self.same = {}, [], [], [], []
+    for mi, c, ttype, name, i in self.metas:
+        t = ts[i]
+        if not native.supports(t): self.aside.append((mi, c, ttype, name, i)); continue
+        if (r := seen.get(id(t))) is None:
+            seen[id(t)] = r = len(self.uniq)
+            self.uniq.append(i)
+        elif i != self.uniq[r]: self.same.append((i, self.uniq[r]))   # checked on each run: the same tensor again
+        self.rows.append((mi, c, ttype, name, shape_of(t), dtype_name(t), r))
+    self.batch = native.Batch([ts[i] for i in self.uniq]) if self.uniq else None
+    self.shapes = [t.shape for t in ts]
+
+@patch
+def take(self:_Region, cap:Capture, ts:list):
+    "Record this run's tensors `ts`: its events and calls, one kernel call for the batch, the rest one by one."
+    if (self.shapes != [t.shape for t in ts] or any(ts[i] is not ts[j] for i, j in self.same)
+        or len({id(ts[i]) for i in self.uniq}) != len(self.uniq)): self.learn(ts)
+    cap._events += self.events
+    for mi, n in self.counts: cap._calls[mi] = n
+    rec = cap.recorder
+    if self.uniq:
+        base = rec._nm
+        rec._nm += len(self.uniq)
+        rec.rec.keys += [(mi, c, ttype, name, shape, dtype, base + r, -1)
+                         for mi, c, ttype, name, shape, dtype, r in self.rows]
+        rows = list(range(base, base + len(self.uniq)))
+        try: rec._pieces.append((rows, native_moments([ts[i] for i in self.uniq], self.batch, checked=True)))
+        except Exception as e:
+            rec._failed("measuring the tensors of a compiled region", e)
+            rec._pieces.append((rows, _unmeasured(None).expand(len(rows), 8)))
+    for mi, c, ttype, name, i in self.aside: rec.measure_now(mi, c, ttype, name, ts[i])
+
+# %% ../nbs/01b_compiled.ipynb #c4c33b74
 @patch_to(Recorder)
 def measure_now(self, mi:int, call:int, ttype:str, tname:str, t:torch.Tensor):
     "Record tensor `t` of module `mi`'s `call`, measured before this returns: no batching, no reuse by identity."

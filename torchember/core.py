@@ -203,7 +203,7 @@ class Capture:
         self.step, self.enabled, self.armed = -1, True, False
         self.recording, self._depth, self._open, self._skip = False, 0, False, False
         self._captured = self._said_capture = False   # the last root call ran inside a CUDA graph's capture; said so
-        self._root, self._made, self._hooked = [], None, None
+        self._root, self._made, self._hooked, self._params_on = [], None, None, False
         self._grads, self._times, self._tensor_hooks = None, {}, []
         # the open step's outputs need grad and no backward has ended since: it is not finished
         self._backward_due = False
@@ -440,6 +440,12 @@ def _install(self:Capture):
     for m, pre, post in self._made:
         m._forward_pre_hooks[key], m._forward_pre_hooks_with_kwargs[key] = pre, True
         m._forward_hooks[key], m._forward_hooks_always_called[key] = post, True
+    self._hook_params()
+
+@patch
+def _hook_params(self:Capture):
+    "Put the per-parameter grad hooks in place, under the module hooks' key."
+    key, self._params_on = self._hooked, True
     for pi, (_, _, p) in enumerate(self.params):
         if not p.requires_grad: continue
         if p._post_accumulate_grad_hooks is None: p._post_accumulate_grad_hooks = OrderedDict()
@@ -465,10 +471,17 @@ def _key_taken(self:Capture, key:int)->bool:
 @patch
 def _uninstall(self:Capture):
     "Remove the per-module and per-parameter hooks, and each parameter's hook dict where that leaves it empty."
+    if self._hooked is None: return
+    self._unhook_params()
     key, self._hooked = self._hooked, None
-    if key is None: return
     for m, _, _ in self._made:
         for d in _hook_dicts(m): d.pop(key, None)
+
+@patch
+def _unhook_params(self:Capture):
+    "Remove the per-parameter grad hooks, and each parameter's hook dict where that leaves it empty."
+    if not self._params_on: return
+    key, self._params_on = self._hooked, False
     for p in self.hooked():
         if (d := p._post_accumulate_grad_hooks) is not None:
             d.pop(key, None)
@@ -543,8 +556,10 @@ def _root_pre(self:Capture, mod, args, kwargs, inference:bool=False):
                 self.params = params
                 self.pieces = self.piece_map()
         if rec and self._hooked is None: self._install()
-        # compiled code keeps them
-        elif not rec and not (self.compiled is not None and self.compiled.keeps_hooks()): self._uninstall()
+        elif rec and not self._params_on: self._hook_params()
+        # compiled code keeps the module hooks (its graphs were traced with them); no graph holds a grad hook
+        elif not rec and self.compiled is not None and self.compiled.keeps_hooks(): self._unhook_params()
+        elif not rec: self._uninstall()
         self.recording = rec
         if rec:
             self._open, self._events, self._calls, self._stack = True, [], [0]*len(self.mods), []
