@@ -305,8 +305,9 @@ class _Region:
             calls.setdefault(mi, 0)
             if ttype not in ('input', 'output'): self.balanced = False
             elif ttype == 'output' and mi and not (stack and stack[-1][0] == mi): self.balanced = False
-            else: self.metas += [(mi, _call_in(calls, stack, self.events, mi, ttype), ttype, name, i + k)
-                                 for k, name in enumerate(names)]
+            else:
+                c = _call_in(calls, stack, self.events, mi, ttype)
+                self.metas += [(mi, c, ttype, name, i + k) for k, name in enumerate(names)]
             i += n
         self.balanced = self.balanced and not stack   # a region cut short by `FLUSH_AT` leaves calls open
         self.counts = [(mi, n) for mi, n in calls.items() if mi]
