@@ -7,6 +7,7 @@ Docs: https://torchember.github.io/torchember/store_rollups.html.md"""
 # %% ../../nbs/02c_store_rollups.ipynb #d922656a
 from __future__ import annotations
 import struct, weakref
+from contextlib import nullcontext
 import numpy as np
 from sqlalchemy import select, func
 from ..kinds import TTYPES
@@ -102,22 +103,30 @@ def _refold(c, rid:int, rk:str, first:int, last:int, widths=ROLLUP_WIDTHS[1:]):
                                            f"AND bin BETWEEN {first // w * f} AND {(last // w + 1) * f - 1}"))
 
 # %% ../../nbs/02c_store_rollups.ipynb #b394cdde
-def last_before_sql(run_id:int, rank:int, closed:list)->str:
+def last_before_sql(run_id:int, rank:int, closed:list,
+                    steps:bool=False,   # and (PostgreSQL) the steps of the bins `closed` complete, an array
+                   )->str:
     "SQL of the last step of `rank` stored before the first of `closed` (of all, if none closed): its bins are whole."
+    w, mine = ROLLUP_WIDTHS[0], f'run_id = {int(run_id)} AND rank = {int(rank)}'
     before = f' AND step < {min(closed)}' if closed else ''
-    return f'SELECT MAX(step) FROM steps WHERE run_id = {int(run_id)} AND rank = {int(rank)}{before}'
+    last = f'SELECT MAX(step) AS prev FROM steps WHERE {mine}{before}'
+    if not (steps and closed): return last
+    # from the bin of the last step before (else of the first closed) to the bin before the last closed one's
+    return (f'SELECT p.prev, ARRAY(SELECT step FROM steps WHERE {mine} AND step BETWEEN COALESCE(p.prev, '
+            f'{min(closed)}) / {w} * {w} AND {max(closed) // w * w - 1} ORDER BY step) FROM ({last}) p')
 
 def roll_up_closed(c, run_id:int, rank:int, closed:list, written:list=(),
-                   prev:tuple=None,   # `(last_before_sql's answer,)` where the caller asked it already
+                   prev:tuple=None,   # `last_before_sql`'s answer (a row) where the caller asked it already
                   ):
     "Fold the bins of `rank` that steps `closed` (if any) completed, and completed bins late rows of `written` reach."
     w, rid = ROLLUP_WIDTHS[0], int(run_id)
     # no step closed: the bins before the last step's are complete
-    prev = c.exec_driver_sql(last_before_sql(rid, rank, closed)).scalar() if prev is None else prev[0]
+    prev, here = (c.exec_driver_sql(last_before_sql(rid, rank, closed)).scalar(), None) if prev is None else (
+        prev[0], prev[1] if len(prev) > 1 else None)
     if not closed and prev is None: return
     start = (min(closed) if prev is None else prev) // w * w
     end = max(closed) // w * w - 1 if closed else start - 1
-    if end >= start and not _fold_known(c, rid, int(rank), start, end):
+    if end >= start and not _fold_known(c, rid, int(rank), start, end, here):
         roll_up(c, rid, first=start, last=end, ranks=[rank])
     if late := [s for s in written if s < start]: roll_up(c, rid, steps=late, ranks=[rank])
 
@@ -244,21 +253,23 @@ def _remember(c, run_id:int, rank:int, step:int, rows, stats:np.ndarray=None):
         v[:, 6] = np.where(np.isnan(v[:, 6]), np.nan, step)
         steps[step] = (keys, v)
 
-def _fold_known(c, rid:int, rank:int, first:int, last:int)->bool:
+def _fold_known(c, rid:int, rank:int, first:int, last:int,
+                here:list=None,   # the steps `first`..`last` the store holds, where the caller asked already
+               )->bool:
     "Fold the bins of 8 of steps `first`..`last` of `rank`, and the wider bins around them, from the values kept."
     steps = _known.get(c.engine, {}).get((rid, rank))
     if steps is None: return False
-    here = c.exec_driver_sql(f'SELECT step FROM steps WHERE run_id = {rid} AND rank = {rank} '
-                             f'AND step BETWEEN {first} AND {last}').scalars().all()
+    if here is None:
+        here = c.exec_driver_sql(f'SELECT step FROM steps WHERE run_id = {rid} AND rank = {rank} '
+                                 f'AND step BETWEEN {first} AND {last}').scalars().all()
     got = [steps.get(s) for s in here]
     for s in [s for s in steps if s <= last]: del steps[s]   # folded now, one way or the other
     # a step not known whole, or modules that changed
     if any(g is None for g in got) or len({k for k, _ in got}) > 1: return False
     try: bins = _known_bins(here, got)
     except Exception: return False   # never a write lost to this shortcut: the SQL fold does it
-    if bins:
-        _upsert_bins(c, rid, rank, [(ROLLUP_WIDTHS[0], got[0][0], bins, None)], merge=True)
-        _fold_wider(c, rid, rank, got[0][0], bins)
+    # written with the wider bins' rows
+    if bins: _fold_wider(c, rid, rank, got[0][0], bins, [(ROLLUP_WIDTHS[0], got[0][0], bins, None)])
     return True
 
 # %% ../../nbs/02c_store_rollups.ipynb #5e9837a4
@@ -385,7 +396,9 @@ def _pg_bins(c, rid:int, rank:int, blocks:list)->tuple|None:
 # engine -> {(run_id, rank): {width: (bin, keys, values)}}: the wider bins being filled
 _wide = weakref.WeakKeyDictionary()
 
-def _fold_wider(c, rid:int, rank:int, keys:tuple, bins:list):
+def _fold_wider(c, rid:int, rank:int, keys:tuple, bins:list,
+                merged:list=(),   # bins to write first, merged with those stored (`_upsert_bins`' blocks)
+               ):
     "Fold the wider bins that new bins of 8 `bins` fall in: from the bins of 8 this writer folded, else again in SQL."
     state, blocks = _wide.setdefault(c.engine, {}).setdefault((rid, rank), {}), []
     for w in ROLLUP_WIDTHS[1:]:
@@ -395,9 +408,20 @@ def _fold_wider(c, rid:int, rank:int, keys:tuple, bins:list):
             new = np.ones(len(keys), bool) if stored is None else _changed(v, stored)
             blocks.append((w, keys, [(at, v)], new))
         if sql:   # bins this writer did not see whole: folded again in SQL, from the width below as stored
-            _upsert_bins(c, rid, rank, blocks, merge=False); blocks = []
+            _write_bins(c, rid, rank, merged, blocks); merged, blocks = (), []
             _refold(c, rid, f"rank IN ({rank})", sql[0] * w, sql[-1] * w + w - 1, widths=(w,))
-    _upsert_bins(c, rid, rank, blocks, merge=False)
+    _write_bins(c, rid, rank, merged, blocks)
+
+def _write_bins(c, rid:int, rank:int, merged:list, replaced:list):
+    "Write the bins of blocks `merged` (merged with those stored), then of `replaced`: on PostgreSQL in one pipeline."
+    if c.dialect.name != 'postgresql':
+        _upsert_bins(c, rid, rank, merged, merge=True)
+        return _upsert_bins(c, rid, rank, replaced, merge=False)
+    todo = [(_upsert_rollups('postgresql', _PG_BINS, merge=m), a) for blocks, m in ((merged, True), (replaced, False))
+            if (a := _pg_bins(c, rid, rank, blocks)) is not None]
+    pg = c.connection.driver_connection
+    with pg.cursor() as cur, pg.pipeline() if len(todo) > 1 else nullcontext():   # sent together, answered once
+        for sql, arrays in todo: cur.execute(sql, arrays)
 
 def _wider(c, rid:int, rank:int, w:int, st, keys:tuple, bins:list)->tuple:
     "`(state, {bin: (values, stored values or None)}, [bins for SQL])` of width `w`, `bins` of 8 folded into `st`."

@@ -370,7 +370,7 @@ def write_steps(eng, run_id:int, steps:list, rank:int=0):
             if copied: _copy_packed(c, copied)
             summed, prev = sorted({s['step'] for s in steps if _brings_rows(s)}), None
             if p['postgres']:
-                ask = last_before_sql(run_id, rank, [r[1] for r in closes]) if closes or summed else None
+                ask = last_before_sql(run_id, rank, [r[1] for r in closes], steps=True) if closes or summed else None
                 prev = _small_rows(c, run_id, rank, p['digests'], closes, ask)
             else:
                 if p['digests']: _executemany(c, digests_t, p['digests'], replace=True)
