@@ -14,8 +14,8 @@ from ..kinds import TTYPES
 from .schema import STAT_COLS, rollups_t
 
 # %% auto #0
-__all__ = ['ROLLUP_WIDTHS', 'KNOWN_MAX', 'module_steps_sql', 'roll_up', 'last_before_sql', 'roll_up_closed', 'rolled_steps',
-           'unfolded_bins', 'bin_spans', 'module_values']
+__all__ = ['ROLLUP_WIDTHS', 'KNOWN_MAX', 'module_steps_sql', 'roll_up', 'last_before_sql', 'closing_sql', 'roll_up_closed',
+           'rolled_steps', 'unfolded_bins', 'bin_spans', 'module_values']
 
 # %% ../../nbs/02c_store_rollups.ipynb #67abf926
 # steps a bin of `rollups`, each 4 bins of the width before: views read bins, not rows
@@ -103,20 +103,23 @@ def _refold(c, rid:int, rk:str, first:int, last:int, widths=ROLLUP_WIDTHS[1:]):
                                            f"AND bin BETWEEN {first // w * f} AND {(last // w + 1) * f - 1}"))
 
 # %% ../../nbs/02c_store_rollups.ipynb #b394cdde
-def last_before_sql(run_id:int, rank:int, closed:list,
-                    steps:bool=False,   # and (PostgreSQL) the steps of the bins `closed` complete, an array
-                   )->str:
+def last_before_sql(run_id:int, rank:int, closed:list)->str:
     "SQL of the last step of `rank` stored before the first of `closed` (of all, if none closed): its bins are whole."
-    w, mine = ROLLUP_WIDTHS[0], f'run_id = {int(run_id)} AND rank = {int(rank)}'
     before = f' AND step < {min(closed)}' if closed else ''
-    last = f'SELECT MAX(step) AS prev FROM steps WHERE {mine}{before}'
-    if not (steps and closed): return last
+    return f'SELECT MAX(step) FROM steps WHERE run_id = {int(run_id)} AND rank = {int(rank)}{before}'
+
+_CLOSING = ('SELECT p.prev, ARRAY(SELECT step FROM steps WHERE run_id = %(r)s AND rank = %(k)s AND step BETWEEN '
+            'COALESCE(p.prev, %(first)s) / {w} * {w} AND %(end)s ORDER BY step) FROM (SELECT MAX(step) AS prev FROM '
+            'steps WHERE run_id = %(r)s AND rank = %(k)s AND step < %(first)s) p').format(w=ROLLUP_WIDTHS[0])
+
+def closing_sql(run_id:int, rank:int, closed:list)->tuple:
+    "`(SQL, params)` on PostgreSQL: `last_before_sql`'s step, and the steps of `rank` of the bins `closed` complete."
     # from the bin of the last step before (else of the first closed) to the bin before the last closed one's
-    return (f'SELECT p.prev, ARRAY(SELECT step FROM steps WHERE {mine} AND step BETWEEN COALESCE(p.prev, '
-            f'{min(closed)}) / {w} * {w} AND {max(closed) // w * w - 1} ORDER BY step) FROM ({last}) p')
+    w = ROLLUP_WIDTHS[0]
+    return _CLOSING, dict(r=int(run_id), k=int(rank), first=int(min(closed)), end=int(max(closed)) // w * w - 1)
 
 def roll_up_closed(c, run_id:int, rank:int, closed:list, written:list=(),
-                   prev:tuple=None,   # `last_before_sql`'s answer (a row) where the caller asked it already
+                   prev:tuple=None,   # `last_before_sql`'s or `closing_sql`'s answer (a row) where the caller asked it already
                   ):
     "Fold the bins of `rank` that steps `closed` (if any) completed, and completed bins late rows of `written` reach."
     w, rid = ROLLUP_WIDTHS[0], int(run_id)

@@ -17,8 +17,8 @@ from ..kinds import merge_stats, NORM_EXTRAS
 from .schema import (STAT_COLS, escaped, stat_value, runs_t, steps_t, digests_t, events_t, stats_t,
                                      calls_t, scalars_t, shards_t, snapshots_t, flows_t)
 from .runs import _pg_key
-from .rollups import (ROLLUP_WIDTHS, roll_up, roll_up_closed, last_before_sql, _per_object, _remember,
-                                      _forget_wider)
+from .rollups import (ROLLUP_WIDTHS, roll_up, roll_up_closed, last_before_sql, closing_sql, _per_object,
+                                      _remember, _forget_wider)
 
 # %% auto #0
 __all__ = ['ROWS_PER_INSERT', 'BUSY_WAIT_S', 'LOCK_POLL_S', 'rows_digest', 'packed_sums', 'packed_digest', 'write_step',
@@ -333,7 +333,7 @@ def _prepared(eng, run_id:int, steps:list, rank:int)->dict:
                 in_sql=in_sql, postgres=postgres)
 
 # %% ../../nbs/02d_store_write.ipynb #7803b21a
-def _small_rows(c, run_id:int, rank:int, digests:list, closes:list, ask:str=None)->tuple|None:
+def _small_rows(c, run_id:int, rank:int, digests:list, closes:list, ask=None)->tuple|None:
     "On PostgreSQL, `digests` and `steps` rows, `last_step` and query `ask` in one round trip: `ask`'s row, or None."
     if not (digests or closes or ask): return None
     pg, names = c.connection.driver_connection, lambda t: [col.name for col in t.columns]
@@ -347,7 +347,7 @@ def _small_rows(c, run_id:int, rank:int, digests:list, closes:list, ask:str=None
             if closes:
                 sql, _ = _compiled(c, 'last_step', _last_step_update)
                 cur.execute(sql, dict(rid=run_id, st=max(r[1] for r in closes)))
-            if ask: asked.execute(ask)
+            if ask: asked.execute(*ask) if isinstance(ask, tuple) else asked.execute(ask)   # SQL, or (SQL, params)
         return asked.fetchone() if ask else None
 
 def write_steps(eng, run_id:int, steps:list, rank:int=0):
@@ -370,7 +370,9 @@ def write_steps(eng, run_id:int, steps:list, rank:int=0):
             if copied: _copy_packed(c, copied)
             summed, prev = sorted({s['step'] for s in steps if _brings_rows(s)}), None
             if p['postgres']:
-                ask = last_before_sql(run_id, rank, [r[1] for r in closes], steps=True) if closes or summed else None
+                closed = [r[1] for r in closes]
+                ask = (closing_sql(run_id, rank, closed) if closes else last_before_sql(run_id, rank, closed) if summed
+                       else None)
                 prev = _small_rows(c, run_id, rank, p['digests'], closes, ask)
             else:
                 if p['digests']: _executemany(c, digests_t, p['digests'], replace=True)
