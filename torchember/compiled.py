@@ -21,7 +21,7 @@ __all__ = ['FLUSH_AT', 'CompiledHooks', 'moments_row']
 
 # %% ../nbs/01b_compiled.ipynb #377c4dc6
 _WHAT, _WHATS = [], {}   # what -> (ttype, tnames); and back
-_PLAN, _PLANS = [], {}   # plan -> ((what, number of tensors), ...) a hook each; and back
+_PLAN, _PLANS = [], {}   # plan -> ((what, number of tensors, module or -1), ...) a hook each; and back
 
 def _record(ts:list, token:torch.Tensor, tag:torch.Tensor, key:int, what:int):
     "`torchember::record`, where the graph runs it."
@@ -84,7 +84,7 @@ def _what(key:int, ttype:str, names:tuple)->int:
 
 @_constant
 def _plan(hooks:tuple)->int:
-    "At trace time: the number of a region's `((what, number of tensors), ...)`, a hook each."
+    "At trace time: the number of a region's `((what, number of tensors, module or -1), ...)`, a hook each."
     return _number(_PLAN, _PLANS, hooks)
 
 @_constant
@@ -114,6 +114,7 @@ class CompiledHooks:
         self.depth, self.pending, self.tagged, self.hooks = 0, [], [], []   # the traced region's, until `flush`
         self.open = []   # the tags of the traced module calls open now: a post-hook takes its pre-hook's
         self._regions = {}   # (plan, its tags' ids) -> its `_Region`
+        self.whole = False   # while traced: the root's call is being traced (a model compiled whole)
         _HOOKS[self.key] = weakref.ref(self)
         cap.compiled = self
         _hook_guards()   # here if dynamo is imported, else as the hooks are first traced
@@ -166,7 +167,8 @@ def _pend(self:CompiledHooks, tag:torch.Tensor, what:int, ts:list):
         return torch.ops.torchember.record([t.detach() for t in ts], self.token, tag, self.key, what)
     # new lists, never the old ones changed: dynamo would hand every tensor out of the graph to replay that
     self.pending = self.pending + [t.detach() for t in ts]
-    self.tagged, self.hooks = self.tagged + [tag], self.hooks + [(what, len(ts))]
+    if isinstance(tag, int): self.hooks = self.hooks + [(what, len(ts), tag)]   # the module, known to the trace
+    else: self.tagged, self.hooks = self.tagged + [tag], self.hooks + [(what, len(ts), -1)]
 
 @patch
 def flush(self:CompiledHooks):
@@ -179,6 +181,7 @@ def flush(self:CompiledHooks):
 @patch
 def pre(self:CompiledHooks, tag:torch.Tensor, mod:nn.Module, args:tuple, kwargs:dict, root:bool=False):
     "A module's forward pre-hook, traced: its inputs (and the opening of its call) for the region's op."
+    if self.whole and not self.cap.io_grad: tag = self.cap.index[id(mod)]   # one graph of the model: no tag input
     if not (root or self.cap.io_grad): self.open = self.open + [tag]
     named = named_inputs(args, kwargs, self.sigs[type(mod)])
     self._pend(tag, _what(self.key, 'input', tuple(n for n, _ in named)), [t for _, t in named])
@@ -213,16 +216,19 @@ def root_pre(self:CompiledHooks, mod:nn.Module, args:tuple, kwargs:dict):
     "The root's forward pre-hook, traced: the step opens (in Python, from the graph), then the root's inputs."
     _root_traced(self.key)
     torch.ops.torchember.step(self.token, self.key, True, torch.is_grad_enabled(), False)
+    self.whole = True
     if not self.cap.io_grad: self.depth += 1
     if self.cap.selected[0]: self.pre(self.tags[0], mod, args, kwargs, root=True)
 
 @patch
 def root_post(self:CompiledHooks, mod:nn.Module, args:tuple, out):
     "The root's forward hook, traced: its outputs, the region's op, then the forward ends (in Python, from the graph)."
-    if self.cap.selected[0] and (tapped := self.post(self.tags[0], mod, args, out)) is not None: out = tapped
+    if self.cap.selected[0] and (tapped := self.post(self.tags[0] if self.cap.io_grad else 0, mod, args, out)) is not None:
+        out = tapped
     if not self.cap.io_grad:
         self.depth -= 1
         self.flush()
+    self.whole = False
     grad = torch.is_grad_enabled()
     backward = grad and any(t.requires_grad for _, t in named_tensors(out))
     torch.ops.torchember.step(self.token, self.key, False, grad, backward)
@@ -256,6 +262,11 @@ def _call(self:CompiledHooks, mi:int, ttype:str, what:int)->int:
     if ttype in ('input', 'output'): return _call_in(self.cap._calls, self.cap._stack, self.cap._events, mi, ttype)
     return self._grad_call(mi, what)
 
+def _modules(hooks:tuple, tags:list)->list:
+    "The module of each hook of a plan: the one the trace knew (a model compiled whole), else the next of `tags`'."
+    tags = iter(tags)
+    return [mi if mi >= 0 else int(next(tags)) for _, _, mi in hooks]
+
 @patch
 def take_calls(self:CompiledHooks, tags:list, plan:int, ts:list):
     "Record a region's hooks (`plan`: each one's what and number of tensors) into the open step, if it is recorded."
@@ -266,8 +277,8 @@ def take_calls(self:CompiledHooks, tags:list, plan:int, ts:list):
         if (reg := self._regions.get(at)) is None: reg = self._regions[at] = _Region(_PLAN[plan], tags)
         if reg.fits(cap): return reg.take(cap, ts)
         items, i = [], 0
-        for tag, (what, n) in zip(tags, _PLAN[plan]):
-            mi, (ttype, names) = int(tag), _WHAT[what]
+        for mi, (what, n, _) in zip(_modules(_PLAN[plan], tags), _PLAN[plan]):
+            ttype, names = _WHAT[what]
             c = self._call(mi, ttype, what)
             items += [(mi, c, ttype, name, t) for name, t in zip(names, ts[i:i + n])]
             i += n
@@ -300,8 +311,8 @@ class _Region:
     def __init__(self, hooks:tuple, tags:list):
         calls, stack, self.events, self.metas, i = {0: 1}, [], [], [], 0   # metas: (mi, call, ttype, tname, position)
         self.balanced = True
-        for tag, (what, n) in zip(tags, hooks):
-            mi, (ttype, names) = int(tag), _WHAT[what]
+        for mi, (what, n, _) in zip(_modules(hooks, tags), hooks):
+            ttype, names = _WHAT[what]
             calls.setdefault(mi, 0)
             if ttype not in ('input', 'output'): self.balanced = False
             elif ttype == 'output' and mi and not (stack and stack[-1][0] == mi): self.balanced = False
