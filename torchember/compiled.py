@@ -136,9 +136,10 @@ def _compiled(model:nn.Module)->bool:
 @patch
 def keeps_hooks(self:CompiledHooks)->bool:
     "Whether the module hooks stay on through an unrecorded step: code was traced with them, or a module is compiled."
+    if self.seen: return True
     dynamo = sys.modules.get('torch._dynamo')   # not imported: nothing compiled
     graphs = dynamo is not None and dynamo.utils.counters['stats']['unique_graphs']
-    if not self.seen and graphs and _compiled(self.cap.model): self.seen = True
+    if graphs and _compiled(self.cap.model): self.seen = True
     return self.seen
 
 # %% ../nbs/01b_compiled.ipynb #8b0e552b
