@@ -248,3 +248,28 @@ def test_a_block_called_again(tmp_path):
     assert c['df'][cols].equals(e['df'][cols]) and set(c['df'].call) == {0, 1, 2}
     for col in ['mean', 'std', 'norm']:
         np.testing.assert_allclose(c['df'][col].to_numpy(float), e['df'][col].to_numpy(float), rtol=1e-5, atol=1e-6)
+
+
+def test_batch_size_changes(tmp_path):
+    "Batches of 8, 5, 8 and 3 rows through a model compiled whole (a recompile, then dynamic shapes): eager's rows."
+    sizes = [8, 5, 8, 3]
+    def run(how):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        layers = []
+        for _ in range(3): layers += [nn.Linear(16, 16), nn.GELU()]
+        model = nn.Sequential(*layers)
+        te = torchEmber(model, run='r', db=str(tmp_path / f'sizes-{how.__name__}.db'))
+        call, opt = how(model), torch.optim.SGD(model.parameters(), lr=0.05)
+        for s, n in enumerate(sizes):
+            call(torch.randn(n, 16, generator=torch.Generator().manual_seed(s))).square().mean().backward()
+            opt.step(); opt.zero_grad()
+        te.flush()
+        df = te.df().sort_values(KEYS).reset_index(drop=True)
+        te.disarm()
+        return df
+    c, e = run(whole), run(eager)
+    assert c[KEYS + ['shape', 'dtype']].equals(e[KEYS + ['shape', 'dtype']])
+    assert {tuple(s)[0] for s in c[c.ttype == 'output']['shape']} == set(sizes)
+    for col in ['mean', 'std', 'norm', 'min', 'max']:
+        np.testing.assert_allclose(c[col].to_numpy(float), e[col].to_numpy(float), rtol=1e-5, atol=1e-6, err_msg=col)
