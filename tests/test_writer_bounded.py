@@ -35,6 +35,8 @@ def test_the_run_is_held_back_while_its_oldest_step_ages():
         paced = w.paced
         w.close(timeout=30)
     assert paced > 0
-    start = arrived[0] + 1.5   # from when the writer has a second of rates to judge by (`RATE_S`)
+    # from 2 s on: the first write takes a whole group (16 items, 0.48 s) before any write was timed, and the backlog
+    # behind it drains by then; items that came at 1.5 s were written up to 1.05 s after they came (about 2 runs in 5)
+    start = arrived[0] + 2.0
     late = [i for t, items in writes for i in items if arrived[i] > start and t - arrived[i] > 1.0]
     assert not late, f"{len(late)} items written over 1 s after they came: {late[:10]}"
