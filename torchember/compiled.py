@@ -180,7 +180,7 @@ def flush(self:CompiledHooks):
     torch.ops.torchember.record_calls(ts, tags, self.token, self.key, _plan(hooks))
 
 @patch
-def pre(self:CompiledHooks, tag:torch.Tensor, mod:nn.Module, args:tuple, kwargs:dict, root:bool=False):
+def pre(self:CompiledHooks, tag:torch.Tensor|int, mod:nn.Module, args:tuple, kwargs:dict, root:bool=False):
     "A module's forward pre-hook, traced: its inputs (and the opening of its call) for the region's op."
     if self.whole and not self.cap.io_grad: tag = self.cap.index[id(mod)]   # one graph of the model: no tag input
     if not (root or self.cap.io_grad): self.open = self.open + [tag]
