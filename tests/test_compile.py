@@ -1,5 +1,5 @@
 "An armed model under `torch.compile` (CPU, inductor): no graph break, no recompile, and the rows of an eager armed run."
-import warnings
+import time, warnings
 import numpy as np
 import pytest
 import torch
@@ -273,3 +273,48 @@ def test_batch_size_changes(tmp_path):
     assert {tuple(s)[0] for s in c[c.ttype == 'output']['shape']} == set(sizes)
     for col in ['mean', 'std', 'norm', 'min', 'max']:
         np.testing.assert_allclose(c[col].to_numpy(float), e[col].to_numpy(float), rtol=1e-5, atol=1e-6, err_msg=col)
+
+
+class Net(nn.Module):   # a class of the user's: `torch.compile(model)` compiles its forward, the root's hooks run outside
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 16), nn.Linear(16, 1)
+    def forward(self, x): return self.fc2(torch.tanh(self.fc1(x)))
+
+def test_root_hooks_outside_the_graph_are_no_frames(tmp_path):
+    "Compiled whole, the hooks that run around the graph (the data flow's, `stop_on`'s) run as Python, never as frames."
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torchember.graph import GraphCapture
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Net()
+    te = torchEmber(model, run='r', db=str(tmp_path / 'r.db'), stop_on=['nonfinite'])
+    call, opt = torch.compile(model), torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(4):
+        call(torch.randn(8, 4)).square().mean().backward()
+        opt.step(); opt.zero_grad()
+    # a frame of its own costs a cache lookup a step; compiled, `is_compiling()` made each a no-op, and stop_on never fired
+    for fn in (GraphCapture._root_pre, GraphCapture._root_post, type(te)._check_stop):
+        assert not _debug_get_cache_entry_list(fn.__code__), fn.__qualname__
+    assert te._flows.off and not te._flows._root   # a compiled model's data flow is not followed: its hooks are gone
+    te.disarm()
+
+def test_stop_on_fires_compiled(tmp_path):
+    "`stop_on=['nonfinite']` stops a model compiled whole at the first forward after the writer judged a NaN step."
+    from torchember.ember import TrainingStopped
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Net()
+    te = torchEmber(model, run='nan', db=str(tmp_path / 'nan.db'), stop_on=['nonfinite'])
+    call, opt = torch.compile(model), torch.optim.SGD(model.parameters(), lr=0.01)
+    g, ran = torch.Generator().manual_seed(1), 0
+    with pytest.raises(TrainingStopped):
+        for i in range(3000):
+            x = torch.randn(8, 4, generator=g)
+            if i == 5: x[0, 0] = float('nan')
+            call(x).square().mean().backward()
+            opt.step(); opt.zero_grad()
+            ran = i
+            time.sleep(0.002)
+    assert 5 <= ran < 2900
+    te.disarm()

@@ -6,12 +6,12 @@ Docs: https://torchember.github.io/torchember/graph.html.md"""
 
 # %% ../nbs/04b_graph.ipynb #1ea15873
 from __future__ import annotations
-import sys, warnings
+import os, sys, warnings
 from collections import Counter
 import torch
 from torch import nn, Tensor
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
-from .core import named_tensors, _Hook, _graph_task, _transforms_on
+from .core import named_tensors, _Hook, _graph_task, _transforms_on, _dynamo_skips
 
 # %% auto #0
 __all__ = ['INPUT', 'OUTPUT', 'CONST', 'ENDS', 'MAX_CAPTURES', 'graph_nodes', 'Flows', 'GraphCapture', 'is_compiled']
@@ -171,13 +171,24 @@ class GraphCapture:
                       root.register_forward_hook(_Hook(self._root_post), prepend=True, always_call=True)]
 
 # %% ../nbs/04b_graph.ipynb #fe4db8e9
+_EVAL_FRAME = os.path.join('torch', '_dynamo', 'eval_frame.py')
+
+def _in_compiled_call()->bool:
+    "Whether this call runs inside `torch.compile`'s wrapper (a model compiled whole, whose root hooks run before it)."
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code.co_name in ('compile_wrapper', '_fn') and f.f_code.co_filename.endswith(_EVAL_FRAME): return True
+        f = f.f_back
+    return False
+
 @patch
-def _root_pre(self:GraphCapture, mod, args, kwargs):
+# kwargs: None where the hook was taken off (on another thread) as torch was calling it
+def _root_pre(self:GraphCapture, mod, args, kwargs=None):
     if torch.compiler.is_compiling(): return
     cap = self.cap
     if cap._depth != 1 or not (cap.recording and cap._open) or cap._skip: return
-    # compiled since arming: dynamo would trace the mode
-    if getattr(cap.compiled, 'seen', False) or is_compiled(cap.model):
+    # compiled, or to be compiled as this call goes on: dynamo would trace the mode
+    if getattr(cap.compiled, 'seen', False) or is_compiled(cap.model) or _in_compiled_call():
         self.off = True
         return self._unroot()
     try:
@@ -199,7 +210,7 @@ def _start(self:GraphCapture, args, kwargs):
     self.mode.__enter__()
 
 @patch
-def _pre(self:GraphCapture, mi, mod, args, kwargs):
+def _pre(self:GraphCapture, mi, mod, args, kwargs=None):
     f = self.flows
     if f is None or f.off: return
     try: f.enter(mi, args, kwargs)
@@ -225,6 +236,10 @@ def _root_post(self:GraphCapture, mod, args, out):
         self.done, self.left = (self.step, f.rows()), self.left - 1
         self._unroot()
     except Exception as e: self._give_up(e)
+
+# the root's hooks run as Python around a graph: never frames of their own, each a cache lookup a step (`is_compiling`
+# would make them no-ops there)
+_dynamo_skips(GraphCapture._root_pre, GraphCapture._root_post)
 
 # %% ../nbs/04b_graph.ipynb #28883df6
 @patch
