@@ -159,9 +159,24 @@ static void moments_half(const uint16_t* x, int64_t n, int8_t kind, double* out)
   }
 }
 
+/* integers (kind 4 int64, 5 int32, 6 one byte: uint8 and bool): each value as a float64, exact below 2^53, so the sums
+   of token ids and masks are exact in any order; no NaN, no Inf */
+template <typename T> static void moments_int(const T* x, int64_t n, double* out) {
+  double S = 0, Q = 0, mn = INFINITY, mx = -INFINITY;
+  int64_t nz = 0;
+  for (int64_t i = 0; i < n; i++) {
+    double v = (double)x[i];
+    S += v; Q += v * v; mn = v < mn ? v : mn; mx = v > mx ? v : mx; nz += x[i] != 0;
+  }
+  out[0] = (double)n; out[1] = S; out[2] = Q; out[3] = mn; out[4] = mx; out[5] = (double)nz; out[6] = 0; out[7] = 0;
+}
+
 static void span(void* const* ptrs, const int8_t* kinds, int64_t j, int64_t start, int64_t len, double* out) {
   if (kinds[j] == 0) moments_f32((const float*)ptrs[j] + start, len, out);
   else if (kinds[j] == 1) moments_f64((const double*)ptrs[j] + start, len, out);
+  else if (kinds[j] == 4) moments_int((const int64_t*)ptrs[j] + start, len, out);
+  else if (kinds[j] == 5) moments_int((const int32_t*)ptrs[j] + start, len, out);
+  else if (kinds[j] == 6) moments_int((const uint8_t*)ptrs[j] + start, len, out);
   else moments_half((const uint16_t*)ptrs[j] + start, len, kinds[j], out);
 }
 
@@ -169,6 +184,7 @@ static void span(void* const* ptrs, const int8_t* kinds, int64_t j, int64_t star
    max made NaN where there is NaN (the pass above skipped it; the sums are NaN or an infinity already, whatever their
    order). Not where a float64 tensor's finite values could overflow a sum, with no NaN: there the order decides. */
 static void specials(const void* p, int64_t n, int8_t kind, double* out) {
+  if (kind >= 4) return;        /* integers: none */
   int64_t nan = 0, inf = 0;
   double big = 0;               /* float64: the sum of the finite values' magnitudes, which bounds every partial sum */
   if (kind == 0) {
@@ -191,7 +207,8 @@ static void specials(const void* p, int64_t n, int8_t kind, double* out) {
   out[6] = (double)nan; out[7] = (double)inf;
 }
 
-/* The moments of k tensors (data pointers, element counts, dtypes: 0 float32, 1 float64, 2 bfloat16, 3 float16)
+/* The moments of k tensors (data pointers, element counts, dtypes: 0 float32, 1 float64, 2 bfloat16, 3 float16, 4-6
+   integers)
    into out (k x 8), their elements shared out in contiguous ranges among up to `threads` threads: torch's OpenMP
    team where the loader handed its runtime over, else threads started for the call, the caller's one of them. */
 extern "C" void torchember_moments(void* const* ptrs, const int64_t* ns, const int8_t* kinds, int64_t k,
@@ -370,14 +387,15 @@ def use_openmp(on:bool=True)->bool:
     return lib.openmp
 
 # %% ../nbs/00a_native.ipynb #8d808dbc
-KINDS = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
+KINDS = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3,
+         torch.int64: 4, torch.int32: 5, torch.uint8: 6, torch.bool: 6}   # a bool is a byte of 0 or 1
 PER_THREAD = 2**16     # elements an OpenMP worker of torch's must have to be worth waking
 PER_STARTED = 2**20    # elements a thread started for the call must have (no OpenMP runtime)
 LARGE = 2**20          # elements from which a tensor's path is chosen by measuring (`large_native`)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 def _kind(t:torch.Tensor)->int:
-    "The kernel's code for `t`'s dtype if it reads `t` (a plain dense float CPU tensor of a dtype of `KINDS`), else -1."
+    "The kernel's code for `t`'s dtype if it reads `t` (a plain dense CPU tensor of a dtype of `KINDS`), else -1."
     if type(t) not in _PLAIN or not t.is_cpu or t.layout != torch.strided or t.is_nested or t.is_neg(): return -1
     return KINDS.get(t.dtype, -1)
 
