@@ -1,6 +1,7 @@
 """`bench.py --compile`: an armed model under torch.compile against the same model compiled bare (CPU, inductor).
 
-For each model and way of compiling (whole: `torch.compile(model)`; blocks: each block's `.compile(fullgraph=True)`),
+For each model and way of compiling (whole: `torch.compile(model)`; blocks: each block's `.compile(fullgraph=True)`;
+and eager, not compiled, for the eager column of the same models on the same machine),
 two fresh models of the same seed are compiled, one bare and one armed (`every=1`), and warmed up until compiled.
 Printed: the graph breaks each compile took (dynamo's counters; `fullgraph=True` raises at a break), the graphs
 compiled after the warm-up (recompiles: none should follow a change of `every` or a train/eval switch), and the time of
@@ -29,6 +30,7 @@ def mlp32():
 MODELS = {'gpt2': gpt2, 'mlp32': mlp32}
 
 def _compile(model, how, blocks):
+    if how == 'eager': return model
     if how == 'whole': return torch.compile(model)
     for b in blocks(model): b.compile(fullgraph=True)
     return model
@@ -106,7 +108,7 @@ def main(models, blocks_n=5, k=20, warm=3):
            f"{'ratio':>6} {'every10 ms':>10} {'ratio':>6} {'cpu ratios':>11} {'compile s b/a':>14}")
     print(hdr); print('-' * len(hdr))
     for name in models:
-        for how in ('whole', 'blocks'):
+        for how in ('eager', 'whole', 'blocks'):   # eager: the same models uncompiled, armed over bare, beside
             r = bench(name, how, blocks_n, k, warm)
             if r is None:
                 print(f"{name:<7} {how:<8} (no blocks: each of its modules is one torch's dynamo skips; compiled whole only)")
