@@ -299,14 +299,25 @@ def test_root_hooks_outside_the_graph_are_no_frames(tmp_path):
     assert te._flows.off and not te._flows._root   # a compiled model's data flow is not followed: its hooks are gone
     te.disarm()
 
-def test_stop_on_fires_compiled(tmp_path):
-    "`stop_on=['nonfinite']` stops a model compiled whole at the first forward after the writer judged a NaN step."
-    from torchember.ember import TrainingStopped
-    torch._dynamo.reset()
+def sequential():
     torch.manual_seed(0)
-    model = Net()
+    return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+
+def net():
+    torch.manual_seed(0)
+    return Net()
+
+@pytest.mark.parametrize('make, how', [(net, whole), (sequential, whole), (sequential, method)],
+                         ids=['class-whole', 'sequential-whole', 'sequential-method'])
+def test_stop_on_fires_compiled(tmp_path, make, how):
+    "`stop_on=['nonfinite']` stops a compiled model at a forward soon after the writer judged a NaN step; no recompile."
+    # compiled whole through its `forward`, the root's hooks run around the graph; an `nn.Sequential` or
+    # `model.compile()` traces them, and the `step` op raises where the step opens
+    from torchember.ember import TrainingStopped
+    torch._dynamo.reset(); counters.clear()
+    model = make()
     te = torchEmber(model, run='nan', db=str(tmp_path / 'nan.db'), stop_on=['nonfinite'])
-    call, opt = torch.compile(model), torch.optim.SGD(model.parameters(), lr=0.01)
+    call, opt = how(model), torch.optim.SGD(model.parameters(), lr=0.01)
     g, ran = torch.Generator().manual_seed(1), 0
     with pytest.raises(TrainingStopped):
         for i in range(3000):
@@ -317,4 +328,5 @@ def test_stop_on_fires_compiled(tmp_path):
             ran = i
             time.sleep(0.002)
     assert 5 <= ran < 2900
+    assert counters['stats']['unique_graphs'] == 1   # the finding changed no guarded value
     te.disarm()

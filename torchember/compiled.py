@@ -115,6 +115,7 @@ class CompiledHooks:
         self.open = []   # the tags of the traced module calls open now: a post-hook takes its pre-hook's
         self._regions = {}   # (plan, its tags' ids) -> its `_Region`
         self.whole = False   # while traced: the root's call is being traced (a model compiled whole)
+        self.stop_check = None   # called as a traced root's step opens (`stop_on`'s: may raise `TrainingStopped`)
         _HOOKS[self.key] = weakref.ref(self)
         cap.compiled = self
         _hook_guards()   # here if dynamo is imported, else as the hooks are first traced
@@ -239,6 +240,7 @@ def root_post(self:CompiledHooks, mod:nn.Module, args:tuple, out):
 def root_call(self:CompiledHooks, enter:bool, grad:bool, backward:bool):
     "The root's eager hooks, run by the `step` op; `backward`: one follows this forward."
     cap, root = self.cap, self.cap.mods[0]
+    if enter and self.stop_check is not None: self.stop_check()   # raised out of the graph, before the step opens
     with torch.set_grad_enabled(grad):
         if enter: cap._root_pre(root, (), {})
         else: cap._root_post(root, (), None, backward=backward)

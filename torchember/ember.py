@@ -14,7 +14,8 @@ import torch.distributed as dist
 from torch import nn
 from fastcore.basics import patch
 from fastcore.docments import docments
-from .core import Capture, module_tree, module_info, user_class, is_wrapper, flat_params, WRAPPERS, _Inert, _Hook
+from .core import Capture, module_tree, module_info, user_class, is_wrapper, flat_params, WRAPPERS
+from .core import _Inert, _Hook, _dynamo_skips
 from .stats import Recorder, TTYPES, VECTOR_MAX, default_stats
 from .instruments import hist_stats, Snapshots, Changes, UpdateTracker
 from .store.writer import WriterProcess, use_process
@@ -468,6 +469,7 @@ def arm(self:torchEmber):
     self._flows.arm()
     if self.stop_on and self._stop_hook is None:   # in front of every hook: no step opens before it stops
         self._stop_hook = self._outer.register_forward_pre_hook(_Hook(self._check_stop), prepend=True)
+        if self.capture.compiled is not None: self.capture.compiled.stop_check = partial(self._check_stop, None, ())
     if 'disarm' not in type(self.model).__dict__ and 'disarm' not in vars(self.model):
         self.model.__dict__['disarm'] = self._disarm_hook
     return self
@@ -490,6 +492,7 @@ def disarm(self:torchEmber):
     self.capture.disarm()
     self._flows.disarm()
     if self._stop_hook is not None: self._stop_hook.remove(); self._stop_hook = None
+    if self.capture.compiled is not None: self.capture.compiled.stop_check = None
     if vars(self.model).get('disarm') is self._disarm_hook: del self.model.__dict__['disarm']
     if _armed.get(self.model) is self: del _armed[self.model]
     _restore_handlers()
@@ -687,11 +690,17 @@ def _watched(self:torchEmber, args:list):
 @patch
 def _check_stop(self:torchEmber, mod, args):
     "The forward pre-hook `stop_on` puts in front of the model: raise `TrainingStopped` once a finding stops training."
+    # traced (the root's own hooks compiled with it): nothing, not even a read dynamo would guard on; the `step` op
+    # checks where the step opens (`CompiledHooks.stop_check`)
+    if torch.compiler.is_compiling(): return
     f = self._stopping
-    if f is None or torch.compiler.is_compiling(): return
+    if f is None: return
     self._stopping = None                # said once: training that goes on after catching it is not stopped again by it
     try: self.flush()
     except Exception: pass
     db = self.engine.url.render_as_string(hide_password=True) if self.engine is not None else self.db
     raise TrainingStopped(f, f"look with `torchember doctor {self.run_name} --db {db}` (or `te.run.diagnose()`), "
                              f"or in the explorer (`torchember serve --db {db}`)")
+
+_dynamo_skips(torchEmber._check_stop)   # a frame of its own around a compiled forward: Python, not a no-op
+
