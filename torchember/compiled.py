@@ -17,7 +17,7 @@ from .stats import (Recorder, default_stats, fused_moments, moments, native_mome
 from . import native
 
 # %% auto #0
-__all__ = ['FLUSH_AT', 'CompiledHooks', 'moments_row']
+__all__ = ['FLUSH_AT', 'CompiledHooks', 'is_compiled', 'moments_row']
 
 # %% ../nbs/01b_compiled.ipynb #377c4dc6
 _WHAT, _WHATS = [], {}   # what -> (ttype, tnames); and back
@@ -129,7 +129,7 @@ class CompiledHooks:
     def __repr__(self):
         return f"CompiledHooks({type(self.cap.model).__name__}, {'compiled' if self.seen else 'not compiled yet'})"
 
-def _compiled(model:nn.Module)->bool:
+def is_compiled(model:nn.Module)->bool:
     "Whether a module of `model` is compiled: `module.compile()`, or a `torch.compile` wrapper put in its place."
     return any(getattr(m, '_compiled_call_impl', None) is not None or type(m).__name__ == 'OptimizedModule'
                for m in model.modules())
@@ -140,7 +140,7 @@ def keeps_hooks(self:CompiledHooks)->bool:
     if self.seen: return True
     dynamo = sys.modules.get('torch._dynamo')   # not imported: nothing compiled
     graphs = dynamo is not None and dynamo.utils.counters['stats']['unique_graphs']
-    if graphs and _compiled(self.cap.model): self.seen = True
+    if graphs and is_compiled(self.cap.model): self.seen = True
     return self.seen
 
 # %% ../nbs/01b_compiled.ipynb #8b0e552b

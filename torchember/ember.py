@@ -22,8 +22,8 @@ from .store.writer import WriterProcess, use_process
 from .store import (engine, create_run, claim, release, write_steps, Writer, db_url, keyed_by_rank,
                     StoreError, store_busy, RETRY_S, last_iteration, _flush_all)
 from .query import Run
-from .graph import GraphCapture, is_compiled
-from .compiled import CompiledHooks
+from .graph import GraphCapture
+from .compiled import CompiledHooks, is_compiled
 from .watch import Watch, Finding, StepView, check_kinds
 from .reads import joined_ranks
 

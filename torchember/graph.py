@@ -12,9 +12,10 @@ import torch
 from torch import nn, Tensor
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from .core import named_tensors, _Hook, _graph_task, _transforms_on, _dynamo_skips
+from .compiled import is_compiled
 
 # %% auto #0
-__all__ = ['INPUT', 'OUTPUT', 'CONST', 'ENDS', 'MAX_CAPTURES', 'graph_nodes', 'Flows', 'GraphCapture', 'is_compiled']
+__all__ = ['INPUT', 'OUTPUT', 'CONST', 'ENDS', 'MAX_CAPTURES', 'graph_nodes', 'Flows', 'GraphCapture']
 
 # %% ../nbs/04b_graph.ipynb #aa493d7c
 INPUT, OUTPUT, CONST = -1, -2, -3   # the ends that are no module, as table `flows` stores them
@@ -296,7 +297,3 @@ def on_step(self:GraphCapture, rec):
         if h not in self.seen: self.seen.add(h); self.request()
     self._last_seen = ev
 
-def is_compiled(model:nn.Module)->bool:
-    "Whether `model` is, or holds, a module compiled by `torch.compile`."
-    return any(type(m).__name__ == 'OptimizedModule' or getattr(m, '_compiled_call_impl', None) is not None
-               for m in model.modules())
