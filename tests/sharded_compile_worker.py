@@ -1,18 +1,24 @@
-"""One rank of `test_sharded_compile.py`: FSDP2 per block armed first, in torchtitan's order (arm, compile, shard).
+"""One rank of `test_sharded_compile.py`: FSDP2 per block in torchtitan's order (arm, compile, shard), and compiled DDP.
 
 Run as `python sharded_compile_worker.py STORE OUT` with torch.distributed's environment variables set (2 ranks, gloo,
-CPU). Per setup, trained bare and armed: `arm_shard` (armed, then each block and the root `fully_shard`ed, eager) and
-`arm_compile_shard` (armed, each block `.compile(fullgraph=True)`, then sharded). It writes `OUT.r.json` for rank `r`:
+CPU). Per setup, trained bare and armed: `arm_shard` (armed, then each block and the root `fully_shard`ed, eager),
+`arm_compile_shard` (armed, each block `.compile(fullgraph=True)`, then sharded), `arm_compile_ddp` (armed,
+`torch.compile(model)`, then `DistributedDataParallel` of that: nanoGPT's order) and `arm_ddp_compile` (armed, DDP, then
+`torch.compile` of the DDP module). DDP's buckets are made small, so dynamo's DDP optimizer splits the compiled graph at
+each bucket's end and the recording crosses the pieces. It writes `OUT.r.json` for rank `r`:
 the losses bare and armed, dynamo's graph breaks and graphs, and per step the default stats of every whole parameter
 and grad, gathered with `full_tensor()`: what the store must hold, merged from the ranks' pieces.
 """
 import json, os, sys
 import torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torchember import torchEmber
 from sharded_worker import Net, dtensor_full, stats_of, D
 
-SETUPS = ('arm_shard', 'arm_compile_shard')
+SETUPS = ('arm_shard', 'arm_compile_shard', 'arm_compile_ddp', 'arm_ddp_compile')
+if hasattr(dist, '_DEFAULT_FIRST_BUCKET_BYTES'): dist._DEFAULT_FIRST_BUCKET_BYTES = 64   # DDP's first bucket; the others:
+BUCKET_MB = 0.0001 if hasattr(dist, '_DEFAULT_FIRST_BUCKET_BYTES') else 25    # ... a bucket a parameter or two
 
 def train(setup:str, db=None, steps:int=3):
     "Train `setup` bare (`db` None) or armed into `db`: losses, whole-parameter stats per step, breaks and graphs."
@@ -21,16 +27,20 @@ def train(setup:str, db=None, steps:int=3):
     torch.manual_seed(0)
     model = Net()
     te = torchEmber(model, run=setup, db=db) if db else None   # armed first: before compiling and sharding
-    if 'compile' in setup:
-        for b in model.blocks: b.compile(fullgraph=True)
-    for b in model.blocks: fully_shard(b)
-    fully_shard(model)
+    call = model
+    if setup == 'arm_compile_ddp': call = DDP(torch.compile(model), bucket_cap_mb=BUCKET_MB)
+    elif setup == 'arm_ddp_compile': call = torch.compile(DDP(model, bucket_cap_mb=BUCKET_MB))
+    else:
+        if 'compile' in setup:
+            for b in model.blocks: b.compile(fullgraph=True)
+        for b in model.blocks: fully_shard(b)
+        fully_shard(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     g = torch.Generator().manual_seed(100 + dist.get_rank())
     losses, ref = [], []
     for _ in range(steps):
         w = stats_of(dtensor_full(model, False)) if te else None
-        loss = model(torch.randn(8, 3, generator=g)).pow(2).mean()
+        loss = call(torch.randn(8, 3, generator=g)).pow(2).mean()
         loss.backward()
         if te: ref.append(dict(weight=w, weight_grad=stats_of(dtensor_full(model, True))))
         opt.step(); opt.zero_grad()

@@ -34,6 +34,8 @@ def cnn():
     return model, lambda s: torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(s))
 
 def whole(m): return torch.compile(m, fullgraph=True)
+def autotune(m): return torch.compile(m, fullgraph=True, mode='max-autotune')     # inductor's GEMM templates, tuned
+def overhead(m): return torch.compile(m, fullgraph=True, mode='reduce-overhead')  # CUDA graphs; CPU: inductor's code
 def method(m): m.compile(fullgraph=True); return m
 def blocks(m):
     for b in m.blocks: b.compile(fullgraph=True)
@@ -64,7 +66,7 @@ def train(make, how, tmp, armed=True, steps=STEPS, every=EVERY, **kw):
         te.disarm()
     return out
 
-CASES = [(gpt, whole), (gpt9, blocks), (gpt, method), (mlp, whole), (cnn, whole)]
+CASES = [(gpt, whole), (gpt9, blocks), (gpt, method), (mlp, whole), (cnn, whole), (gpt, autotune), (mlp, overhead)]
 
 @pytest.fixture(scope='module', params=CASES, ids=lambda c: f'{c[0].__name__}-{c[1].__name__}')
 def runs(request, tmp_path_factory):
