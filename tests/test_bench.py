@@ -110,3 +110,12 @@ def test_gpu_stats_benchmark_runs_as_is():
     assert [w[0] for w in rows] == ['eager', 'stacked', 'segments'] + ['triton_one', 'triton_many'] * triton + ['foreach'], r.stdout
     if triton: assert 'triton_many against eager' in r.stdout, r.stdout
     assert all(float(w[1]) > 0 and float(w[2]) >= float(w[1]) for w in rows), r.stdout
+
+def test_hook_floor_benchmark_runs_as_is():
+    "The script that times bare module hooks in a compiled forward runs end to end, each copy timed; figures not checked."
+    r = subprocess.run([sys.executable, str(GPU.parent/'hook_floor.py'), '--rounds', '2', '--calls', '1'],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [l.split() for l in r.stdout.splitlines() if l.startswith('  ')]
+    assert [w[0] for w in rows] == ['control', 'shared', 'partial'] and all(w[2] == 'us' for w in rows), r.stdout
+    assert 'machine:' in r.stdout, r.stdout

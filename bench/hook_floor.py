@@ -1,0 +1,69 @@
+#!/usr/bin/env python
+"""What module hooks cost a compiled forward before they do anything (issue 48): the floor of recording by hooks.
+
+The GPT-2 layout of `bench.py --compile` (6 blocks, 128 wide, 64 tokens, batch 4) is compiled whole four times, each
+copy with a `forward` code object of its own (dynamo keeps compiled code per code object, so no copy can run another's
+graph), and dynamo's guards on module hooks on, as arming turns them on. The copies:
+
+- `bare`: no hooks (the baseline), and `control`: no hooks either, to show this machine's noise;
+- `shared`: one no-op function as every module's forward pre-hook and forward hook;
+- `partial`: a no-op `functools.partial` a hook holding an int and a tensor, as torchember's hooks hold the capture's
+  key and the module's tag.
+
+Printed: a no-grad forward's time over `bare`'s (the training thread's CPU, medians of each round's difference, the
+copies timed in turn). Torch runs on one thread. Nothing here records: it is the cost of the hooks' presence alone.
+
+    python bench/hook_floor.py [--rounds 40] [--calls 6]
+"""
+import argparse, statistics, sys, time, types
+from functools import partial
+from pathlib import Path
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / 'tests'))
+import torch, torch._dynamo
+import corpus
+from bench import machine_line
+
+def noop(*args): return None
+
+def model_of(hooks:str):
+    "A GPT-2-layout model with a forward code object of its own, and `hooks` on every module."
+    model, make = corpus.gpt_like(layers=6, d=128, seq=64)
+    fwd = type(model).forward
+    code = fwd.__code__.replace(co_name=f'forward_{hooks}')
+    model.__class__ = type(f'GPT_{hooks}', (type(model),), {'forward': types.FunctionType(code, fwd.__globals__)})
+    for i, m in enumerate(model.modules()):
+        if hooks == 'shared': pre, post = noop, noop
+        elif hooks == 'partial': pre = post = partial(noop, 10**12 + i, torch.tensor(i))
+        else: continue
+        m.register_forward_pre_hook(pre); m.register_forward_hook(post)
+    compiled, (args, kw) = torch.compile(model), make(0)
+    def forward():
+        with torch.no_grad(): compiled(*args, **kw)
+    for _ in range(3): forward()
+    return forward
+
+def main(rounds:int=40, calls:int=6):
+    torch.set_num_threads(1)
+    torch._dynamo.config.skip_nnmodule_hook_guards = False   # what arming sets
+    print(__doc__.split('\n')[0]); print(machine_line())
+    names = ['bare', 'control', 'shared', 'partial']
+    fns = {n: model_of(n) for n in names}
+    times = {n: [] for n in names}
+    for r in range(rounds):
+        for n in (names if r % 2 == 0 else names[::-1]):
+            t = time.thread_time()
+            for _ in range(calls): fns[n]()
+            times[n].append((time.thread_time() - t) / calls)
+    print(f"{rounds} rounds of {calls} no-grad forwards each, torch on one thread; bare "
+          f"{statistics.median(times['bare']) * 1e3:.2f} ms a forward")
+    for n in names[1:]:
+        d = statistics.median(a - b for a, b in zip(times[n], times['bare']))
+        print(f"  {n:<8} {d * 1e6:+6.0f} us a forward over bare")
+
+if __name__ == '__main__':
+    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    p.add_argument('--rounds', type=int, default=40)
+    p.add_argument('--calls', type=int, default=6)
+    a = p.parse_args()
+    main(a.rounds, a.calls)
