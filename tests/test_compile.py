@@ -66,6 +66,12 @@ def train(make, how, tmp, armed=True, steps=STEPS, every=EVERY, **kw):
         te.disarm()
     return out
 
+@pytest.fixture(autouse=True, scope='module')
+def _forget_compiled_code():
+    "Compiled code of these models' classes does not outlive this module (arming elsewhere would warn of it)."
+    yield
+    torch._dynamo.reset()
+
 CASES = [(gpt, whole), (gpt9, blocks), (gpt, method), (mlp, whole), (cnn, whole), (gpt, autotune), (mlp, overhead)]
 
 @pytest.fixture(scope='module', params=CASES, ids=lambda c: f'{c[0].__name__}-{c[1].__name__}')

@@ -13,7 +13,7 @@ from torch import nn
 from fastcore.basics import patch, patch_to
 from .core import Capture, ENTER, EXIT, named_inputs, named_tensors
 from .stats import (Recorder, default_stats, fused_moments, moments, native_moments, as_real, SMALL, shape_of,
-                              dtype_name, _unmeasured)
+                              dtype_name, _unmeasured, _PLAIN, FLOATS, TRITON_DEVICES)
 from . import native
 
 # %% auto #0
@@ -352,7 +352,7 @@ def learn(self:_Region, ts:list):
 
 @patch
 def take(self:_Region, cap:Capture, ts:list):
-    "Record this run's tensors `ts`: its events and calls, one kernel call for the batch, the rest one by one."
+    "Record this run's tensors `ts`: its events and calls, one kernel call for the batch, the rest by `measure_many`."
     if (self.shapes != [t.shape for t in ts] or any(ts[i] is not ts[j] for i, j in self.same)
         or len({id(ts[i]) for i in self.uniq}) != len(self.uniq)): self.learn(ts)
     cap._events += self.events
@@ -368,7 +368,7 @@ def take(self:_Region, cap:Capture, ts:list):
         except Exception as e:
             rec._failed("measuring the tensors of a compiled region", e)
             rec._pieces.append((rows, _unmeasured(None).expand(len(rows), 8)))
-    for mi, c, ttype, name, i in self.aside: rec.measure_now(mi, c, ttype, name, ts[i])
+    if self.aside: rec.measure_many([(mi, c, ttype, name, ts[i]) for mi, c, ttype, name, i in self.aside])
 
 # %% ../nbs/01b_compiled.ipynb #c4c33b74
 @patch_to(Recorder)
@@ -388,27 +388,48 @@ def measure_now(self, mi:int, call:int, ttype:str, tname:str, t:torch.Tensor):
             self._pieces.append(([mrow], torch.full((1, 8), float('nan'), dtype=torch.float64)))
     self.rec.keys.append((mi, call, ttype, tname, shape_of(t), dtype_name(t), mrow, xi))
 
+def _launchable(t:torch.Tensor, nat:bool)->bool:
+    "Whether the Triton kernels measure `t` (a plain dense float tensor of their devices; a CPU one only with no native kernel)."
+    return (type(t) in _PLAIN and t.dtype in FLOATS and t.device.type in TRITON_DEVICES and not (nat and t.is_cpu)
+            and t.layout == torch.strided and not t.is_nested)
+
 @patch_to(Recorder)
 def measure_many(self, items:list):
-    "Record `items`, `(mi, call, ttype, tname, t)` each, measured before this returns; the native kernel's in one call."
+    "Record `items`, `(mi, call, ttype, tname, t)` each, measured before this returns: the native kernel's in one call, an accelerator's in a launch a device."
     if self.rec is None: return
-    keys, fns, plain = self.rec.keys, self.stat_fns, self.on_tensor is None and self._nat
-    ts, rows, seen = [], [], {}
+    keys, fns, plain = self.rec.keys, self.stat_fns, self.on_tensor is None
+    ts, rows, seen, on = [], [], {}, {}
     for mi, call, ttype, tname, t in items:
-        if not (plain and fns[ttype] is default_stats and native.supports(t)):
+        into = None
+        if plain and fns[ttype] is default_stats:
+            if self._nat and native.supports(t): into = ts, rows
+            elif self._batch and _launchable(t, self._nat): into = on.get(t.device) or on.setdefault(t.device, ([], []))
+        if into is None:
             self.measure_now(mi, call, ttype, tname, t)
             continue
         row = seen.get(id(t))
         if row is None:
             seen[id(t)] = row = self._nm
             self._nm += 1
-            ts.append(t); rows.append(row)
+            into[0].append(t); into[1].append(row)
         keys.append((mi, call, ttype, tname, shape_of(t), dtype_name(t), row, -1))
+    for dts, drows in on.values(): self._launch_now(dts, drows)
     if not ts: return
     try: self._pieces.append((rows, native_moments(ts)))
     except Exception as e:
         self._failed("measuring the tensors of a compiled region", e)
         self._pieces.append((rows, _unmeasured(None).expand(len(rows), 8)))
+
+@patch_to(Recorder)
+def _launch_now(self, ts:list, rows:list):
+    "Start the moments of one device's float tensors `ts` into `rows`: one Triton launch per dtype and size class, else each now."
+    with torch.no_grad():   # launched in the graph's stream, before any later kernel of it can reuse their memory
+        if self._on_device(ts, rows): return
+        for t, row in zip(ts, rows):
+            try: self._pieces.append(([row], moments_row(t)[None]))
+            except Exception as e:
+                self._failed("measuring a tensor of a compiled region", e)
+                self._pieces.append(([row], _unmeasured(None)))
 
 def moments_row(t:torch.Tensor)->torch.Tensor:
     "The 8 `MOMENTS` of `t` as `default_stats` measures them: a float64 row on `t`'s device, computed now."
