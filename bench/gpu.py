@@ -14,6 +14,13 @@ steps.
     python bench/gpu.py                       # on a CUDA machine
     python bench/gpu.py --device cpu --tiny   # a smoke test of the script itself, anywhere
     python bench/gpu.py --breakdown           # where a recorded step's time goes, part by part
+    python bench/gpu.py --compile whole       # compiled (issue 48): `torch.compile(model)`, or `blocks`, each block's
+                                              # `.compile(fullgraph=True)`; `--mode reduce-overhead` for CUDA graphs
+
+Compiled, two copies of each model are built, one bare and one armed first (`every=1`), and compiled alike; the
+armed one stays armed, its `every` switched between blocks (1, then 10: the graph is the same). Printed beside the
+ratios: the graph breaks arming added, the graphs compiled after the warm-up (none should be), and the host syncs a
+step, bare, recorded and unrecorded.
 """
 import argparse, importlib.util, os, statistics, sys, tempfile, threading, time, warnings
 from pathlib import Path
@@ -29,7 +36,9 @@ from torchember import torchEmber
 from torchember.store.writer import use_process, cores
 
 
-def gpt_setup(device, tiny):
+def gpt_setup(device, tiny, prepare=lambda m: m):
+    "GPT-2-small's layout and its training step; the step calls `prepare(model)` (the model, armed or compiled)."
+    torch.manual_seed(0)
     cfg = dict(layers=2, d=64, heads=4, vocab=1000, seq=32) if tiny else dict()
     model = corpus.GPTLike(**cfg).to(device)
     seq, batch = (32, 2) if tiny else (512, 8)
@@ -37,21 +46,24 @@ def gpt_setup(device, tiny):
     ids = torch.randint(0, vocab, (batch, seq), device=device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     amp = torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    call = prepare(model)
     def step():
-        with amp: logits = model(ids[:, :-1])
+        with amp: logits = call(ids[:, :-1])
         loss = nn.functional.cross_entropy(logits.float().reshape(-1, vocab), ids[:, 1:].reshape(-1))
         loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
     return model, step
 
 
-def resnet_setup(device, tiny):
+def resnet_setup(device, tiny, prepare=lambda m: m):
+    "The ResNet-18 layout and its training step; the step calls `prepare(model)`."
     model, make_batch = corpus.resnet_like(depth=18, tiny=tiny, batch=4 if tiny else 256)
     model = model.to(device)
     args, kwargs = make_batch(0)
     args = [a.to(device) for a in args]
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    call = prepare(model)
     def step():
-        corpus.loss_of(model(*args, **kwargs)).backward(); opt.step(); opt.zero_grad(set_to_none=True)
+        corpus.loss_of(call(*args, **kwargs)).backward(); opt.step(); opt.zero_grad(set_to_none=True)
     return model, step
 
 
@@ -164,6 +176,62 @@ def breakdown(m, model, step, device, db, blocks, k):
         prev = ms
 
 
+def compiler(how:str, mode):
+    "What compiles a model `how`: whole (`torch.compile`) or `blocks` (each of `model.blocks`, `fullgraph=True`)."
+    def compile_(model):
+        if how == 'whole': return torch.compile(model, mode=mode)
+        for b in model.blocks: b.compile(fullgraph=True, mode=mode)
+        return model
+    return compile_
+
+
+def compiled_bench(m:str, device, tiny:bool, how:str, mode, blocks:int, k:int):
+    "Model `m` compiled `how`, armed over bare: rows of the table, then graph breaks, recompiles and host syncs."
+    from torch._dynamo.utils import counters
+    if how == 'blocks' and m != 'gpt2-small':
+        print(f"{m:<14} (compiled whole only: no `blocks`)"); return
+    torch._dynamo.reset(); counters.clear()
+    graphs, breaks = (lambda: counters['stats']['unique_graphs']), (lambda: sum(counters['graph_break'].values()))
+    compile_, held = compiler(how, mode), {}
+    def arm_then_compile(model):
+        held['te'] = torchEmber(model, db=scratch_db('gpu-compiled'), every=1)
+        return compile_(model)
+    _, armed = MODELS[m](device, tiny, arm_then_compile)
+    te, b0 = held['te'], breaks()
+    for _ in range(3): armed()
+    armed_breaks, b0 = breaks() - b0, breaks()
+    _, bare = MODELS[m](device, tiny, compile_)
+    for _ in range(3): bare()
+    bare_breaks = breaks() - b0
+    te.capture.every = 10
+    for _ in range(10): armed()
+    sync(device)
+    g0, times = graphs(), {'bare': [], 1: [], 10: []}
+    for r in range(blocks):
+        for c in (['bare', 1, 10] if r % 2 == 0 else [10, 1, 'bare']):
+            if c != 'bare': te.capture.every = c
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(k): (bare if c == 'bare' else armed)()
+            if c != 'bare': te.flush()
+            sync(device)
+            times[c].append((time.perf_counter() - t0) / k)
+    recompiles, base = graphs() - g0, statistics.median(times['bare'])
+    label = f"{how}{'/' + mode if mode else ''}"
+    for every in (1, 10):
+        med = statistics.median(times[every])
+        paired = statistics.median(x / y for x, y in zip(times[every], times['bare']))
+        print(f"{m:<14} {label + ' every=' + str(every):<28} {base * 1e3:9.2f} {med * 1e3:9.2f} {med / base:6.2f}x {paired:6.2f}x", flush=True)
+    print(f"{m:<14} graph breaks: armed {armed_breaks}, bare {bare_breaks}; graphs compiled after the warm-up: {recompiles}")
+    if device.type == 'cuda':
+        te.capture.every = 10
+        counts = {True: [], False: []}
+        for i in range(1, 21): counts[i % 10 == 0].append(_syncs(armed))
+        print(f"{m:<14} host syncs a step (most seen): bare {max(_syncs(bare) for _ in range(3))}, "
+              f"recorded {max(counts[True])}, unrecorded {max(counts[False])}")
+    te.disarm()
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('--device', default='cuda')
@@ -172,6 +240,8 @@ def main(argv=None):
     p.add_argument('--steps', type=int, default=20, help="steps a block (a multiple of 10)")
     p.add_argument('--tiny', action='store_true', help="small models: a smoke test of the script")
     p.add_argument('--breakdown', action='store_true', help="only where a step recorded every step goes, part by part")
+    p.add_argument('--compile', choices=['whole', 'blocks'], help="compiled armed over compiled bare (issue 48)")
+    p.add_argument('--mode', default=None, help="torch.compile's mode with --compile: reduce-overhead, max-autotune")
     a = p.parse_args(argv)
     device, name = device_named(a.device)
     print(f"device: {name}; torch {torch.__version__}")
@@ -179,6 +249,10 @@ def main(argv=None):
     by = use_process(db, torch.get_num_threads(), on_device=device.type != 'cpu')
     print(f"writer: {'a process' if by else 'a thread'} ({cores()} cores for this process, torch {torch.get_num_threads()} threads"
           f"{'; TORCHEMBER_WRITER=' + os.environ['TORCHEMBER_WRITER'] if os.environ.get('TORCHEMBER_WRITER') else ''})")
+    if a.compile:
+        print(f"{'model':<14} {'config':<28} {'bare ms':>9} {'armed ms':>9} {'ratio':>7} {'paired':>7}")
+        for m in a.models.split(','): compiled_bench(m, device, a.tiny, a.compile, a.mode, a.blocks, a.steps)
+        return
     if not a.breakdown: print(f"{'model':<14} {'config':<12} {'bare ms':>9} {'armed ms':>9} {'ratio':>7} {'paired':>7}")
     for m, model, step in warmed(a.models, device, a.tiny):
         if a.breakdown:

@@ -119,3 +119,12 @@ def test_hook_floor_benchmark_runs_as_is():
     rows = [l.split() for l in r.stdout.splitlines() if l.startswith('  ')]
     assert [w[0] for w in rows] == ['control', 'shared', 'partial'] and all(w[2] == 'us' for w in rows), r.stdout
     assert 'machine:' in r.stdout, r.stdout
+
+def test_gpu_benchmark_compiled_runs_as_is():
+    "`gpu.py --compile` runs end to end on the CPU (tiny GPT, inductor): both cadences timed, no break or recompile added."
+    r = subprocess.run([sys.executable, str(GPU), '--device', 'cpu', '--tiny', '--blocks', '1', '--steps', '10',
+                        '--models', 'gpt2-small', '--compile', 'blocks'], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [l.split() for l in r.stdout.splitlines() if l.startswith('gpt2-small')]
+    assert [w[1:3] for w in rows[:2]] == [['blocks', 'every=1'], ['blocks', 'every=10']], r.stdout
+    assert 'graph breaks: armed 0, bare 0; graphs compiled after the warm-up: 0' in r.stdout, r.stdout
