@@ -19,7 +19,7 @@ call, its calls and events, a block's graph shared by every block, and the backw
 
     python bench/graph_pass_probe.py [--rounds 30] [--steps 4]
 """
-import argparse, statistics, sys, tempfile, time, types
+import argparse, sys, tempfile
 from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / 'tests'))
@@ -28,6 +28,7 @@ import torch
 from torch._inductor.compile_fx import compile_fx
 import corpus
 from bench import machine_line
+from hook_floor import gpt_of_its_own, in_turn, over_bare
 
 RECORD, SEEN = [False], [0]
 
@@ -70,10 +71,7 @@ def pass_each(gm, example_inputs):
 
 def copy_of(kind:str):
     "A training step of a GPT-2-layout copy compiled for `kind`, warmed up; and its torchEmber, if armed."
-    model, make = corpus.gpt_like(layers=6, d=128, seq=64)
-    fwd = type(model).forward
-    code = fwd.__code__.replace(co_name=f'forward_{kind}')
-    model.__class__ = type(f'GPT_{kind}', (type(model),), {'forward': types.FunctionType(code, fwd.__globals__)})
+    model, make = gpt_of_its_own(kind)
     te = None
     if kind == 'hooks':
         from torchember import torchEmber
@@ -89,22 +87,12 @@ def copy_of(kind:str):
 def main(rounds:int=30, steps:int=4):
     torch.set_num_threads(1)
     print(__doc__.split('\n')[0] + ' ' + __doc__.split('\n')[1]); print(machine_line())
-    kinds = ['bare', 'pass_end', 'pass_each', 'hooks']
-    made = {k: copy_of(k) for k in kinds}
+    made = {k: copy_of(k) for k in ['bare', 'pass_end', 'pass_each', 'hooks']}
     steps_of = {k: s for k, (s, _) in made.items()}
     RECORD[0] = True; steps_of['pass_end'](); RECORD[0] = False
     print(f"pass_end's op is handed {SEEN[0]} module calls' last tensors a step")
-    times = {k: [] for k in kinds}
-    for r in range(rounds):
-        for k in (kinds if r % 2 == 0 else kinds[::-1]):
-            t = time.thread_time()
-            for _ in range(steps): steps_of[k]()
-            times[k].append((time.thread_time() - t) / steps)
-    print(f"{rounds} rounds of {steps} training steps each, torch on one thread; bare "
-          f"{statistics.median(times['bare']) * 1e3:.2f} ms a step")
-    for k in kinds[1:]:
-        d = statistics.median(a - b for a, b in zip(times[k], times['bare']))
-        print(f"  {k:<9} {d * 1e6:+6.0f} us an unrecorded step over bare")
+    times = in_turn(steps_of, rounds, steps)
+    over_bare(times, steps, 'training step', 'an unrecorded step')
 
 if __name__ == '__main__':
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])

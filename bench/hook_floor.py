@@ -26,12 +26,35 @@ from bench import machine_line
 
 def noop(*args): return None
 
-def model_of(hooks:str):
-    "A GPT-2-layout model with a forward code object of its own, and `hooks` on every module."
+def gpt_of_its_own(kind:str):
+    "The GPT-2 layout, `(model, make_batch)`, its `forward` a code object of its own: dynamo keeps compiled code a code object."
     model, make = corpus.gpt_like(layers=6, d=128, seq=64)
     fwd = type(model).forward
-    code = fwd.__code__.replace(co_name=f'forward_{hooks}')
-    model.__class__ = type(f'GPT_{hooks}', (type(model),), {'forward': types.FunctionType(code, fwd.__globals__)})
+    code = fwd.__code__.replace(co_name=f'forward_{kind}')
+    model.__class__ = type(f'GPT_{kind}', (type(model),), {'forward': types.FunctionType(code, fwd.__globals__)})
+    return model, make
+
+def in_turn(fns:dict, rounds:int, calls:int)->dict:
+    "Name -> the training thread's CPU seconds a call of `fns[name]`, each round; the fns called in turn, reversed every other round."
+    names, times = list(fns), {n: [] for n in fns}
+    for r in range(rounds):
+        for n in (names if r % 2 == 0 else names[::-1]):
+            t = time.thread_time()
+            for _ in range(calls): fns[n]()
+            times[n].append((time.thread_time() - t) / calls)
+    return times
+
+def over_bare(times:dict, calls:int, call:str, what:str):
+    "Print `bare`'s median time a `call`, then each copy's median difference to it, a `what`."
+    print(f"{len(times['bare'])} rounds of {calls} {call}s each, torch on one thread; bare "
+          f"{statistics.median(times['bare']) * 1e3:.2f} ms a {call}")
+    for n in [n for n in times if n != 'bare']:
+        d = statistics.median(a - b for a, b in zip(times[n], times['bare']))
+        print(f"  {n:<9} {d * 1e6:+6.0f} us {what} over bare")
+
+def model_of(hooks:str):
+    "A GPT-2-layout model with a forward code object of its own, and `hooks` on every module; a no-grad forward of it."
+    model, make = gpt_of_its_own(hooks)
     for i, m in enumerate(model.modules()):
         if hooks == 'shared': pre, post = noop, noop
         elif hooks == 'partial': pre = post = partial(noop, 10**12 + i, torch.tensor(i))
@@ -47,19 +70,8 @@ def main(rounds:int=40, calls:int=6):
     torch.set_num_threads(1)
     torch._dynamo.config.skip_nnmodule_hook_guards = False   # what arming sets
     print(__doc__.split('\n')[0]); print(machine_line())
-    names = ['bare', 'control', 'shared', 'partial']
-    fns = {n: model_of(n) for n in names}
-    times = {n: [] for n in names}
-    for r in range(rounds):
-        for n in (names if r % 2 == 0 else names[::-1]):
-            t = time.thread_time()
-            for _ in range(calls): fns[n]()
-            times[n].append((time.thread_time() - t) / calls)
-    print(f"{rounds} rounds of {calls} no-grad forwards each, torch on one thread; bare "
-          f"{statistics.median(times['bare']) * 1e3:.2f} ms a forward")
-    for n in names[1:]:
-        d = statistics.median(a - b for a, b in zip(times[n], times['bare']))
-        print(f"  {n:<8} {d * 1e6:+6.0f} us a forward over bare")
+    times = in_turn({n: model_of(n) for n in ['bare', 'control', 'shared', 'partial']}, rounds, calls)
+    over_bare(times, calls, 'no-grad forward', 'a forward')
 
 if __name__ == '__main__':
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
