@@ -192,6 +192,26 @@ def test_a_stat_function_that_dominates_the_step_is_named_once(db):
     assert len(warned) == 1 and 'quick' not in ''.join(tw(rec)), tw(rec)
     assert "'slow'" in warned[0] and '% of' in warned[0] and ' s ' in warned[0], warned
 
+class Interrupt(nn.Module):
+    "Ctrl-C in the middle of a forward."
+    def forward(self, x): raise KeyboardInterrupt
+
+def test_a_step_cut_short_is_not_judged_slow(db):
+    "A Ctrl-C cuts a step short after a slow stat function ran in it: closing that step says nothing of slowness."
+    def slow(t):
+        time.sleep(0.25)
+        return {'absmax': t.abs().max()}
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), Interrupt())
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter('always')
+        te = torchEmber(model, db=db)
+        te.how_record_out(slow)
+        for _ in range(2):   # the first call of a stat function is not counted
+            with pytest.raises(KeyboardInterrupt): model(torch.randn(2, 4))
+        te.flush()
+        te.disarm()
+    assert not [m for m in tw(rec) if 'slow' in m], tw(rec)
+
 def test_a_stat_function_slow_only_on_its_first_call_is_not_named(db):
     "A first call that warms up (an import, a kernel's first run) takes most of one step: no warning for that alone."
     calls = []

@@ -626,9 +626,10 @@ SLOW_FRACTION, SLOW_S = 0.5, 0.1
 
 @patch_to(Recorder)
 def _name_slow(self):
-    "Warn once per function of a custom stat function that took most of the step now closing."
-    if not self._spent: return
-    wall = (self._t1 or time.perf_counter()) - self._t0
+    "Warn once per function of a custom stat function that took most of the finished step now closing."
+    # a step cut short (an interrupt, the exit) has no time of its own to compare with: nothing said after a Ctrl-C
+    if not self._spent or self._t1 is None: return
+    wall = self._t1 - self._t0
     for fn, s in self._spent.items():
         if s > SLOW_S and s > SLOW_FRACTION * wall:
             name = getattr(fn, '__name__', repr(fn))
