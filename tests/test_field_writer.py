@@ -198,6 +198,23 @@ def test_a_signal_between_forward_and_backward_writes_no_half_step(db):
     check_whole(db, 'half', len(load('half', db).df(step=0)))
     te.disarm()
 
+def test_a_signal_while_the_closer_closes_waits_for_its_step(db):
+    "SIGTERM while the closer thread takes over a second to close a finished step: that step is written before the end."
+    from torchember.ember import _write_finished
+    model = _mlp()
+    te = torchEmber(model, run='closing', db=db)
+    rec, close = te.capture.recorder, te.capture.recorder.close
+    def slow_close(*args, **kwargs):   # a loaded machine: the closer holds the capture's lock 1.5 s
+        if threading.current_thread() is not threading.main_thread(): time.sleep(1.5)
+        return close(*args, **kwargs)
+    rec.close = slow_close
+    _steps(model, 2)                   # step 1 finished: the closer closes it after `CLOSE_AFTER_S`
+    time.sleep(0.5)                    # ... and is in the middle of it
+    _write_finished(ends=True)         # what the handler does when the signal lands now
+    assert _stored(db, 'closing') == [0, 1], "the step the closer was closing was not written"
+    rec.close = close
+    te.disarm()
+
 @pytest.mark.parametrize('mode,code', [('user-before', 3), ('user-after', 4)])
 def test_sigterm_calls_the_users_handler(tmp_path, mode, code):
     db, p = _train(tmp_path, mode)

@@ -390,16 +390,17 @@ def _on_signal(signum, frame):
 def _write_finished(ends:bool):
     "Wait (up to `SIGNAL_WAIT_S`) until the writers have written every finished step."
     # if the process `ends`, the open steps that nothing is in the middle of are closed first
+    end = time.monotonic() + SIGNAL_WAIT_S
     if ends:
         for te in list(_armed.values()):
             # a step whose forward or backward is under way, or whose backward has not yet run, is not finished
             cap = te.capture
-            lock = getattr(cap, '_lock', None)   # held by the closer while it closes a step: closed then, or left to it
-            if te._forked or lock is None or not lock.acquire(timeout=1): continue
+            # held by the closer while it closes a step: waited for, so that the step it hands over is written too
+            lock = getattr(cap, '_lock', None)
+            if te._forked or lock is None or not lock.acquire(timeout=max(end - time.monotonic(), 0)): continue
             try:
                 if cap._depth == 0 and cap._grads is None and not cap._backward_due: cap.close()
             finally: lock.release()
-    end = time.monotonic() + SIGNAL_WAIT_S
     for te in list(_embers):
         if te.writer is not None: te.writer.wait(max(end - time.monotonic(), 0))
 
