@@ -13,7 +13,7 @@ from torch import nn
 from fastcore.basics import patch, patch_to
 from .core import Capture, ENTER, EXIT, named_inputs, named_tensors
 from .stats import (Recorder, default_stats, fused_moments, moments, native_moments, as_real, SMALL, shape_of,
-                              dtype_name, _unmeasured, _PLAIN, FLOATS, TRITON_DEVICES)
+                              dtype_name, _unmeasured, launchable)
 from . import native
 
 # %% auto #0
@@ -388,14 +388,9 @@ def measure_now(self, mi:int, call:int, ttype:str, tname:str, t:torch.Tensor):
             self._pieces.append(([mrow], torch.full((1, 8), float('nan'), dtype=torch.float64)))
     self.rec.keys.append((mi, call, ttype, tname, shape_of(t), dtype_name(t), mrow, xi))
 
-def _launchable(t:torch.Tensor, nat:bool)->bool:
-    "Whether the Triton kernels measure `t` (a plain dense float tensor of their devices; a CPU one only with no native kernel)."
-    return (type(t) in _PLAIN and t.dtype in FLOATS and t.device.type in TRITON_DEVICES and not (nat and t.is_cpu)
-            and t.layout == torch.strided and not t.is_nested)
-
 @patch_to(Recorder)
 def measure_many(self, items:list):
-    "Record `items`, `(mi, call, ttype, tname, t)` each, measured before this returns: the native kernel's in one call, an accelerator's in a launch a device."
+    "Record `items`, `(mi, call, ttype, tname, t)` each, measured or launched before this returns."
     if self.rec is None: return
     keys, fns, plain = self.rec.keys, self.stat_fns, self.on_tensor is None
     ts, rows, seen, on = [], [], {}, {}
@@ -403,7 +398,7 @@ def measure_many(self, items:list):
         into = None
         if plain and fns[ttype] is default_stats:
             if self._nat and native.supports(t): into = ts, rows
-            elif self._batch and _launchable(t, self._nat): into = on.get(t.device) or on.setdefault(t.device, ([], []))
+            elif self._batch and launchable(t, self._nat): into = on.get(t.device) or on.setdefault(t.device, ([], []))
         if into is None:
             self.measure_now(mi, call, ttype, tname, t)
             continue
@@ -422,7 +417,7 @@ def measure_many(self, items:list):
 
 @patch_to(Recorder)
 def _launch_now(self, ts:list, rows:list):
-    "Start the moments of one device's float tensors `ts` into `rows`: one Triton launch per dtype and size class, else each now."
+    "Start the moments of one device's float tensors `ts` into `rows`: with Triton, else each now."
     with torch.no_grad():   # launched in the graph's stream, before any later kernel of it can reuse their memory
         if self._on_device(ts, rows): return
         for t, row in zip(ts, rows):

@@ -23,7 +23,7 @@ from . import native
 __all__ = ['MOMENTS', 'STATS', 'TRITON_DEVICES', 'F64', 'SMALL', 'FLOATS', 'SLOW_COMPILE_S', 'VECTOR_MAX', 'ROW_FIELDS',
            'SLOW_FRACTION', 'SLOW_S', 'LATER_MAX', 'as_real', 'moments', 'stats_of_moments', 'triton_moments',
            'native_moments', 'fused_moments', 'default_stats', 'check_stats', 'StepRecord', 'Recorder', 'dtype_name',
-           'local_shard', 'shape_of', 'unwrapped']
+           'local_shard', 'shape_of', 'unwrapped', 'launchable']
 
 # %% ../nbs/01_stats.ipynb #676c44cd
 MOMENTS = kinds.MOMENTS   # what every kernel measures: n, sum, sum of squares, min, max, nonzeros, NaNs, Infs
@@ -428,6 +428,11 @@ def _repeated(self, s, mi, call, ttype, tname, t, version, fn)->bool:
     keys.append((mi, call, ttype, tname, prev[4], prev[5], prev[6], prev[7]))
     return True
 
+def launchable(t:torch.Tensor, nat:bool)->bool:
+    "Whether the Triton kernels measure `t`: a plain dense float tensor of their devices (a CPU one: no native kernel)."
+    return (type(t) in _PLAIN and t.dtype in FLOATS and t.device.type in TRITON_DEVICES and not (nat and t.is_cpu)
+            and t.layout == torch.strided and not t.is_nested)
+
 @patch_to(Recorder)
 def tensor(self, mi, call, ttype, tname, t):
     "Record tensor `t` of module `mi`'s `call`."
@@ -442,14 +447,12 @@ def tensor(self, mi, call, ttype, tname, t):
     self._seen[key] = (weakref.ref(t), version, fn, len(keys))
     where = (mi, ttype, tname)
     if fn is not default_stats: mrow, xi = -1, self._custom(fn, t, mi, ttype, tname)
-    elif (version is not None and type(t) in _PLAIN and self._batchable.get(where) is True and self._batch
-          and t.dtype in FLOATS and (dev := t.device).type in TRITON_DEVICES and not (self._nat and dev.type == 'cpu')
-          and t.layout == torch.strided and not t.is_nested):
+    elif version is not None and self._batchable.get(where) is True and self._batch and launchable(t, self._nat):
         # an accelerator's activation seen unchanged before: batched
         mrow, xi = self._nm, -1
         self._nm += 1
         self._later.append((t.detach(), version, mrow, where))
-        self._held_up(t, dev)
+        self._held_up(t, t.device)
     else: mrow, xi = self._default(t, copy=True, where=where), -1
     keys.append((mi, call, ttype, tname, shape_of(t), dtype_name(t), mrow, xi))
 
@@ -607,8 +610,8 @@ def _launched(self, items:list):
     for mi, call, ttype, tname, t, version in items:
         fn, key = fns[ttype], id(t)
         if (s := seen.get(key)) is not None and self._repeated(s, mi, call, ttype, tname, t, version, fn): continue
-        if (fn is default_stats and type(t) in _PLAIN and t.dtype in FLOATS and (dev := t.device).type in TRITON_DEVICES
-                and not (nat and dev.type == 'cpu') and t.layout == torch.strided and not t.is_nested):
+        if fn is default_stats and launchable(t, nat):
+            dev = t.device
             seen[key] = (weakref.ref(t), version, fn, len(keys))
             row = self._nm
             self._nm = row + 1
