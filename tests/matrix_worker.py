@@ -8,9 +8,9 @@ Each step prints `step time` after its backward and optimizer step, so a printed
 `OPTIONS_JSON` may hold `"compile": true`: the armed model is then compiled whole with `torch.compile` (inductor,
 `fullgraph=True` but in `first` mode, whose hook of the user's breaks the graph itself), as users compile.
 `OPTIONS_JSON` may hold `"slow_write": k`: each step written then costs the writer `k` times what a step costs the run
-(its time bar what it waited for the writer), a store slower than the run whatever the machine's load: the writer
-thread sleeps before each write what its writes do not already take of that (then writes itself, or through the
-writer process). After each step the writer's `paced` (the seconds the run has waited for it) is printed as `paced s`,
+(its time bar what it waited for the writer), a store slower than the run whatever the machine's load, and with
+`"slow_max": s` at most `s` a step: the writer thread sleeps before each write what its writes do not already take of
+that (then writes itself, or through the writer process), and prints `wrote began ended steps...` after each write. After each step the writer's `paced` (the seconds the run has waited for it) is printed as `paced s`,
 and each step the writer drops, thinning what waits (it falls behind by more than holding the run back makes up), as
 `dropped step`. `"step_s": s` has each step spend `s` more outside torch (loading data, say).
 `TE_MATRIX_BREAK` breaks a promise on purpose, to show that the matrix sees it: `linger` makes the writer wait 5 s
@@ -26,6 +26,11 @@ from torchember import torchEmber
 
 PAUSE_AFTER = 12
 
+def say(*parts):
+    "Print `parts` as one line in one write: the writer thread prints too, and `print` writes its parts one by one."
+    sys.stdout.write(' '.join(map(str, parts)) + '\n')
+    sys.stdout.flush()
+
 def main(db:str, options:dict, mode:str):
     broken = os.environ.get('TE_MATRIX_BREAK')
     if broken == 'linger': torchember.store.writer.LINGER_S = torchember.ember.PROCESS_LINGER_S = 5.0
@@ -36,28 +41,35 @@ def main(db:str, options:dict, mode:str):
     compiled = options.pop('compile', False)
     # s a step costs the run, bar its waits for the writer; and the writer, bar its sleep
     slow, work, wrote, step_s = options.pop('slow_write', 0), [0.01], [0.], options.pop('step_s', 0)
+    slow_max = options.pop('slow_max', float('inf'))
     if slow:
         class SlowWriter(torchember.ember.Writer):
             def __init__(self, write, *args, **kwargs):
                 def slow_write(steps):
-                    time.sleep(max(slow * work[0] - wrote[0], 0) * len(steps))
+                    t0 = time.monotonic()
+                    time.sleep(max(min(slow * work[0], slow_max) - wrote[0], 0) * len(steps))
                     t = time.monotonic()
                     try: return write(steps)
-                    finally: wrote[0] = 0.8 * wrote[0] + 0.2 * (time.monotonic() - t) / len(steps)
+                    finally:
+                        wrote[0] = 0.8 * wrote[0] + 0.2 * (time.monotonic() - t) / len(steps)
+                        say('wrote', t0, time.monotonic(), *(s['step'] for s in steps))
                 super().__init__(slow_write, *args, **kwargs)
+            def submit(self, item):
+                say('submitted', time.monotonic(), item.step)
+                return super().submit(item)
             def _thin(self, *args, **kwargs):
                 before = [e[1] for e in self.pending]
                 try: return super()._thin(*args, **kwargs)
                 finally:
                     left = {id(e[1]) for e in self.pending}
                     for rec in before:
-                        if id(rec) not in left: print('dropped', rec.step, flush=True)
+                        if id(rec) not in left: say('dropped', rec.step)
         torchember.ember.Writer = SlowWriter   # the writer a torchEmber starts
     paced = lambda: te.writer.paced if te.writer is not None else 0.
     te = torchEmber(model, run='r', db=db, **options)
     if mode == 'first':
         def slow_once(m, args, out):
-            if step == 0: print('inside', time.monotonic(), flush=True); time.sleep(30)
+            if step == 0: say('inside', time.monotonic()); time.sleep(30)
         model[0].register_forward_hook(slow_once)
     call = torch.compile(model, fullgraph=mode != 'first') if compiled else model   # arm, then compile
     step = 0
@@ -65,14 +77,14 @@ def main(db:str, options:dict, mode:str):
         t, waited = time.monotonic(), paced()
         loss = call(torch.randn(16, 32)).pow(2).mean()
         loss.backward(); opt.step(); opt.zero_grad()
-        print(step, time.monotonic(), flush=True)   # one clock for every process of the machine
+        say(step, time.monotonic())   # one clock for every process of the machine
         if step_s: time.sleep(step_s)
         if slow:
             work[0] = 0.8 * work[0] + 0.2 * (time.monotonic() - t - (paced() - waited))
-            print('paced', paced(), flush=True)
+            say('paced', paced())
         step += 1
         if mode == 'pause' and step == PAUSE_AFTER:
-            print("pause", time.monotonic(), flush=True)
+            say("pause", time.monotonic())
             time.sleep(120)
 
 if __name__ == '__main__': main(sys.argv[1], json.loads(sys.argv[2]), sys.argv[3])

@@ -26,7 +26,7 @@ share code are run once.
 - `stop_on=['nonfinite']` (`watched`): the writer judges each written step (`torchember.watch`) and a stop hook runs
   before every call of the model; nothing fires in these runs, so every promise must hold as without it;
 - a store slower than the run (`paced`, a worker option): each step written costs the writer 1.5 times what a step
-  costs the run, so the writer holds the run back (`Writer.paced`, which must be over 0 by the kill) and may thin what
+  costs the run (at most 0.25 s: the bound's reach), so the writer holds the run back (`Writer.paced`, which must be over 0 by the kill) and may thin what
   waits; a step it dropped (printed by the worker as it drops it; warned and counted by torchember) is not lost, every
   other step that finished over 1 s before `kill -9` must be in the store;
 - the writer thread and the child-process writer (`TORCHEMBER_WRITER`), SQLite and PostgreSQL (the `store` fixture;
@@ -67,8 +67,11 @@ OPTIONS = {'plain': {}, 'snapshot': dict(snapshot=['*.weight', '*.output', '*.we
            'compiled': dict(compile=True), 'compiled_hooks': dict(compile=True, every=3, io_grad=True, track_updates=True),
            'watched': dict(stop_on=['nonfinite'])}   # live findings judged by the writer, a stop hook before every call
 # a store slower than the run: each step written costs the writer 1.5 times what a step costs the run (which spends
-# 20 ms a step outside torch), so the writer holds the run back (`Writer.paced`); worker options, not torchEmber's
-PACED = {'paced': dict(slow_write=1.5, step_s=0.02)}
+# 20 ms a step outside torch), so the writer holds the run back (`Writer.paced`); worker options, not torchEmber's.
+# At most 0.3 s a step: a finished step may wait for the write under way, then take its own, so a store that takes
+# over about 0.4 s a step cannot keep the one-second bound (the guarantees chapter says so); uncapped, a loaded CI
+# machine (steps of 0.3 s and more) took the store there, and a step was written 1.03 s after it finished
+PACED = {'paced': dict(slow_write=1.5, slow_max=0.25, step_s=0.02)}
 RUNS = {**OPTIONS, **PACED}
 EVERY = {k: v.get('every', 1) for k, v in RUNS.items()}
 
@@ -125,6 +128,8 @@ class Outcome:
     stored: set      # the steps of run 'r' in the store afterwards
     paced: float = 0.   # s the run had waited for its writer when the signal was sent (`paced` cells)
     dropped: set = frozenset()   # the steps its writer dropped, thinning what waited (`paced` cells)
+    writes: list = ()   # (began, ended, steps) of each write (`paced` cells), to show where a lost step was
+    submitted: dict = None   # step -> when it was handed to the writer (`paced` cells)
 
 def _stored(db:str)->set:
     "The steps of run 'r' in store `db` (a SQLite file or a PostgreSQL URL)."
@@ -147,12 +152,18 @@ def _run(cell:Cell, db:str)->Outcome:
     sig = {'sigterm': signal.SIGTERM, 'sigint': signal.SIGINT}.get(cell.guarantee, signal.SIGKILL)
     after = cell.after
     if after is None: after = random.uniform(1.5, 3) if sig == signal.SIGKILL else random.uniform(0.05, 2)
-    printed, t0, first, paced, dropped = {}, None, None, 0., set()
+    printed, t0, first, paced, dropped, writes, submitted = {}, None, None, 0., set(), [], {}
     try:
         for line in p.stdout:
             parts = line.split()
             if parts[:1] == ['paced']:
                 paced = float(parts[1])
+                continue
+            if parts[:1] == ['wrote']:
+                writes.append((float(parts[1]), float(parts[2]), [int(s) for s in parts[3:]]))
+                continue
+            if parts[:1] == ['submitted']:
+                submitted[int(parts[2])] = float(parts[1])
                 continue
             if parts[:1] == ['dropped']:
                 dropped.add(int(parts[1]))
@@ -178,7 +189,7 @@ def _run(cell:Cell, db:str)->Outcome:
             rest, err = p.communicate()
             err += f'\n(still running 120 s after {sig.name}: killed)'
     dropped |= {int(l.split()[1]) for l in rest.splitlines() if l.startswith('dropped ')}   # unread at the kill
-    return Outcome(printed, sent, p.returncode, err, _stored(db), paced, dropped)
+    return Outcome(printed, sent, p.returncode, err, _stored(db), paced, dropped, writes, submitted)
 
 @pytest.fixture(scope='module')
 def outcomes(request, tmp_path_factory):
@@ -222,7 +233,15 @@ def test_kill_9_keeps_every_step_finished_over_a_second_before(outcomes, cell):
     assert len(old) >= 2, f"too few steps to judge: {sorted(o.printed)}"
     if cell.option in PACED: assert o.paced > 0, "the writer never held the run back: the cell tests no pacing"
     lost = old - o.stored - o.dropped   # a step the writer dropped was said to be (a warning and a count), not lost
-    assert not lost, f"{len(lost)} steps finished over 1 s before the kill are not stored: {sorted(lost)[:10]}"
+    assert not lost, (f"{len(lost)} steps finished over 1 s before the kill are not stored: {sorted(lost)[:10]}"
+                      + ''.join(_where(o, s) for s in sorted(lost)[:3]))
+
+def _where(o:Outcome, step:int)->str:
+    "Where lost `step` was, in s before the kill: when it finished, and the writes around it (`paced` cells print them)."
+    ago = lambda t: f"{o.sent - t:.2f}"
+    near = [w for w in o.writes if w[1] >= o.printed[step] - 1][:4]
+    return (f"\nstep {step} finished {ago(o.printed[step])} s before the kill; writes then (began, ended, steps): "
+            + ('; '.join(f"{ago(b)} {ago(e)} {s}" for b, e, s in near) or 'none'))
 
 @pytest.mark.parametrize('cell', _cells('pause'))
 def test_kill_9_in_a_pause_keeps_the_step_before_it(outcomes, cell):
