@@ -112,12 +112,16 @@ def test_gpu_stats_benchmark_runs_as_is():
     assert all(float(w[1]) > 0 and float(w[2]) >= float(w[1]) for w in rows), r.stdout
 
 def test_hook_floor_benchmark_runs_as_is():
-    "The script that times bare module hooks in a compiled forward runs end to end, each copy timed; figures not checked."
+    "The script that times module hooks in a compiled forward runs end to end, each copy timed and its guards profiled; figures not checked."
     r = subprocess.run([sys.executable, str(GPU.parent/'hook_floor.py'), '--rounds', '2', '--calls', '1'],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    rows = [l.split() for l in r.stdout.splitlines() if l.startswith('  ')]
-    assert [w[0] for w in rows] == ['control', 'shared', 'partial'] and all(w[2] == 'us' for w in rows), r.stdout
+    timed, guards = r.stdout.split("dynamo's guards")   # torch 2.13 has the profiler the second part reads
+    rows = [l.split() for l in timed.splitlines() if l.startswith('  ')]
+    assert [w[0] for w in rows] == ['control', 'shared', 'partial', 'armed'] and all(w[2] == 'us' for w in rows), r.stdout
+    rows = [l.split() for l in guards.splitlines() if l.startswith('  ')]
+    assert [w[0] for w in rows] == ['bare', 'control', 'shared', 'partial', 'armed'], r.stdout
+    assert all(float(w[1]) > 0 for w in rows), r.stdout
     assert 'machine:' in r.stdout, r.stdout
 
 def test_gpu_benchmark_compiled_runs_as_is():
