@@ -59,7 +59,7 @@ def over_bare(times:dict, calls:int, call:str, what:str):
 GUARDS = {}   # copy -> µs dynamo's profiler took to evaluate its guards
 
 def guards_of(name:str):
-    "While `name` compiles, keep what evaluating its guards takes (1,000 runs); the profiler, None where torch lacks it."
+    "While `name` compiles, keep what its guards take (1,000 runs); the profiler, None where torch lacks it."
     import torch._dynamo.guards as G
     profile = getattr(G, 'profile_guard_manager', None)
     if profile is None: return

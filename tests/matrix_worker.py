@@ -10,7 +10,9 @@ Each step prints `step time` after its backward and optimizer step, so a printed
 `OPTIONS_JSON` may hold `"slow_write": k`: each step written then costs the writer `k` times what a step costs the run
 (its time bar what it waited for the writer), a store slower than the run whatever the machine's load, and with
 `"slow_max": s` at most `s` a step: the writer thread sleeps before each write what its writes do not already take of
-that (then writes itself, or through the writer process), and prints `wrote began ended steps...` after each write. After each step the writer's `paced` (the seconds the run has waited for it) is printed as `paced s`,
+that (then writes itself, or through the writer process), and prints `wrote began ended steps...` after each write
+(and `submitted time step` as each step is handed to the writer). After each step the writer's `paced` (the seconds
+the run has waited for it) is printed as `paced s`,
 and each step the writer drops, thinning what waits (it falls behind by more than holding the run back makes up), as
 `dropped step`. `"step_s": s` has each step spend `s` more outside torch (loading data, say).
 `TE_MATRIX_BREAK` breaks a promise on purpose, to show that the matrix sees it: `linger` makes the writer wait 5 s
