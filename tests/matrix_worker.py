@@ -17,6 +17,8 @@ and each step the writer drops, thinning what waits (it falls behind by more tha
 `dropped step`. `"step_s": s` has each step spend `s` more outside torch (loading data, say).
 `TE_MATRIX_BREAK` breaks a promise on purpose, to show that the matrix sees it: `linger` makes the writer wait 5 s
 before it takes a step, `closer` leaves a finished step open until the next call.
+On SIGTERM or SIGINT, torchember's handler prints on stderr where it found the main thread and the open step's state
+(`signal at ...`), then how long it waited for the writer (`signal waited ...`): a lost step's message shows them.
 """
 import json, os, signal, sys, time
 
@@ -33,7 +35,27 @@ def say(*parts):
     sys.stdout.write(' '.join(map(str, parts)) + '\n')
     sys.stdout.flush()
 
+def trace_signals():
+    "Have torchember's signal handler print, on stderr, where it found the main thread and what it waited for."
+    import torchember.ember as E
+    inner = E._write_finished
+    def traced(ends:bool):
+        f, where = sys._getframe(2), []   # the frame the signal interrupted
+        while f is not None and len(where) < 8: where.append(f.f_code.co_name); f = f.f_back
+        for te in list(E._armed.values()):
+            c, w = te.capture, te.writer
+            sys.stderr.write(f"signal at {time.monotonic()} in {'<'.join(where)}: step {c.step} open {c._open} "
+                             f"depth {c._depth} grads {c._grads is not None} due {c._backward_due} "
+                             f"finished {c._done_at} waiting {w.waiting() if w else None}\n")
+        t = time.monotonic()
+        try: return inner(ends)
+        finally:
+            ws = [te.writer for te in list(E._embers) if te.writer is not None]
+            sys.stderr.write(f"signal waited {time.monotonic() - t:.3f} s, still waiting {[w.waiting() for w in ws]}\n")
+    E._write_finished = traced
+
 def main(db:str, options:dict, mode:str):
+    trace_signals()
     broken = os.environ.get('TE_MATRIX_BREAK')
     if broken == 'linger': torchember.store.writer.LINGER_S = torchember.ember.PROCESS_LINGER_S = 5.0
     if broken == 'closer': torchember.core.Capture.close_finished = lambda self, after=None: self
