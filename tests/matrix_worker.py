@@ -40,19 +40,35 @@ def trace_signals():
     import torchember.ember as E
     inner = E._write_finished
     def traced(ends:bool):
-        f, where = sys._getframe(2), []   # the frame the signal interrupted
-        while f is not None and len(where) < 8: where.append(f.f_code.co_name); f = f.f_back
-        for te in list(E._armed.values()):
-            c, w = te.capture, te.writer
-            sys.stderr.write(f"signal at {time.monotonic()} in {'<'.join(where)}: step {c.step} open {c._open} "
-                             f"depth {c._depth} grads {c._grads is not None} due {c._backward_due} "
-                             f"finished {c._done_at} waiting {w.waiting() if w else None}\n")
+        sys.stderr.write(f"signal: writing the finished steps (ends {ends})\n")
+        try:
+            f, where = sys._getframe(3), []   # the frame the signal interrupted (below the handler and `entered`)
+            while f is not None and len(where) < 8: where.append(f.f_code.co_name); f = f.f_back
+            for te in list(E._armed.values()):
+                c, w = te.capture, te.writer
+                sys.stderr.write(f"signal at {time.monotonic()} in {'<'.join(where)}: step {c.step} open {c._open} "
+                                 f"depth {c._depth} grads {c._grads is not None} due {c._backward_due} "
+                                 f"finished {c._done_at} waiting {w.waiting() if w else None}\n")
+        except Exception as e: sys.stderr.write(f"signal: its state unread ({type(e).__name__}: {e})\n")
         t = time.monotonic()
         try: return inner(ends)
+        except BaseException as e:
+            sys.stderr.write(f"signal handler raised {type(e).__name__}: {e}\n")
+            raise
         finally:
             ws = [te.writer for te in list(E._embers) if te.writer is not None]
             sys.stderr.write(f"signal waited {time.monotonic() - t:.3f} s, still waiting {[w.waiting() for w in ws]}\n")
     E._write_finished = traced
+    handler = E._on_signal
+    def entered(signum, frame):
+        sys.stderr.write(f"signal {signum} entered at {time.monotonic()}, deferred {E._deferred.get(signum, 0)}, "
+                         f"changing step {E._changing_step(frame)}\n")
+        try: return handler(signum, frame)
+        except BaseException as e:
+            sys.stderr.write(f"signal handler raised {type(e).__name__}: {e}\n")
+            raise
+        finally: sys.stderr.write(f"signal handler returned at {time.monotonic()}\n")
+    E._on_signal = entered   # the handler arming installs
 
 def main(db:str, options:dict, mode:str):
     trace_signals()
