@@ -142,3 +142,13 @@ def test_graph_pass_probe_runs_as_is():
     assert handed and int(handed[0].split()[4]) > 20, r.stdout   # the module calls' last tensors of 6 blocks and the rest
     rows = [l.split() for l in r.stdout.splitlines() if l.startswith('  ')]
     assert [w[0] for w in rows] == ['pass_end', 'pass_each', 'hooks'], r.stdout
+
+def test_compile_split_runs_as_is():
+    "The script that splits an armed compiled step's cost runs end to end: every configuration against bare, both ratios; figures not checked."
+    r = subprocess.run([sys.executable, str(GPU.parent/'compile_split.py'), '--model', 'mlp32', '--rounds', '1', '--k', '2'],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [l.split() for l in r.stdout.splitlines() if l.startswith('  ')]
+    assert [w[0] for w in rows] == ['every1', 'nowriter', 'every10'], r.stdout
+    assert all(w[1] == 'wall' and float(w[2].rstrip('x')) > 0 for w in rows), r.stdout
+    assert 'machine:' in r.stdout, r.stdout
