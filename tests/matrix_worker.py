@@ -17,8 +17,10 @@ and each step the writer drops, thinning what waits (it falls behind by more tha
 `dropped step`. `"step_s": s` has each step spend `s` more outside torch (loading data, say).
 `TE_MATRIX_BREAK` breaks a promise on purpose, to show that the matrix sees it: `linger` makes the writer wait 5 s
 before it takes a step, `closer` leaves a finished step open until the next call.
-On SIGTERM or SIGINT, torchember's handler prints on stderr where it found the main thread and the open step's state
-(`signal at ...`), then how long it waited for the writer (`signal waited ...`): a lost step's message shows them.
+On SIGTERM or SIGINT, torchember's handler prints on stderr as it is entered (`signal N entered ...`: whether a step
+was changing hands, so that it defers the signal), where it found the main thread and the open step's state
+(`signal at ...`), how long it waited for the writer (`signal waited ...`), and whether it raised or returned: a lost
+step's message shows these lines.
 """
 import json, os, signal, sys, time
 

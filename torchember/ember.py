@@ -400,7 +400,7 @@ def _write_finished(ends:bool):
             if te._forked or lock is None or not lock.acquire(timeout=max(end - time.monotonic(), 0)): continue
             try:
                 if cap._depth == 0 and cap._grads is None and not cap._backward_due: cap.close()
-            except Exception: pass   # (a `strict` error kept for the next close) the other steps are written still
+            except Exception: pass   # a step that fails to close (a `strict` error) keeps no other from being written
             finally: lock.release()
     for te in list(_embers):
         if te.writer is not None: te.writer.wait(max(end - time.monotonic(), 0))
