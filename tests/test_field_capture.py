@@ -334,6 +334,31 @@ def test_copy_keeps_the_users_hooks_and_disarm_gives_copying_back(db):
     h.remove()
     assert not model[0]._forward_pre_hooks
 
+class _Sym(nn.Module):   # a parametrization: its module's class deep-copies itself its own way
+    def forward(self, X): return X.triu() + X.triu(1).transpose(-1, -2)
+
+@pytest.mark.parametrize('compiled', [False, True], ids=['eager', 'compiled'])
+def test_copy_made_its_own_way_records_nothing_and_never_raises(db, compiled):
+    "A parametrized module's copy keeps the module hooks: they record nothing, and raise nothing once the run is gone."
+    from torch.nn.utils import parametrize
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    parametrize.register_parametrization(model[0], 'weight', _Sym())
+    te = torchEmber(model, run=run_name(), db=db)
+    x = torch.randn(3, 4)
+    model(x).sum().backward()
+    y = model(x)                                          # a step open, its hooks in place
+    c = copy.deepcopy(model)
+    assert '__deepcopy__' in type(c[0]).__dict__          # copied its own way, hooks and all
+    call = torch.compile(c) if compiled else c
+    call(x).sum().backward()                              # while the original's step is open
+    y.sum().backward()
+    rows = te.flush().df()
+    assert te.run.n_steps == 2 and len(rows.drop_duplicates(['step', 'module', 'ttype', 'tname'])) == len(rows)
+    te.disarm(); del te, y; gc.collect()
+    out = call(x)                                         # the capture is gone: the copy's hooks find none
+    assert out.shape == (3, 2)
+
 SAVE = """
 import sys, torch
 from torch import nn

@@ -300,11 +300,23 @@ _owners = weakref.WeakKeyDictionary()   # module -> the Capture that armed it (f
 _HOOK_DICTS = ('_forward_pre_hooks', '_forward_pre_hooks_with_kwargs', '_forward_hooks', '_forward_hooks_with_kwargs',
                '_forward_hooks_always_called')
 
+_MODULE_HOOKS = []    # the module hooks `arm` puts on (below): one function each, shared by every module
+_MODULE_ATTRS = ('_ember',)   # what they read on each module: its `_Label`
+
+def _unlabelled(): return None
+
+class _Label:
+    "What the module hooks read on an armed module: the capture's key and the module's tag. A copy of it is None."
+    def __init__(self, key:int, tag:torch.Tensor): self.key, self.tag = key, tag
+    def __deepcopy__(self, memo): return None
+    def __copy__(self): return None
+    def __reduce__(self): return (_unlabelled, ())
+
 def _bare_state(state:dict)->dict:
-    "A module's `state` less every `_Hook` in it and the entries of its hook dicts that hold one (with their flags)."
+    "A module's `state` less torchember's hooks, the hook dicts' entries holding one, and the attribute they read."
     ours = {k for a in ('_forward_pre_hooks', '_forward_hooks')
-            for k, h in state.get(a, {}).items() if isinstance(h, _Hook)}
-    state = {k: v for k, v in state.items() if not isinstance(v, _Hook)}
+            for k, h in state.get(a, {}).items() if isinstance(h, _Hook) or h in _MODULE_HOOKS}
+    state = {k: v for k, v in state.items() if not isinstance(v, _Hook) and k not in _MODULE_ATTRS}
     for a in _HOOK_DICTS:
         if ours and a in state: state[a] = OrderedDict((k, v) for k, v in state[a].items() if k not in ours)
     return state
@@ -387,18 +399,33 @@ def _by_key(self:Capture)->int:
     if key not in _BY_KEY: _BY_KEY[key] = weakref.ref(self, lambda _, k=key: _BY_KEY.pop(k, None))
     return key
 
-# A compiled model's module hooks find the capture by key, through one global, and a post-hook holds no tag (it takes
-# its pre-hook's; with io_grad it holds one, as the traced hooks keep no state then): dynamo guards `a is b`, in Python,
-# for an object reached two ways, and a hook's bound method and a post-hook's tag made three such guards a module.
+# The module hooks find the capture by key, through one global, and a post-hook takes its pre-hook's tag (with io_grad
+# it reads the tag, as the traced hooks keep no state then): dynamo guards `a is b`, in Python, for an object reached
+# two ways, and a hook's bound method and a post-hook's tag made three such guards a module. Each hook is one plain
+# function for every module, reading the key and the tag on the module's `_Label`: dynamo guards a function by its
+# code alone, where a partial holding them cost the guards of its type, its arguments and its tag.
 def _pre_of(key:int, tag, mod, args, kwargs):
-    "A compiled model's forward pre-hook: the capture's, found by `key`."
-    if (cap := _BY_KEY[key]()) is not None: return cap._pre(tag, mod, args, kwargs)
+    "A compiled model's forward pre-hook: the capture's, found by `key` (none: a copy's, made its own way)."
+    if (ref := _BY_KEY.get(key)) is not None and (cap := ref()) is not None: return cap._pre(tag, mod, args, kwargs)
 
 def _post_of(key:int, tag, mod, args, out):
     "A compiled model's forward hook: the capture's, found by `key`."
-    if (cap := _BY_KEY[key]()) is not None: return cap._post(tag, mod, args, out)
+    if (ref := _BY_KEY.get(key)) is not None and (cap := ref()) is not None: return cap._post(tag, mod, args, out)
 
-_dynamo_skips(_pre_of, _post_of)   # as the capture's own hooks (below): traced where inlined, never a frame
+def _module_pre(mod, args, kwargs):
+    "Every armed module's forward pre-hook: its capture's, found by the module's key, with the module's tag."
+    if (label := getattr(mod, '_ember', None)) is not None: return _pre_of(label.key, label.tag, mod, args, kwargs)
+
+def _module_post(mod, args, out):
+    "Every armed module's forward hook: its capture's (which takes the tag of the call it closes)."
+    if (label := getattr(mod, '_ember', None)) is not None: return _post_of(label.key, None, mod, args, out)
+
+def _module_post_tagged(mod, args, out):
+    "Every armed module's forward hook with `io_grad`: its capture's, with the module's tag."
+    if (label := getattr(mod, '_ember', None)) is not None: return _post_of(label.key, label.tag, mod, args, out)
+
+_MODULE_HOOKS += [_module_pre, _module_post, _module_post_tagged]
+_dynamo_skips(_pre_of, _post_of, *_MODULE_HOOKS)   # as the capture's own hooks (below): traced where inlined
 
 @patch
 def arm(self:Capture):
@@ -418,9 +445,21 @@ def arm(self:Capture):
     p = next(iter(self.model.parameters()), None)
     self.clock = _CudaClock() if self.timing and p is not None and p.is_cuda else time.perf_counter
     self._opt_hook = register_optimizer_step_post_hook(_optimizer_stepped(self))
+    self._label_modules()
     if self.compiled is not None: self._install()   # the module hooks in place before a first trace: compiled with them
     self.armed = True
     return self
+
+@patch
+def _label_modules(self:Capture, on:bool=True):
+    "Put on each selected module (or take off) its `_Label`: the capture's key and its tag, for the module hooks."
+    if self.compiled is None: return
+    key, tags = self._by_key(), self.compiled.tags
+    for mi, m in enumerate(self.mods):
+        if not (mi and self.selected[mi]): continue
+        d = m.__dict__   # around the class's own `__setattr__`
+        if on: d['_ember'] = _Label(key, tags[mi])
+        else: d.pop('_ember', None)
 
 @patch
 def _install(self:Capture):
@@ -430,10 +469,9 @@ def _install(self:Capture):
         if self.compiled is None:
             self._made = [(m, _Hook(self._pre, mi), _Hook(self._post, mi))
                           for mi, m in enumerate(self.mods) if mi and self.selected[mi]]
-        else:   # no int a graph of one block holds: a tag; a post-hook takes its pre-hook's (see `_pre_of`)
-            key, tags = self._by_key(), self.compiled.tags
-            self._made = [(m, _Hook(_pre_of, key, tags[mi]), _Hook(_post_of, key, tags[mi] if self.io_grad else None))
-                          for mi, m in enumerate(self.mods) if mi and self.selected[mi]]
+        else:   # no int a graph of one block holds: a tag on each module (`_label_modules`)
+            post = _module_post_tagged if self.io_grad else _module_post
+            self._made = [(m, _module_pre, post) for mi, m in enumerate(self.mods) if mi and self.selected[mi]]
     key = RemovableHandle.next_id     # taken as a handle takes it, so no later handle gets it
     while self._key_taken(key): key += 1
     RemovableHandle.next_id, self._hooked = key + 1, key
@@ -495,6 +533,7 @@ def disarm(self:Capture):
     self._root = []
     if self._opt_hook is not None: self._opt_hook.remove(); self._opt_hook = None
     self._uninstall()
+    self._label_modules(False)
     for m in self.mods:
         if _owners.get(m) is self: del _owners[m]
     _copy_as_usual()
@@ -510,6 +549,11 @@ _graph_task = torch._C._current_graph_task_id   # -1 unless a backward is runnin
 _compiling = torch.compiler.is_compiling   # dynamo is tracing this call: hooks take `self.compiled`'s traceable path
 _transforms_on = torch._C._are_functorch_transforms_active   # inside torch.func's vmap, grad, jacrev, ...
 _aside = threading.local()                                    # `.on`: this thread is in `_normal_mode`
+
+def _in_compiled_module()->bool:
+    "Whether `torch.compile(module)`'s wrapper is calling a module: a root pre-hook now precedes a compiled forward."
+    ef = sys.modules.get('torch._dynamo.eval_frame')
+    return ef is not None and getattr(ef, '_in_optimized_module', False) is True
 
 def _capturing()->bool:
     "Whether this thread's CUDA stream is capturing a graph (`torch.cuda.graph`, `make_graphed_callables`)."
@@ -537,6 +581,8 @@ def _root_pre(self:Capture, mod, args, kwargs, inference:bool=False):
         with _normal_mode(): return self._root_pre(mod, args, kwargs, inference=inference)
     if self._depth and not self._nested(): self._depth = 0   # the last root call was interrupted (Ctrl-C)
     if self._depth == 0:
+        # the root's forward is compiled whole: its graph knows each module, so the module hooks need no tag input
+        if self.compiled is not None: self.compiled.whole = _in_compiled_module()
         if _capturing(): return self._in_capture()
         self._captured = False
         self._stepped = False          # optimizer steps from now until the next call count as one iteration
@@ -602,6 +648,7 @@ def _root_post(self:Capture, mod, args, out, backward:bool=None):
     if self._kept or self._watched: self._measure_kept()   # the forward is over: what its hooks kept is measured now
     self._depth -= 1
     if self._depth == 0:
+        if self.compiled is not None: self.compiled.whole = False
         if self._skip: self._skip = False
         elif sys.exc_info()[1] is not None: self.close()
         elif self._open:
@@ -624,7 +671,8 @@ def _pre(self:Capture, tag, mod, args, kwargs, inference:bool=False):   # tag: w
     if (_inference_on() or _transforms_on()) and _set_aside():
         inference = _inference_on()
         with _normal_mode(): return self._pre(tag, mod, args, kwargs, inference)
-    mi = self.index[id(mod)]
+    mi = self.index.get(id(mod))
+    if mi is None: return   # a module of another's copy, made its own way (see `_bare_state`)
     c = self._calls[mi]
     self._calls[mi] = c + 1
     stack = self._stack
@@ -645,7 +693,8 @@ def _post(self:Capture, tag, mod, args, out):
     if not self._open or self._skip or not self._stack or _graph_task() != -1: return
     if (_inference_on() or _transforms_on()) and _set_aside():
         with _normal_mode(): return self._post(tag, mod, args, out)
-    mi = self.index[id(mod)]
+    mi = self.index.get(id(mod))
+    if mi is None: return
     c = self._stack.pop()[1]
     if self.timing and (mi, c) in self._times: self._times[mi, c][2] = self.clock()
     outs = [('output', out)] if isinstance(out, torch.Tensor) else named_tensors(out, 'output')
