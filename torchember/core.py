@@ -550,10 +550,11 @@ _compiling = torch.compiler.is_compiling   # dynamo is tracing this call: hooks 
 _transforms_on = torch._C._are_functorch_transforms_active   # inside torch.func's vmap, grad, jacrev, ...
 _aside = threading.local()                                    # `.on`: this thread is in `_normal_mode`
 
-def _in_compiled_module()->bool:
-    "Whether `torch.compile(module)`'s wrapper is calling a module: a root pre-hook now precedes a compiled forward."
+def _compiled_whole(root:nn.Module)->bool:
+    "Whether `root`'s forward, now called, is compiled whole: `torch.compile(root)`'s wrapper or `root.compile()`."
     ef = sys.modules.get('torch._dynamo.eval_frame')
-    return ef is not None and getattr(ef, '_in_optimized_module', False) is True
+    if ef is None: return False   # nothing was ever compiled
+    return getattr(ef, '_in_optimized_module', False) is True or getattr(root, '_compiled_call_impl', None) is not None
 
 def _capturing()->bool:
     "Whether this thread's CUDA stream is capturing a graph (`torch.cuda.graph`, `make_graphed_callables`)."
@@ -582,7 +583,7 @@ def _root_pre(self:Capture, mod, args, kwargs, inference:bool=False):
     if self._depth and not self._nested(): self._depth = 0   # the last root call was interrupted (Ctrl-C)
     if self._depth == 0:
         # the root's forward is compiled whole: its graph knows each module, so the module hooks need no tag input
-        if self.compiled is not None: self.compiled.whole = _in_compiled_module()
+        if self.compiled is not None: self.compiled.whole = _compiled_whole(mod)
         if _capturing(): return self._in_capture()
         self._captured = False
         self._stepped = False          # optimizer steps from now until the next call count as one iteration
