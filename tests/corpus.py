@@ -285,6 +285,14 @@ CORPUS = {
 }
 "Name -> zero-argument factory returning `(model, make_batch)`, for the small test models."
 
+class Wrapped(nn.Module):
+    "A model class of the user's around `body`: `torch.compile` of it runs its root hooks outside the compiled graph."
+    def __init__(self, body: nn.Module):
+        super().__init__()
+        self.body = body
+    def forward(self, x): return self.body(x)
+
+
 class GPTBlock(nn.Module):
     "A GPT-2 block: pre-norm causal self-attention and a 4x GELU MLP."
     def __init__(self, d, heads):

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 import torchember.store.writer, torchember.ember, torchember.core
 from torchember import torchEmber
+import corpus
 
 PAUSE_AFTER = 12
 
@@ -78,7 +79,8 @@ def main(db:str, options:dict, mode:str):
     if broken == 'linger': torchember.store.writer.LINGER_S = torchember.ember.PROCESS_LINGER_S = 5.0
     if broken == 'closer': torchember.core.Capture.close_finished = lambda self, after=None: self
     torch.manual_seed(0)
-    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(32, 32), nn.ReLU())], nn.Linear(32, 1))
+    body = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(32, 32), nn.ReLU())], nn.Linear(32, 1))
+    model = corpus.Wrapped(body) if options.pop('wrapped', False) else body
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     compiled = options.pop('compile', False)
     # s a step costs the run, bar its waits for the writer; and the writer, bar its sleep
@@ -112,7 +114,7 @@ def main(db:str, options:dict, mode:str):
     if mode == 'first':
         def slow_once(m, args, out):
             if step == 0: say('inside', time.monotonic()); time.sleep(30)
-        model[0].register_forward_hook(slow_once)
+        body[0].register_forward_hook(slow_once)
     call = torch.compile(model, fullgraph=mode != 'first') if compiled else model   # arm, then compile
     step = 0
     while True:

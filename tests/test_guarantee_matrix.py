@@ -23,6 +23,8 @@ share code are run once.
 - `torch.compile` (`compiled`; `compiled_hooks` adds `every=3`, `io_grad=True` and `track_updates=True`): the armed
   model compiled whole with `fullgraph=True` (inductor), so inputs and outputs are recorded by the op in the graph
   (`torchember.compiled`), the step opened and closed from the graph, and unrecorded steps keep their hooks;
+- `torch.compile` of a model class of the user's (`compiled_class`): its root hooks run outside the graph, before and
+  after a forward compiled whole, whose module hooks take their modules' numbers from the trace rather than tag inputs;
 - `stop_on=['nonfinite']` (`watched`): the writer judges each written step (`torchember.watch`) and a stop hook runs
   before every call of the model; nothing fires in these runs, so every promise must hold as without it;
 - a store slower than the run (`paced`, a worker option): each step written costs the writer 1.5 times what a step
@@ -59,12 +61,14 @@ from torch import nn
 
 from torchember import torchEmber
 from test_never_lose import tw
+from corpus import Wrapped
 import test_postgres
 
 WORKER = str(Path(__file__).parent/'matrix_worker.py')
 OPTIONS = {'plain': {}, 'snapshot': dict(snapshot=['*.weight', '*.output', '*.weight.grad'], hist=16, sample_n=64),
            'hooks': dict(timing=True, io_grad=True, track_updates=True), 'every': dict(every=3),
            'compiled': dict(compile=True), 'compiled_hooks': dict(compile=True, every=3, io_grad=True, track_updates=True),
+           'compiled_class': dict(compile=True, wrapped=True),   # a class of the user's: its root hooks outside the graph
            'watched': dict(stop_on=['nonfinite'])}   # live findings judged by the writer, a stop hook before every call
 # a store slower than the run: each step written costs the writer 1.5 times what a step costs the run (which spends
 # 20 ms a step outside torch), so the writer holds the run back (`Writer.paced`); worker options, not torchEmber's.
@@ -79,6 +83,7 @@ def _arm(model:nn.Module, run:str, db:str, options:dict):
     "Arm `model` with `options`, then compile it whole if they say `compile` (inductor, `fullgraph=True`): what to call, and the torchEmber."
     options = dict(options)
     compiled = options.pop('compile', False)
+    if options.pop('wrapped', False): model = Wrapped(model)
     te = torchEmber(model, run=run, db=db, **options)
     return (torch.compile(model, fullgraph=True) if compiled else model), te
 
@@ -106,7 +111,8 @@ CELLS = ([Cell('kill9', o, w, 'sqlite') for o in OPTIONS for w in ('thread', 'pr
             Cell('sigint', 'snapshot', 'thread', 'sqlite', after=0),
             Cell('sigint', 'snapshot', 'thread', 'postgresql', after=0)]
          + [Cell('pause', 'compiled', 'thread', 'sqlite'), Cell('sigterm', 'compiled_hooks', 'process', 'sqlite'),
-            Cell('sigint', 'compiled', 'thread', 'sqlite', after=-1), Cell('sigint', 'compiled_hooks', 'process', 'sqlite')]
+            Cell('sigint', 'compiled', 'thread', 'sqlite', after=-1), Cell('sigint', 'compiled_hooks', 'process', 'sqlite'),
+            Cell('sigterm', 'compiled_class', 'thread', 'sqlite')]
          + [Cell('sigterm', 'watched', 'process', 'sqlite'), Cell('sigint', 'watched', 'thread', 'sqlite')]
          + [Cell('kill9', 'paced', w, s) for w in ('thread', 'process') for s in ('sqlite', 'postgresql')])
 
@@ -365,6 +371,7 @@ def test_training_and_the_rng_are_unchanged(db, option):
     kw = {'all': ALL_ON, 'all_compiled': {**ALL_ON, 'compile': True}}.get(option) or OPTIONS[option]
     if kw.get('compile'): torch._dynamo.reset()
     bare = _model(dropout=True)
+    if kw.get('wrapped'): bare = Wrapped(bare)
     bare = _train(torch.compile(bare, fullgraph=True) if kw.get('compile') else bare)
     call, te = _arm(_model(dropout=True), option, db, kw)
     armed = _train(call)
@@ -383,7 +390,7 @@ def _slow(t):
 def _bad(t): raise ValueError("no stat today")
 
 @pytest.mark.parametrize('fn', [_slow, _bad], ids=['slow', 'failing'])
-@pytest.mark.parametrize('option', ['plain', 'snapshot', 'compiled', 'watched'])
+@pytest.mark.parametrize('option', ['plain', 'snapshot', 'compiled', 'compiled_class', 'watched'])
 @pytest.mark.parametrize('ttype', ['input', 'output', 'weight', 'weight_grad'])
 def test_a_slow_or_failing_stat_is_named_once(db, ttype, option, fn):
     "A slow stat is named in one warning; a failing one once per tensor it fails on, never again; the steps are stored."
