@@ -403,29 +403,20 @@ def _by_key(self:Capture)->int:
 # it reads the tag, as the traced hooks keep no state then): dynamo guards `a is b`, in Python, for an object reached
 # two ways, and a hook's bound method and a post-hook's tag made three such guards a module. Each hook is one plain
 # function for every module, reading the key and the tag on the module's `_Label`: dynamo guards a function by its
-# code alone, where a partial holding them cost the guards of its type, its arguments and its tag.
-def _pre_of(key:int, tag, mod, args, kwargs):
-    "A compiled model's forward pre-hook: the capture's, found by `key` (none: a copy's, made its own way)."
-    if (ref := _BY_KEY.get(key)) is not None and (cap := ref()) is not None: return cap._pre(tag, mod, args, kwargs)
-
-def _post_of(key:int, tag, mod, args, out):
-    "A compiled model's forward hook: the capture's, found by `key`."
-    if (ref := _BY_KEY.get(key)) is not None and (cap := ref()) is not None: return cap._post(tag, mod, args, out)
-
+# code alone, where a partial holding them cost the guards of its type, its arguments and its tag. No label, or no
+# capture under its key: a copy's hooks, made its own way (see `_bare_state`), or a run gone.
 def _module_pre(mod, args, kwargs):
     "Every armed module's forward pre-hook: its capture's, found by the module's key, with the module's tag."
-    if (label := getattr(mod, '_ember', None)) is not None: return _pre_of(label.key, label.tag, mod, args, kwargs)
+    if ((label := getattr(mod, '_ember', None)) is not None and (ref := _BY_KEY.get(label.key)) is not None
+            and (cap := ref()) is not None): return cap._pre(label.tag, mod, args, kwargs)
 
 def _module_post(mod, args, out):
-    "Every armed module's forward hook: its capture's (which takes the tag of the call it closes)."
-    if (label := getattr(mod, '_ember', None)) is not None: return _post_of(label.key, None, mod, args, out)
+    "Every armed module's forward hook: its capture's (the tag of the call it closes, or with `io_grad` the module's)."
+    if ((label := getattr(mod, '_ember', None)) is not None and (ref := _BY_KEY.get(label.key)) is not None
+            and (cap := ref()) is not None): return cap._post(label.tag if cap.io_grad else None, mod, args, out)
 
-def _module_post_tagged(mod, args, out):
-    "Every armed module's forward hook with `io_grad`: its capture's, with the module's tag."
-    if (label := getattr(mod, '_ember', None)) is not None: return _post_of(label.key, label.tag, mod, args, out)
-
-_MODULE_HOOKS += [_module_pre, _module_post, _module_post_tagged]
-_dynamo_skips(_pre_of, _post_of, *_MODULE_HOOKS)   # as the capture's own hooks (below): traced where inlined
+_MODULE_HOOKS += [_module_pre, _module_post]
+_dynamo_skips(*_MODULE_HOOKS)   # as the capture's own hooks (below): traced where inlined, never a frame
 
 @patch
 def arm(self:Capture):
@@ -470,8 +461,7 @@ def _install(self:Capture):
             self._made = [(m, _Hook(self._pre, mi), _Hook(self._post, mi))
                           for mi, m in enumerate(self.mods) if mi and self.selected[mi]]
         else:   # no int a graph of one block holds: a tag on each module (`_label_modules`)
-            post = _module_post_tagged if self.io_grad else _module_post
-            self._made = [(m, _module_pre, post) for mi, m in enumerate(self.mods) if mi and self.selected[mi]]
+            self._made = [(m, _module_pre, _module_post) for mi, m in enumerate(self.mods) if mi and self.selected[mi]]
     key = RemovableHandle.next_id     # taken as a handle takes it, so no later handle gets it
     while self._key_taken(key): key += 1
     RemovableHandle.next_id, self._hooked = key + 1, key
