@@ -6,7 +6,9 @@ two fresh models of the same seed are compiled, one bare and one armed (`every=1
 Printed: the graph breaks each compile took (dynamo's counters; `fullgraph=True` raises at a break), the graphs
 compiled after the warm-up (recompiles: none should follow a change of `every` or a train/eval switch), and the time of
 a training step, in blocks of K steps cycling bare, armed every step and armed `every=10` (the same compiled armed
-model, its capture's `every` switched: the cadence is decided at run time, the graph is the same). Ratios are medians
+model, its capture's `every` switched: the cadence is decided at run time, the graph is the same). Compiled, a third
+model armed with `every=10, bare_unrecorded=True` runs blocks of its own (`lean10`): its unrecorded steps run a second,
+hook-free graph, compiled once at its first unrecorded step, within its warm-up. Ratios are medians
 of each round's armed/bare: of wall time, and (`cpu`) of the training thread's CPU time, which other work on a shared
 machine moves less (torch on one thread runs there; a writer process's work is not in it).
 """
@@ -71,7 +73,11 @@ def bench(name, how, blocks_n, k, warm):
     armed_m, make, blocks = make_model()
     if how == 'blocks' and blocks is None: return None
     te = torchEmber(armed_m, run=f'compile-{name}-{how}', db=str(Path(tempfile.mkdtemp()) / 'compile.db'))   # armed first:
-    armed = _stepper(_compile(armed_m, how, blocks), armed_m, make)   # arming discards what was compiled before it
+    # and armed with `bare_unrecorded=True`, before anything compiles (arming discards what was compiled before it)
+    lean_m, _, _ = make_model() if how != 'eager' else (None, None, None)
+    lean_te = None if lean_m is None else torchEmber(lean_m, run=f'compile-{name}-{how}-lean', every=10,
+                                                     db=str(Path(tempfile.mkdtemp()) / 'lean.db'), bare_unrecorded=True)
+    armed = _stepper(_compile(armed_m, how, blocks), armed_m, make)
     t0 = time.perf_counter()
     armed_graphs, armed_breaks = _warm(armed, warm)
     armed_s = time.perf_counter() - t0
@@ -82,30 +88,40 @@ def bench(name, how, blocks_n, k, warm):
     bare_s = time.perf_counter() - t0
     te.capture.every = 10
     _warm(armed, 10)                      # every=10 from here: no graph may follow
+    configs = ['bare', 'every1', 'every10']
+    if lean_m is not None:               # its two graphs: a recorded step's, and the hook-free one of step 1
+        lean = _stepper(_compile(lean_m, how, blocks), lean_m, make)
+        _warm(lean, 12)
+        configs.append('lean10')
     after = _graphs()
-    times, cpu = {'bare': [], 'every1': [], 'every10': []}, {'bare': [], 'every1': [], 'every10': []}
+    times, cpu = {c: [] for c in configs}, {c: [] for c in configs}
     for r in range(blocks_n):
-        order = ['bare', 'every1', 'every10'] if r % 2 == 0 else ['every10', 'every1', 'bare']
-        for c in order:
+        for c in (configs if r % 2 == 0 else configs[::-1]):
             te.capture.every = 1 if c == 'every1' else 10
-            wall, used = _time(bare if c == 'bare' else armed, k)
+            wall, used = _time({'bare': bare, 'lean10': lean if lean_m is not None else None}.get(c, armed), k)
             times[c].append(wall); cpu[c].append(used)
     recompiles = _graphs() - after     # while every switched between 1 and 10
     g = _graphs(); bare.evaluate(); bare(); eval_bare = _graphs() - g       # a train/eval switch, and back
     g = _graphs(); armed.evaluate(); armed(); eval_armed = _graphs() - g
     te.flush(); rows = len(te.df()); te.disarm()
-    ratio = lambda c, t=times: statistics.median(a / b for a, b in zip(t[c], t['bare']))
+    if lean_te is not None: lean_te.flush(); lean_te.disarm()
+    ratio = lambda c, t=times: statistics.median(a / b for a, b in zip(t[c], t['bare'])) if t.get(c) else float('nan')
     return dict(model=name, how=how, bare_ms=statistics.median(times['bare']) * 1e3,
                 every1_ms=statistics.median(times['every1']) * 1e3, every10_ms=statistics.median(times['every10']) * 1e3,
                 r1=ratio('every1'), r10=ratio('every10'), c1=ratio('every1', cpu), c10=ratio('every10', cpu),
+                lean10=ratio('lean10'), clean10=ratio('lean10', cpu),
                 breaks=armed_breaks - bare_breaks, graphs=(bare_graphs, armed_graphs),
                 recompiles=recompiles, eval_graphs=(eval_bare, eval_armed), compile_s=(bare_s, armed_s), rows=rows)
+
+def _x(ratio:float, width:int)->str:
+    "A ratio printed `width` wide with its x, or a dash where there is none (an eager row has no `lean10`)."
+    return f"{ratio:{width}.2f}x" if ratio == ratio else f"{'-':>{width}} "
 
 def main(models, blocks_n=5, k=20, warm=3):
     print(__doc__.split('\n')[0])
     print(f"{blocks_n} rounds of {k} steps each; warm-up {warm} steps (the compile); ms are medians of a step")
     hdr = (f"{'model':<7} {'compile':<8} {'breaks+':>7} {'graphs b/a':>10} {'recompiles':>10} {'eval b/a':>8} {'bare ms':>8} {'every1 ms':>9} "
-           f"{'ratio':>6} {'every10 ms':>10} {'ratio':>6} {'cpu ratios':>11} {'compile s b/a':>14}")
+           f"{'ratio':>6} {'every10 ms':>10} {'ratio':>6} {'cpu ratios':>11} {'lean10':>6} {'cpu':>5} {'compile s b/a':>14}")
     print(hdr); print('-' * len(hdr))
     for name in models:
         for how in ('eager', 'whole', 'blocks'):   # eager: the same models uncompiled, armed over bare, beside
@@ -114,5 +130,5 @@ def main(models, blocks_n=5, k=20, warm=3):
                 print(f"{name:<7} {how:<8} (no blocks: each of its modules is one torch's dynamo skips; compiled whole only)")
                 continue
             print(f"{name:<7} {how:<8} {r['breaks']:7d} {r['graphs'][0]:>4}/{r['graphs'][1]:<5} {r['recompiles']:10d} "
-                  f"{r['eval_graphs'][0]:>3}/{r['eval_graphs'][1]:<4} {r['bare_ms']:8.2f} {r['every1_ms']:9.2f} {r['r1']:5.2f}x {r['every10_ms']:10.2f} {r['r10']:5.2f}x {r['c1']:5.2f}/{r['c10']:4.2f}x "
+                  f"{r['eval_graphs'][0]:>3}/{r['eval_graphs'][1]:<4} {r['bare_ms']:8.2f} {r['every1_ms']:9.2f} {r['r1']:5.2f}x {r['every10_ms']:10.2f} {r['r10']:5.2f}x {r['c1']:5.2f}/{r['c10']:4.2f}x {_x(r['lean10'], 5)} {_x(r['clean10'], 4)} "
                   f"{r['compile_s'][0]:6.1f}/{r['compile_s'][1]:<6.1f}", flush=True)

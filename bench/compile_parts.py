@@ -10,7 +10,9 @@ close), the bytes a recorded step measures, and the rate that makes. A whole ste
 from run to run on a shared machine, and `compile_split.py`'s blocks cannot tell a change of 1-2% of a step; a
 phase's median over a few hundred paired steps can. Nothing here asserts a figure.
 
-    python bench/compile_parts.py [--model gpt2] [--threads 2] [--steps 200]
+`--bare-unrecorded` arms with `bare_unrecorded=True`: unrecorded steps then run a second graph, without the hooks.
+
+    python bench/compile_parts.py [--model gpt2] [--threads 2] [--steps 200] [--bare-unrecorded]
 """
 import argparse, statistics, sys, tempfile, time
 from pathlib import Path
@@ -42,7 +44,8 @@ def _paired(armed, bare, n:int)->tuple:
 
 class _Timed:
     "Time the calls of `cls.name` (and count bytes with `size`) while in use."
-    def __init__(self, cls, name, size=None): self.cls, self.name, self.size, self.s, self.bytes = cls, name, size, 0.0, 0
+    def __init__(self, cls, name, size=None):
+        self.cls, self.name, self.size, self.s, self.bytes = cls, name, size, 0.0, 0
     def __enter__(self):
         self.orig = orig = getattr(self.cls, self.name)
         def timed(*a, **k):
@@ -58,7 +61,7 @@ def _region_bytes(hooks, tags, plan, ts)->int:
     "Bytes of the distinct tensors a region hands its op."
     return sum(t.numel() * t.element_size() for t in {id(t): t for t in ts}.values())
 
-def main(model:str='gpt2', threads:int=2, steps:int=200):
+def main(model:str='gpt2', threads:int=2, steps:int=200, bare_unrecorded:bool=False):
     from torchember import torchEmber
     from torchember.compiled import CompiledHooks
     from torchember.core import Capture
@@ -66,7 +69,8 @@ def main(model:str='gpt2', threads:int=2, steps:int=200):
     print(__doc__.split('\n')[0]); print(machine_line())
     torch.set_num_threads(threads)
     m, make, blocks = cb.MODELS[model]()
-    te = torchEmber(m, run='parts', db=str(Path(tempfile.mkdtemp()) / 'parts.db'))   # armed, then compiled
+    te = torchEmber(m, run='parts', db=str(Path(tempfile.mkdtemp()) / 'parts.db'),   # armed, then compiled
+                    bare_unrecorded=bare_unrecorded)
     armed = _phased(cb._compile(m, 'whole', blocks), m, make)
     for _ in range(5): armed([])
     b, _, _ = cb.MODELS[model]()
@@ -83,8 +87,9 @@ def main(model:str='gpt2', threads:int=2, steps:int=200):
           _Timed(Recorder, 'close') as close):
         rec = _paired(armed, bare, n)
     te.flush(); te.disarm()
-    print(f"{model}, compiled whole, torch on {threads} thread(s); medians of {steps} unrecorded and {n} recorded "
-          f"steps, each beside a bare one")
+    lean = ', bare_unrecorded' if bare_unrecorded else ''
+    print(f"{model}, compiled whole{lean}, torch on {threads} thread(s); medians of {steps} unrecorded and {n} "
+          f"recorded steps, each beside a bare one")
     for what, (a, b) in (('unrecorded', un), ('recorded', rec)):
         parts = []
         for i, phase in enumerate(PHASES):
@@ -104,5 +109,6 @@ if __name__ == '__main__':
     p.add_argument('--model', default='gpt2', choices=list(cb.MODELS))
     p.add_argument('--threads', type=int, default=2)
     p.add_argument('--steps', type=int, default=200)
+    p.add_argument('--bare-unrecorded', action='store_true')
     a = p.parse_args()
-    main(a.model, a.threads, a.steps)
+    main(a.model, a.threads, a.steps, a.bare_unrecorded)

@@ -153,9 +153,10 @@ def test_compile_split_runs_as_is():
     assert all(w[1] == 'wall' and float(w[2].rstrip('x')) > 0 for w in rows), r.stdout
     assert 'machine:' in r.stdout, r.stdout
 
-def test_compile_parts_runs_as_is():
+@pytest.mark.parametrize('lean', [[], ['--bare-unrecorded']], ids=['one-graph', 'bare-unrecorded'])
+def test_compile_parts_runs_as_is(lean):
     "The script that times an armed compiled step phase by phase runs end to end: both kinds of step, torchember's own work; figures not checked."
-    r = subprocess.run([sys.executable, str(GPU.parent/'compile_parts.py'), '--model', 'mlp32', '--steps', '8'],
+    r = subprocess.run([sys.executable, str(GPU.parent/'compile_parts.py'), '--model', 'mlp32', '--steps', '8', *lean],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [l.split() for l in r.stdout.splitlines() if l.startswith('  ')]

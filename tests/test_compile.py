@@ -88,15 +88,60 @@ def test_no_graph_break_no_recompile(runs):
 
 def test_rows_equal_eager(runs):
     "Every module's input and output rows, every parameter's weight and grad rows, at each recorded step: eager's."
-    c, e = runs['armed']['df'], runs['eager']['df']
+    assert_rows_equal(runs['armed'], runs['eager'])
+
+def assert_rows_equal(armed:dict, eager:dict):
+    "The rows and events of a compiled armed run (`train`'s), eager's."
+    c, e = armed['df'], eager['df']
     assert sorted(set(c.step)) == sorted(set(e.step)) and len(set(c.step)) == 4   # steps 0, 10, 20 and the eval call's
     assert set(c.ttype) == {'input', 'output', 'weight', 'weight_grad'}
     assert c[KEYS + ['shape', 'dtype']].equals(e[KEYS + ['shape', 'dtype']])
     for col in ['numel', 'mean', 'std', 'min', 'max', 'norm', 'nan_count', 'inf_count']:
         np.testing.assert_allclose(c[col].to_numpy(float), e[col].to_numpy(float), rtol=1e-5, atol=1e-6, err_msg=col)
-    assert runs['armed']['events'] == runs['eager']['events']
+    assert armed['events'] == eager['events']
     act = c.ttype != 'weight_grad'   # a grad exactly 0 in eager (attention's key bias) is rounding noise compiled
     np.testing.assert_allclose(c.zero_frac[act].to_numpy(float), e.zero_frac[act].to_numpy(float), atol=1e-6)
+
+LEAN = [(gpt, whole), (gpt9, blocks), (cnn, whole)]
+
+@pytest.mark.parametrize('make,how', LEAN, ids=[f'{m.__name__}-{h.__name__}' for m, h in LEAN])
+def test_bare_unrecorded(make, how, tmp_path, monkeypatch):
+    "`bare_unrecorded=True`: unrecorded steps run a second graph, compiled once, without the ops; eager's rows, bare's training."
+    from torchember.compiled import CompiledHooks
+    ran = []   # the step each region's op recorded into
+    take_calls = CompiledHooks.take_calls
+    def counted(self, *a):
+        ran.append(self.cap.step)
+        return take_calls(self, *a)
+    monkeypatch.setattr(CompiledHooks, 'take_calls', counted)
+    lean = train(make, how, tmp_path, bare_unrecorded=True)
+    bare, plain = train(make, how, tmp_path, armed=False), train(make, eager, tmp_path)
+    assert lean['breaks'] == 0
+    added = [x - y for x, y in zip(lean['graphs'], bare['graphs'])]
+    assert added[0] == 0 and set(added[1:]) == {1}, added   # the hook-free graph, at step 1; no graph after it
+    assert ran and set(ran) == set(lean['df'].step) == {0, 10, 20, 30}, sorted(set(ran))   # no op on other steps
+    assert_rows_equal(lean, plain)
+    for p, q in zip(lean['params'], bare['params']): assert torch.equal(p, q)
+
+def test_bare_unrecorded_follows_enable_and_every(tmp_path):
+    "With `bare_unrecorded`, `disable()`, `enable()` and a new `every` between steps pick the graph of the next step."
+    torch._dynamo.reset()
+    model, batch = mlp()
+    te = torchEmber(model, run='lean', db=str(tmp_path / 'lean.db'), every=2, bare_unrecorded=True)
+    call = torch.compile(model, fullgraph=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings('error', message='torchember')   # no step recorded without its modules (`root_call`)
+        for s in range(12):
+            if s == 3: te.disable()
+            if s == 6: te.enable()   # foreseen unrecorded while disabled, then recorded
+            if s == 9: te.capture.every = 1   # foreseen unrecorded at every=2, then recorded
+            call(batch(s)).square().mean().backward()
+    te.flush()
+    df = te.df()
+    outs = df[df.ttype == 'output'].groupby('step').size()
+    assert sorted(set(df.step)) == [0, 2, 6, 8, 9, 10, 11]   # not 4 (disabled); every step from 9
+    assert set(outs.index) == set(df.step) and outs.nunique() == 1   # every recorded step has every module's output
+    te.disarm()
 
 def test_training_unchanged(runs):
     "The armed compiled model trains exactly as the bare compiled one."

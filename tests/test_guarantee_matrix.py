@@ -25,6 +25,8 @@ share code are run once.
   (`torchember.compiled`), the step opened and closed from the graph, and unrecorded steps keep their hooks;
 - `torch.compile` of a model class of the user's (`compiled_class`): its root hooks run outside the graph, before and
   after a forward compiled whole, whose module hooks take their modules' numbers from the trace rather than tag inputs;
+- `bare_unrecorded=True` with `every=3` under `torch.compile` (`compiled_lean`): the module hooks come off after a step
+  whose next one is not recorded and go back on before one that is, so unrecorded steps run a second graph without them;
 - `stop_on=['nonfinite']` (`watched`): the writer judges each written step (`torchember.watch`) and a stop hook runs
   before every call of the model; nothing fires in these runs, so every promise must hold as without it;
 - a store slower than the run (`paced`, a worker option): each step written costs the writer 1.5 times what a step
@@ -69,6 +71,7 @@ OPTIONS = {'plain': {}, 'snapshot': dict(snapshot=['*.weight', '*.output', '*.we
            'hooks': dict(timing=True, io_grad=True, track_updates=True), 'every': dict(every=3),
            'compiled': dict(compile=True), 'compiled_hooks': dict(compile=True, every=3, io_grad=True, track_updates=True),
            'compiled_class': dict(compile=True, wrapped=True),   # a class of the user's: its root hooks outside the graph
+           'compiled_lean': dict(compile=True, every=3, bare_unrecorded=True),   # unrecorded steps: a hook-free graph
            'watched': dict(stop_on=['nonfinite'])}   # live findings judged by the writer, a stop hook before every call
 # a store slower than the run: each step written costs the writer 1.5 times what a step costs the run (which spends
 # 20 ms a step outside torch), so the writer holds the run back (`Writer.paced`); worker options, not torchEmber's.
@@ -112,7 +115,7 @@ CELLS = ([Cell('kill9', o, w, 'sqlite') for o in OPTIONS for w in ('thread', 'pr
             Cell('sigint', 'snapshot', 'thread', 'postgresql', after=0)]
          + [Cell('pause', 'compiled', 'thread', 'sqlite'), Cell('sigterm', 'compiled_hooks', 'process', 'sqlite'),
             Cell('sigint', 'compiled', 'thread', 'sqlite', after=-1), Cell('sigint', 'compiled_hooks', 'process', 'sqlite'),
-            Cell('sigterm', 'compiled_class', 'thread', 'sqlite')]
+            Cell('sigterm', 'compiled_class', 'thread', 'sqlite'), Cell('sigint', 'compiled_lean', 'thread', 'sqlite')]
          + [Cell('sigterm', 'watched', 'process', 'sqlite'), Cell('sigint', 'watched', 'thread', 'sqlite')]
          + [Cell('kill9', 'paced', w, s) for w in ('thread', 'process') for s in ('sqlite', 'postgresql')])
 
@@ -365,10 +368,11 @@ def _train(model, steps=4, seed=1):
         opt.step(); opt.zero_grad()
     return outs, grads, torch.get_rng_state()
 
-@pytest.mark.parametrize('option', [*OPTIONS, 'all', 'all_compiled'])
+@pytest.mark.parametrize('option', [*OPTIONS, 'all', 'all_compiled', 'all_lean'])
 def test_training_and_the_rng_are_unchanged(db, option):
     "Outputs, grads and the RNG of the armed model equal the bare one's; compiled: the bare model compiled the same way."
-    kw = {'all': ALL_ON, 'all_compiled': {**ALL_ON, 'compile': True}}.get(option) or OPTIONS[option]
+    kw = {'all': ALL_ON, 'all_compiled': {**ALL_ON, 'compile': True},
+          'all_lean': {**ALL_ON, 'compile': True, 'bare_unrecorded': True}}.get(option) or OPTIONS[option]
     if kw.get('compile'): torch._dynamo.reset()
     bare = _model(dropout=True)
     if kw.get('wrapped'): bare = Wrapped(bare)

@@ -116,6 +116,7 @@ class CompiledHooks:
         self._regions = {}   # (plan, its tags' ids) -> its `_Region`
         self.whole = False   # while traced: the root's call is being traced (a model compiled whole)
         self.stop_check = None   # called as a traced root's step opens (`stop_on`'s: may raise `TrainingStopped`)
+        self.unforeseen = False   # a recorded step ran a graph picked for an unrecorded one; said once
         _HOOKS[self.key] = weakref.ref(self)
         cap.compiled = self
         _hook_guards()   # here if dynamo is imported, else as the hooks are first traced
@@ -220,12 +221,14 @@ def root_pre(self:CompiledHooks, mod:nn.Module, args:tuple, kwargs:dict):
     torch.ops.torchember.step(self.token, self.key, True, torch.is_grad_enabled(), False)
     self.whole = True
     if not self.cap.io_grad: self.depth += 1
-    if self.cap.selected[0]: self.pre(self.tags[0], mod, args, kwargs, root=True)
+    # the root's inputs and outputs go with the module hooks: in the graph of a recorded step, not of another
+    if self.cap.selected[0] and self.cap._mods_on: self.pre(self.tags[0], mod, args, kwargs, root=True)
 
 @patch
 def root_post(self:CompiledHooks, mod:nn.Module, args:tuple, out):
     "The root's forward hook, traced: its outputs, the region's op, then the forward ends (in Python, from the graph)."
-    if self.cap.selected[0] and (tapped := self.post(self.tags[0] if self.cap.io_grad else 0, mod, args, out)) is not None:
+    tag = self.tags[0] if self.cap.io_grad else 0
+    if self.cap.selected[0] and self.cap._mods_on and (tapped := self.post(tag, mod, args, out)) is not None:
         out = tapped
     if not self.cap.io_grad:
         self.depth -= 1
@@ -242,8 +245,15 @@ def root_call(self:CompiledHooks, enter:bool, grad:bool, backward:bool):
     cap, root = self.cap, self.cap.mods[0]
     if enter and self.stop_check is not None: self.stop_check()   # raised out of the graph, before the step opens
     with torch.set_grad_enabled(grad):
-        if enter: cap._root_pre(root, (), {})
-        else: cap._root_post(root, (), None, backward=backward)
+        if not enter: return cap._root_post(root, (), None, backward=backward)
+        foreseen = cap._mods_on   # this graph was picked by the module hooks on or off (`Capture._foresee`)
+        cap._root_pre(root, (), {})
+        if cap._open and not foreseen and not self.unforeseen:
+            self.unforeseen = True
+            warnings.warn(f"torchember: step {cap.step} of {type(root).__name__} is recorded without its modules' "
+                          "inputs and outputs: its compiled graph was picked before the step was known to be recorded "
+                          "(was `every` or the step count changed by hand?); later steps are recorded whole",
+                          stacklevel=2)
 
 # %% ../nbs/01b_compiled.ipynb #d1de814f
 def _call_in(calls, stack:list, events:list, mi:int, ttype:str)->int:

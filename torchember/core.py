@@ -183,12 +183,14 @@ class Capture:
                  timing:bool=False,     # time each call's forward and backward
                  io_grad:bool=False,    # record the grads w.r.t. each module's inputs and outputs
                  flats:list=None,       # FSDP1's flat parameters: `flat_params` of the wrapped model (its root outside)
+                 bare_unrecorded:bool=False, # compiled: unrecorded steps run a second graph, without the module hooks
                 ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"torchember arms an nn.Module, not {type(model).__name__}")
         if not (isinstance(every, int) and every >= 1): raise ValueError(f"every must be a positive int, got {every!r}")
-        self.model, self.recorder, self.every = model, recorder, every
+        self.model, self.recorder, self._every = model, recorder, every
         self.record_eval, self.timing, self.io_grad = record_eval, timing, io_grad
+        self.bare_unrecorded = bare_unrecorded
         named = user_modules(model)
         pick = selector(modules)
         self.selected = [bool(pick(n, m)) for n, m in named]
@@ -200,10 +202,10 @@ class Capture:
         self._flats(flats or [])
         self.params = self.current_params()
         self.pieces = self.piece_map()
-        self.step, self.enabled, self.armed = -1, True, False
+        self.step, self._enabled, self.armed = -1, True, False
         self.recording, self._depth, self._open, self._skip = False, 0, False, False
         self._captured = self._said_capture = False   # the last root call ran inside a CUDA graph's capture; said so
-        self._root, self._made, self._hooked, self._params_on = [], None, None, False
+        self._root, self._made, self._hooked, self._params_on, self._mods_on = [], None, None, False, False
         self._grads, self._times, self._tensor_hooks = None, {}, []
         # the open step's outputs need grad and no backward has ended since: it is not finished
         self._backward_due = False
@@ -465,10 +467,19 @@ def _install(self:Capture):
     key = RemovableHandle.next_id     # taken as a handle takes it, so no later handle gets it
     while self._key_taken(key): key += 1
     RemovableHandle.next_id, self._hooked = key + 1, key
-    for m, pre, post in self._made:
-        m._forward_pre_hooks[key], m._forward_pre_hooks_with_kwargs[key] = pre, True
-        m._forward_hooks[key], m._forward_hooks_always_called[key] = post, True
+    self._hook_modules()
     self._hook_params()
+
+@patch
+def _hook_modules(self:Capture, on:bool=True):
+    "Put the per-module hooks in place under the hooks' key, or take them off and keep the key (see `_foresee`)."
+    key, self._mods_on = self._hooked, on
+    for m, pre, post in self._made:
+        if on:
+            m._forward_pre_hooks[key], m._forward_pre_hooks_with_kwargs[key] = pre, True
+            m._forward_hooks[key], m._forward_hooks_always_called[key] = post, True
+        else:
+            for d in _hook_dicts(m): d.pop(key, None)
 
 @patch
 def _hook_params(self:Capture):
@@ -501,9 +512,8 @@ def _uninstall(self:Capture):
     "Remove the per-module and per-parameter hooks, and each parameter's hook dict where that leaves it empty."
     if self._hooked is None: return
     self._unhook_params()
-    key, self._hooked = self._hooked, None
-    for m, _, _ in self._made:
-        for d in _hook_dicts(m): d.pop(key, None)
+    self._hook_modules(False)
+    self._hooked = None
 
 @patch
 def _unhook_params(self:Capture):
@@ -514,6 +524,26 @@ def _unhook_params(self:Capture):
         if (d := p._post_accumulate_grad_hooks) is not None:
             d.pop(key, None)
             if not d: p._post_accumulate_grad_hooks = None
+
+@patch
+def _foresee(self:Capture):
+    "With `bare_unrecorded`, between compiled steps: the module hooks on if the next step is recorded, else off."
+    if (not self.bare_unrecorded or self._depth or not self.armed or self._hooked is None or self.compiled is None
+        or not self.compiled.keeps_hooks()): return
+    on = self.enabled and (self.step + 1) % self.every == 0
+    if on != self._mods_on: self._hook_modules(on)
+
+def _set_every(self:Capture, every:int):
+    if not (isinstance(every, int) and every >= 1): raise ValueError(f"every must be a positive int, got {every!r}")
+    self._every = every
+    self._foresee()
+
+def _set_enabled(self:Capture, on:bool):
+    self._enabled = bool(on)
+    self._foresee()
+
+Capture.every = property(lambda self: self._every, _set_every, doc="Record one step in `every`.")
+Capture.enabled = property(lambda self: self._enabled, _set_enabled, doc="Whether steps are recorded at all.")
 
 @patch
 def disarm(self:Capture):
@@ -593,10 +623,13 @@ def _root_pre(self:Capture, mod, args, kwargs, inference:bool=False):
                 self.params = params
                 self.pieces = self.piece_map()
         if rec and self._hooked is None: self._install()
-        elif rec and not self._params_on: self._hook_params()
-        # compiled code keeps the module hooks (its graphs were traced with them); no graph holds a grad hook
-        elif not rec and self.compiled is not None and self.compiled.keeps_hooks(): self._unhook_params()
-        elif not rec: self._uninstall()
+        elif rec:
+            if not self._mods_on: self._hook_modules()   # a step `_foresee` did not see coming
+            if not self._params_on: self._hook_params()
+        # compiled code keeps the module hooks (its graphs were traced with them), or `_foresee` took them off; no
+        # graph holds a grad hook
+        elif self.compiled is not None and self.compiled.keeps_hooks(): self._unhook_params()
+        else: self._uninstall()
         self.recording = rec
         if rec:
             self._open, self._events, self._calls, self._stack = True, [], [0]*len(self.mods), []
@@ -651,6 +684,7 @@ def _root_post(self:Capture, mod, args, out, backward:bool=None):
             # no backward can follow: weights now
             if not self._backward_due and (read := getattr(self.recorder, 'read_weights', None)): read()
             if not self._backward_due: self._finished()   # nothing of it is to come: the closer may close it
+        self._foresee()
 
 # %% ../nbs/00_core.ipynb #4fa25472
 @patch

@@ -56,10 +56,12 @@ class torchEmber:
                  # which ranks of a distributed job record: a list of ranks or a predicate `rank -> bool`; default all
                  ranks=None,
                  stop_on=None,          # kinds of finding that stop training at the next step: nonfinite, spike, dead
+                 # compiled models: unrecorded steps run a second graph without the module hooks (one more compile)
+                 bare_unrecorded:bool=False,
                 ):
         _check_args(run, db, every, hist, sample_n, outliers, snapshot, snapshot_fn, stop_on, resume=resume,
                     strict=strict, record_eval=record_eval, timing=timing, io_grad=io_grad, track_updates=track_updates,
-                    overwrite=overwrite)
+                    overwrite=overwrite, bare_unrecorded=bare_unrecorded)
         self.stop_on = check_kinds(stop_on)   # a kind no detector makes is refused here, not never met
         if not isinstance(model, nn.Module):
             raise TypeError(f"torchEmber arms an nn.Module, not {type(model).__name__}")
@@ -80,7 +82,7 @@ class torchEmber:
         self.recorder = Recorder(self._emit, strict=strict)
         self.stat_fns = self.recorder.stat_fns
         self.capture = Capture(model, self.recorder, every=every, modules=modules, record_eval=record_eval,
-                               timing=timing, io_grad=io_grad, flats=flats)
+                               timing=timing, io_grad=io_grad, flats=flats, bare_unrecorded=bare_unrecorded)
         CompiledHooks(self.capture)      # its hooks' path inside compiled graphs (`torchember.compiled`)
         writers = sum(bool(pick(r)) for r in range(self.world_size))
         if self.capture.pieces and writers < self.world_size:
