@@ -4,8 +4,9 @@ Run as `python sharded_compile_worker.py STORE OUT` with torch.distributed's env
 CPU). Per setup, trained bare and armed: `arm_shard` (armed, then each block and the root `fully_shard`ed, eager),
 `arm_compile_shard` (armed, each block `.compile(fullgraph=True)`, then sharded), `arm_compile_ddp` (armed,
 `torch.compile(model)`, then `DistributedDataParallel` of that: nanoGPT's order) and `arm_ddp_compile` (armed, DDP, then
-`torch.compile` of the DDP module). DDP's buckets are made small, so dynamo's DDP optimizer splits the compiled graph at
-each bucket's end and the recording crosses the pieces. It writes `OUT.r.json` for rank `r`:
+`torch.compile` of the DDP module); and `arm_compile_shard_lean`, the second with `every=2, bare_unrecorded=True`.
+DDP's buckets are made small, so dynamo's DDP optimizer splits the compiled graph at each bucket's end and the
+recording crosses the pieces. It writes `OUT.r.json` for rank `r`:
 the losses bare and armed, dynamo's graph breaks and graphs, and per step the default stats of every whole parameter
 and grad, gathered with `full_tensor()`: what the store must hold, merged from the ranks' pieces.
 """
@@ -16,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torchember import torchEmber
 from sharded_worker import Net, dtensor_full, stats_of, D
 
-SETUPS = ('arm_shard', 'arm_compile_shard', 'arm_compile_ddp', 'arm_ddp_compile')
+SETUPS = ('arm_shard', 'arm_compile_shard', 'arm_compile_ddp', 'arm_ddp_compile', 'arm_compile_shard_lean')
 if hasattr(dist, '_DEFAULT_FIRST_BUCKET_BYTES'): dist._DEFAULT_FIRST_BUCKET_BYTES = 64   # DDP's first bucket; the others:
 BUCKET_MB = 0.0001 if hasattr(dist, '_DEFAULT_FIRST_BUCKET_BYTES') else 25    # ... a bucket a parameter or two
 
@@ -26,7 +27,9 @@ def train(setup:str, db=None, steps:int=3):
     torch._dynamo.reset(); counters.clear()
     torch.manual_seed(0)
     model = Net()
-    te = torchEmber(model, run=setup, db=db) if db else None   # armed first: before compiling and sharding
+    lean = setup.endswith('_lean')   # every=2 and `bare_unrecorded`: unrecorded steps run the blocks' hook-free graph
+    # armed first: before compiling and sharding
+    te = torchEmber(model, run=setup, db=db, every=2 if lean else 1, bare_unrecorded=lean) if db else None
     call = model
     if setup == 'arm_compile_ddp': call = DDP(torch.compile(model), bucket_cap_mb=BUCKET_MB)
     elif setup == 'arm_ddp_compile': call = torch.compile(DDP(model, bucket_cap_mb=BUCKET_MB))

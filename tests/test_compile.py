@@ -102,7 +102,7 @@ def assert_rows_equal(armed:dict, eager:dict):
     act = c.ttype != 'weight_grad'   # a grad exactly 0 in eager (attention's key bias) is rounding noise compiled
     np.testing.assert_allclose(c.zero_frac[act].to_numpy(float), e.zero_frac[act].to_numpy(float), atol=1e-6)
 
-LEAN = [(gpt, whole), (gpt9, blocks), (cnn, whole)]
+LEAN = [(gpt, whole), (gpt9, blocks), (gpt, method), (cnn, whole)]
 
 @pytest.mark.parametrize('make,how', LEAN, ids=[f'{m.__name__}-{h.__name__}' for m, h in LEAN])
 def test_bare_unrecorded(make, how, tmp_path, monkeypatch):
@@ -178,6 +178,17 @@ def test_input_grads_equal_eager(tmp_path):
     assert c['breaks'] == 0 and c['graphs'] == b['graphs']
     cg, eg = (d[d.ttype == 'input_grad'].reset_index(drop=True) for d in (c['df'], e['df']))
     assert len(eg) == 3 * 7 and cg[KEYS + ['shape']].equals(eg[KEYS + ['shape']])   # every module but the first, each step
+    np.testing.assert_allclose(cg['norm'].to_numpy(float), eg['norm'].to_numpy(float), rtol=1e-5, atol=1e-6)
+    for p, q in zip(c['params'], b['params']): assert torch.equal(p, q)
+
+def test_bare_unrecorded_input_grads(tmp_path):
+    "`bare_unrecorded` with `io_grad=True` (a grad tap, tensor hooks): eager's input_grad rows at each recorded step."
+    c = train(mlp, whole, tmp_path, steps=6, every=2, io_grad=True, bare_unrecorded=True)
+    e = train(mlp, eager, tmp_path, steps=6, every=2, io_grad=True)
+    b = train(mlp, whole, tmp_path, armed=False, steps=6)
+    assert c['breaks'] == 0 and [x - y for x, y in zip(c['graphs'], b['graphs'])] == [0] + [1] * 5
+    cg, eg = (d[d.ttype == 'input_grad'].reset_index(drop=True) for d in (c['df'], e['df']))
+    assert len(eg) == 3 * 7 and cg[KEYS + ['shape']].equals(eg[KEYS + ['shape']])   # steps 0, 2, 4
     np.testing.assert_allclose(cg['norm'].to_numpy(float), eg['norm'].to_numpy(float), rtol=1e-5, atol=1e-6)
     for p, q in zip(c['params'], b['params']): assert torch.equal(p, q)
 

@@ -72,12 +72,13 @@ def test_names_and_types_are_the_users(job, setup):
         assert (types['blocks.0'], types['blocks.1.fc2'], types['norm']) == ('Block', 'Linear', 'LayerNorm')
     assert not any('flat_param' in t for t in run.df(step=0)['tname'])
 
-def check_whole(db, res:list, setup:str):
-    "Every parameter and grad of `setup`, every recorded step, on both ranks: one row with its full shape and the gathered tensor's stats."
+def check_whole(db, res:list, setup:str, steps=(0, 1, 2)):
+    "Every parameter and grad of `setup`, every recorded step (`steps`), on both ranks: one row with its full shape and the gathered tensor's stats."
     df = load(setup, db).df()
     ref = res[0][setup]['ref']
-    assert len(ref) == 3
-    for step, want in enumerate(ref):
+    assert len(ref) == 3 and sorted(set(df.step)) == list(steps)
+    for step in steps:
+        want = ref[step]
         for ttype in ('weight', 'weight_grad'):
             got = df[(df['step'] == step) & (df['ttype'] == ttype)]
             assert sorted(set(got.apply(lambda r: full_name(r['module'], r['tname']), axis=1))) == sorted(want[ttype])
