@@ -88,17 +88,17 @@ def bench(name, how, blocks_n, k, warm):
     bare_s = time.perf_counter() - t0
     te.capture.every = 10
     _warm(armed, 10)                      # every=10 from here: no graph may follow
-    configs = ['bare', 'every1', 'every10']
+    steps = {'bare': bare, 'every1': armed, 'every10': armed}
     if lean_m is not None:               # its two graphs: a recorded step's, and the hook-free one of step 1
-        lean = _stepper(_compile(lean_m, how, blocks), lean_m, make)
-        _warm(lean, 12)
-        configs.append('lean10')
+        steps['lean10'] = _stepper(_compile(lean_m, how, blocks), lean_m, make)
+        _warm(steps['lean10'], 12)
+    configs = list(steps)
     after = _graphs()
     times, cpu = {c: [] for c in configs}, {c: [] for c in configs}
     for r in range(blocks_n):
         for c in (configs if r % 2 == 0 else configs[::-1]):
             te.capture.every = 1 if c == 'every1' else 10
-            wall, used = _time({'bare': bare, 'lean10': lean if lean_m is not None else None}.get(c, armed), k)
+            wall, used = _time(steps[c], k)
             times[c].append(wall); cpu[c].append(used)
     recompiles = _graphs() - after     # while every switched between 1 and 10
     g = _graphs(); bare.evaluate(); bare(); eval_bare = _graphs() - g       # a train/eval switch, and back

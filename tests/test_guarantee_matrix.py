@@ -394,7 +394,7 @@ def _slow(t):
 def _bad(t): raise ValueError("no stat today")
 
 @pytest.mark.parametrize('fn', [_slow, _bad], ids=['slow', 'failing'])
-@pytest.mark.parametrize('option', ['plain', 'snapshot', 'compiled', 'compiled_class', 'watched'])
+@pytest.mark.parametrize('option', ['plain', 'snapshot', 'compiled', 'compiled_class', 'compiled_lean', 'watched'])
 @pytest.mark.parametrize('ttype', ['input', 'output', 'weight', 'weight_grad'])
 def test_a_slow_or_failing_stat_is_named_once(db, ttype, option, fn):
     "A slow stat is named in one warning; a failing one once per tensor it fails on, never again; the steps are stored."
@@ -413,4 +413,4 @@ def test_a_slow_or_failing_stat_is_named_once(db, ttype, option, fn):
     else:
         assert named and all('no stat today' in m for m in named), tw(rec)
         assert named == first and len(set(named)) == len(named), "a failing stat was named again"
-    assert sorted(te.run.df().step.unique()) == [0, 1, 2, 3, 4]
+    assert sorted(te.run.df().step.unique()) == list(range(0, 5, EVERY[option]))

@@ -172,6 +172,11 @@ def selector(modules=None)->callable:
     return lambda name, m: isinstance(m, types) or any(fnmatchcase(name, g) for g in globs)
 
 # %% ../nbs/00_core.ipynb #60f3af40
+def _check_every(every:int)->int:
+    "`every`, or a `ValueError` if it is not a positive int."
+    if not (isinstance(every, int) and every >= 1): raise ValueError(f"every must be a positive int, got {every!r}")
+    return every
+
 class Capture:
     "Arms every module of `model` with hooks that report its steps to `recorder`."
     def __init__(self,
@@ -187,8 +192,7 @@ class Capture:
                 ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"torchember arms an nn.Module, not {type(model).__name__}")
-        if not (isinstance(every, int) and every >= 1): raise ValueError(f"every must be a positive int, got {every!r}")
-        self.model, self.recorder, self._every = model, recorder, every
+        self.model, self.recorder, self._every = model, recorder, _check_every(every)
         self.record_eval, self.timing, self.io_grad = record_eval, timing, io_grad
         self.bare_unrecorded = bare_unrecorded
         named = user_modules(model)
@@ -534,8 +538,7 @@ def _foresee(self:Capture):
     if on != self._mods_on: self._hook_modules(on)
 
 def _set_every(self:Capture, every:int):
-    if not (isinstance(every, int) and every >= 1): raise ValueError(f"every must be a positive int, got {every!r}")
-    self._every = every
+    self._every = _check_every(every)
     self._foresee()
 
 def _set_enabled(self:Capture, on:bool):
