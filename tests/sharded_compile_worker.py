@@ -4,7 +4,8 @@ Run as `python sharded_compile_worker.py STORE OUT` with torch.distributed's env
 CPU). Per setup, trained bare and armed: `arm_shard` (armed, then each block and the root `fully_shard`ed, eager),
 `arm_compile_shard` (armed, each block `.compile(fullgraph=True)`, then sharded), `arm_compile_ddp` (armed,
 `torch.compile(model)`, then `DistributedDataParallel` of that: nanoGPT's order) and `arm_ddp_compile` (armed, DDP, then
-`torch.compile` of the DDP module); and `arm_compile_shard_lean`, the second with `every=2, bare_unrecorded=True`.
+`torch.compile` of the DDP module); and `arm_compile_shard_lean` and `arm_compile_ddp_lean`, the second and third
+with `every=2, bare_unrecorded=True`.
 DDP's buckets are made small, so dynamo's DDP optimizer splits the compiled graph at each bucket's end and the
 recording crosses the pieces. It writes `OUT.r.json` for rank `r`:
 the losses bare and armed, dynamo's graph breaks and graphs, and per step the default stats of every whole parameter
@@ -17,7 +18,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torchember import torchEmber
 from sharded_worker import Net, dtensor_full, stats_of, D
 
-SETUPS = ('arm_shard', 'arm_compile_shard', 'arm_compile_ddp', 'arm_ddp_compile', 'arm_compile_shard_lean')
+SETUPS = ('arm_shard', 'arm_compile_shard', 'arm_compile_ddp', 'arm_ddp_compile', 'arm_compile_shard_lean',
+          'arm_compile_ddp_lean')
 if hasattr(dist, '_DEFAULT_FIRST_BUCKET_BYTES'): dist._DEFAULT_FIRST_BUCKET_BYTES = 64   # DDP's first bucket; the others:
 BUCKET_MB = 0.0001 if hasattr(dist, '_DEFAULT_FIRST_BUCKET_BYTES') else 25    # ... a bucket a parameter or two
 
@@ -27,14 +29,15 @@ def train(setup:str, db=None, steps:int=3):
     torch._dynamo.reset(); counters.clear()
     torch.manual_seed(0)
     model = Net()
-    lean = setup.endswith('_lean')   # every=2 and `bare_unrecorded`: unrecorded steps run the blocks' hook-free graph
+    lean = setup.endswith('_lean')   # every=2 and `bare_unrecorded`: unrecorded steps run a hook-free graph
+    how = setup.removesuffix('_lean')
     # armed first: before compiling and sharding
     te = torchEmber(model, run=setup, db=db, every=2 if lean else 1, bare_unrecorded=lean) if db else None
     call = model
-    if setup == 'arm_compile_ddp': call = DDP(torch.compile(model), bucket_cap_mb=BUCKET_MB)
-    elif setup == 'arm_ddp_compile': call = torch.compile(DDP(model, bucket_cap_mb=BUCKET_MB))
+    if how == 'arm_compile_ddp': call = DDP(torch.compile(model), bucket_cap_mb=BUCKET_MB)
+    elif how == 'arm_ddp_compile': call = torch.compile(DDP(model, bucket_cap_mb=BUCKET_MB))
     else:
-        if 'compile' in setup:
+        if 'compile' in how:
             for b in model.blocks: b.compile(fullgraph=True)
         for b in model.blocks: fully_shard(b)
         fully_shard(model)

@@ -1,6 +1,6 @@
 """FSDP2 per block armed first, in torchtitan's order (arm, compile each block with `fullgraph=True`, shard), and compiled
-DDP in both orders (nanoGPT's: arm, compile, wrap; and arm, wrap, compile): two CPU ranks. The torchtitan order again
-with `every=2, bare_unrecorded=True`: its unrecorded step runs each block's second, hook-free graph.
+DDP in both orders (nanoGPT's: arm, compile, wrap; and arm, wrap, compile): two CPU ranks. The torchtitan order and
+nanoGPT's again with `every=2, bare_unrecorded=True`: their unrecorded steps run a second, hook-free graph.
 
 Armed before `fully_shard`, the root's forward pre-hook runs after FSDP2's, which has swapped the root's parameters for
 unsharded ones whose memory it frees after the backward; torchember reads FSDP2's sharded parameter in their place
@@ -15,8 +15,9 @@ from torchember import load
 from test_sharded import run_job, check_whole
 
 WORKER = Path(__file__).parent/'sharded_compile_worker.py'
-SETUPS = ('arm_shard', 'arm_compile_shard', 'arm_compile_ddp', 'arm_ddp_compile', 'arm_compile_shard_lean')
-LEAN = 'arm_compile_shard_lean'   # every=2, bare_unrecorded: steps 0 and 2 recorded; one more graph, hook-free
+SETUPS = ('arm_shard', 'arm_compile_shard', 'arm_compile_ddp', 'arm_ddp_compile', 'arm_compile_shard_lean',
+          'arm_compile_ddp_lean')
+LEAN = ('arm_compile_shard_lean', 'arm_compile_ddp_lean')   # every=2, bare_unrecorded: steps 0 and 2 recorded
 MODULES = {'', 'inp', 'norm', 'head', 'out'} | {f'blocks.{b}{c}' for b in (0, 1) for c in ('', '.fc1', '.act', '.fc2')}
 
 @pytest.fixture(scope='module')
@@ -35,7 +36,7 @@ def test_training_equals_bare_and_no_graph_break(job, setup):
         assert r[setup]['armed']['losses'] == r[setup]['bare']['losses']
         assert r[setup]['armed']['breaks'] == r[setup]['bare']['breaks']
         if setup != 'arm_ddp_compile': assert r[setup]['armed']['breaks'] == 0   # DDP's own forward breaks the graph
-        assert r[setup]['armed']['graphs'] == r[setup]['bare']['graphs'] + (setup == LEAN)
+        assert r[setup]['armed']['graphs'] == r[setup]['bare']['graphs'] + (setup in LEAN)   # the hook-free one
 
 @pytest.mark.parametrize('setup', SETUPS)
 def test_every_module_on_both_ranks(job, setup):
@@ -43,9 +44,9 @@ def test_every_module_on_both_ranks(job, setup):
     df = load(setup, db).df()
     for ttype in ('input', 'output'):
         got = df[df.ttype == ttype].groupby(['step', 'rank']).module.apply(set)
-        assert len(got) == (4 if setup == LEAN else 6) and all(m == MODULES for m in got), (ttype, got)
+        assert len(got) == (4 if setup in LEAN else 6) and all(m == MODULES for m in got), (ttype, got)
 
 @pytest.mark.parametrize('setup', SETUPS)
 def test_whole_parameters_equal_the_gathered_tensors(job, setup):
     db, res = job
-    check_whole(db, [{setup: r[setup]['armed']} for r in res], setup, (0, 2) if setup == LEAN else (0, 1, 2))
+    check_whole(db, [{setup: r[setup]['armed']} for r in res], setup, (0, 2) if setup in LEAN else (0, 1, 2))
