@@ -165,3 +165,33 @@ def test_compile_parts_runs_as_is(lean):
     assert 'MB of activations' in r.stdout and 'machine:' in r.stdout, r.stdout
     # a recorded step measures activations; an unrecorded one nothing: the bytes counted are a recorded step's
     assert float(r.stdout.split('ms (')[1].split()[0]) > 0, r.stdout
+
+def test_ingraph_moments_runs_as_is():
+    "The in-graph moments benchmark runs end to end: kernels of every way, both models, every variant; figures not checked."
+    r = subprocess.run([sys.executable, str(GPU.parent/'ingraph_moments.py'), '--quick'],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert 'machine:' in r.stdout and r.stdout.count(' elements: ') == 2, r.stdout
+    sizes = [l for l in r.stdout.splitlines() if ' elements: ' in l]
+    assert all([c.split()[0] for c in l.split(' elements: ')[1].split(' | ')] == ['moments8', 'moments5', 'welford', 'native']
+               for l in sizes), r.stdout
+    lines = [l.split() for l in r.stdout.splitlines() if l.startswith('  ') and ' bare ' in l]
+    assert [l[0] for l in lines] == ['ember', 'graph8', 'graph5', 'welford'] * 2, r.stdout
+    # the hooked models ran graphs of their own (not the bare model's): every in-graph variant measured tensors
+    assert all(int(l[l.index('tensors') - 1].lstrip('(')) > 0 for l in lines if l[0] != 'ember'), r.stdout
+
+def test_ingraph_moments_measure_what_the_native_kernel_does():
+    "The benchmark's in-graph ways compute the native kernel's moments (to float rounding; NaN and Inf counted), so their times compare like with like."
+    import torch
+    sys.path.insert(0, str(GPU.parent))
+    import ingraph_moments as im
+    from torchember import native
+    torch.manual_seed(0)
+    x = torch.randn(5000) * 3 + 1
+    x[::7] = 0
+    y = x.clone(); y[3], y[10] = float('nan'), float('inf')
+    ref = native.moments([x])[0]
+    for f in (im.moments8, im.moments_welford): torch.testing.assert_close(f(x), ref, rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(im.moments5(x), ref[[1, 2, 3, 4, 5]].float(), rtol=1e-5, atol=1e-2)
+    m = im.moments8(y)
+    assert m[6] == 1 and m[7] == 1 and m[3].isnan() and m[4].isnan()

@@ -123,6 +123,43 @@ def test_bare_unrecorded(make, how, tmp_path, monkeypatch):
     assert_rows_equal(lean, plain)
     for p, q in zip(lean['params'], bare['params']): assert torch.equal(p, q)
 
+class Poison(nn.Module):
+    "NaN above 1.5 and Inf below -1.5: non-finite values to count."
+    def forward(self, x): return torch.where(x > 1.5, torch.nan, torch.where(x < -1.5, torch.inf, x))
+
+class Block(nn.Module):
+    "Linear and ReLU: a block of a class of the user's (`nn.Sequential`'s own frames are in dynamo's skip list)."
+    def __init__(self):
+        super().__init__()
+        self.fc, self.act = nn.Linear(16, 16), nn.ReLU()
+    def forward(self, x): return self.act(self.fc(x))
+
+@pytest.mark.parametrize('whole_graph', [True, False], ids=['whole', 'blocks'])
+def test_bare_unrecorded_counts_nonfinite_in_the_graph(tmp_path, whole_graph):
+    "Compiled with `bare_unrecorded=True`, whole or a block, the recorded steps count NaN and Inf (NaN min and max) as eager's rows do."
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), Poison(), Block(), nn.Linear(16, 4))
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1)) * 3
+    dfs = []
+    for compiled in (True, False):
+        torch._dynamo.reset()
+        m = make()
+        te = torchEmber(m, run='nan', db=str(tmp_path / f'nan-{compiled}-{whole_graph}.db'), every=2, bare_unrecorded=True)
+        call = m
+        if compiled and whole_graph: call = torch.compile(m, fullgraph=True)
+        elif compiled: m[2].compile(fullgraph=True)
+        with torch.no_grad():
+            for _ in range(3): call(x)
+        te.flush()
+        dfs.append(te.df().sort_values(KEYS).reset_index(drop=True))
+        te.disarm()
+    c, e = dfs
+    assert c[KEYS].equals(e[KEYS]) and set(c.step) == {0, 2}
+    assert (e.nan_count > 0).any() and (e.inf_count > 0).any()
+    for col in ['numel', 'nan_count', 'inf_count', 'mean', 'min', 'max']:
+        np.testing.assert_allclose(c[col].to_numpy(float), e[col].to_numpy(float), rtol=1e-6, err_msg=col)
+
 def test_bare_unrecorded_follows_enable_and_every(tmp_path):
     "With `bare_unrecorded`, `disable()`, `enable()` and a new `every` between steps pick the graph of the next step."
     torch._dynamo.reset()
