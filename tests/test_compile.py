@@ -196,16 +196,35 @@ def checkpointed():
     model = nn.Sequential(nn.Linear(8, 16), CkBlock(), CkBlock(), nn.Linear(16, 2))
     return model, lambda s: torch.randn(4, 8, generator=torch.Generator().manual_seed(s))
 
-def test_checkpoint_recorded_once(tmp_path):
-    "Activation checkpointing under compile: each call recorded once (the recomputation is not a call), as eager."
-    c = train(checkpointed, whole, tmp_path, steps=3, every=1, io_grad=True)
-    e = train(checkpointed, eager, tmp_path, steps=3, every=1, io_grad=True)
+def ck_blocks(m):   # torchtitan's order: each checkpointed block compiled on its own
+    for b in (m[1], m[2]): b.compile(fullgraph=True)
+    return m
+
+@pytest.mark.parametrize('io_grad', [False, True])
+@pytest.mark.parametrize('how', [whole, ck_blocks], ids=['whole', 'blocks'])
+def test_checkpoint_recorded_once(tmp_path, io_grad, how):
+    "Activation checkpointing under compile, `fullgraph=True`: each call recorded once (the recomputation is not a call), as eager."
+    c = train(checkpointed, how, tmp_path, steps=3, every=1, io_grad=io_grad)
+    e = train(checkpointed, eager, tmp_path, steps=3, every=1, io_grad=io_grad)
     assert c['breaks'] == 0 and c['graphs'][-1] == c['graphs'][0]
     cd, ed = c['df'], e['df']
     assert not cd.duplicated(KEYS).any()
-    assert cd[KEYS].equals(ed[KEYS].reset_index(drop=True))
-    assert set(cd.ttype) >= {'input', 'output', 'output_grad'}
+    assert cd[KEYS].equals(ed[KEYS].reset_index(drop=True)) and c['events'] == e['events']
+    assert set(cd.ttype) >= ({'input', 'output', 'output_grad'} if io_grad else {'input', 'output'})
+    assert set(cd[cd.ttype == 'output'].module) >= {'1.inner.0', '1.inner.2', '2.inner.1'}   # inside the checkpoints
     np.testing.assert_allclose(cd['norm'].to_numpy(float), ed['norm'].to_numpy(float), rtol=1e-5, atol=1e-6)
+
+def test_checkpoint_bare_unrecorded(tmp_path):
+    "Activation checkpointing under compile with `bare_unrecorded`: each call once at each recorded step, eager's rows; bare's training."
+    c = train(checkpointed, whole, tmp_path, steps=5, every=2, bare_unrecorded=True)
+    e = train(checkpointed, eager, tmp_path, steps=5, every=2)
+    b = train(checkpointed, whole, tmp_path, armed=False, steps=5)
+    assert c['breaks'] == 0 and [x - y for x, y in zip(c['graphs'], b['graphs'])] == [0] + [1] * 4
+    cd, ed = c['df'], e['df']
+    assert set(cd.step) == {0, 2, 4} and not cd.duplicated(KEYS).any()
+    assert cd[KEYS].equals(ed[KEYS].reset_index(drop=True)) and c['events'] == e['events']
+    np.testing.assert_allclose(cd['norm'].to_numpy(float), ed['norm'].to_numpy(float), rtol=1e-5, atol=1e-6)
+    for p, q in zip(c['params'], b['params']): assert torch.equal(p, q)
 
 def test_input_grads_equal_eager(tmp_path):
     "`io_grad=True` under whole-model inductor: the input_grad rows of an eager armed run; training as the bare compiled."

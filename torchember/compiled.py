@@ -181,9 +181,20 @@ def flush(self:CompiledHooks):
     self.pending, self.tagged, self.hooks = [], [], []
     torch.ops.torchember.record_calls(ts, tags, self.token, self.key, _plan(hooks))
 
+def _unchecked(fn, *args):
+    "`fn(*args)`, traced with dynamo's side-effect checks off: in activation checkpointing's body too, a hook changes the hooks' state once."
+    # the recomputation in the backward is not a call, so not replaying the hooks' changes there is what eager does
+    call = getattr(torch._dynamo.utils, '_disable_side_effect_safety_checks_for_current_subtracer', None)
+    return fn(*args) if call is None else call(fn, *args)
+
 @patch
 def pre(self:CompiledHooks, tag:torch.Tensor|int, mod:nn.Module, args:tuple, kwargs:dict, root:bool=False):
     "A module's forward pre-hook, traced: its inputs (and the opening of its call) for the region's op."
+    return _unchecked(self._pre, tag, mod, args, kwargs, root)
+
+@patch
+def _pre(self:CompiledHooks, tag:torch.Tensor|int, mod:nn.Module, args:tuple, kwargs:dict, root:bool=False):
+    "`pre`'s work."
     if self.whole and not self.cap.io_grad: tag = self.cap.index[id(mod)]   # one graph of the model: no tag input
     if not (root or self.cap.io_grad): self.open = self.open + [tag]
     named = named_inputs(args, kwargs, self.sigs[type(mod)])
@@ -203,6 +214,11 @@ def _record_grad(token:torch.Tensor, tag:torch.Tensor, key:int, what:int, g:torc
 @patch
 def post(self:CompiledHooks, tag:torch.Tensor, mod:nn.Module, args:tuple, out):
     "A module's forward hook, traced: its outputs, its call closed; the op, if the region's outermost call ends."
+    return _unchecked(self._post, tag, mod, args, out)
+
+@patch
+def _post(self:CompiledHooks, tag:torch.Tensor, mod:nn.Module, args:tuple, out):
+    "`post`'s work."
     if tag is None: tag, self.open = self.open[-1], self.open[:-1]   # a post-hook's: the one of the call it closes
     tensor = isinstance(out, torch.Tensor)
     named = [('output', out)] if tensor else named_tensors(out, 'output')
