@@ -182,7 +182,7 @@ def flush(self:CompiledHooks):
     torch.ops.torchember.record_calls(ts, tags, self.token, self.key, _plan(hooks))
 
 def _unchecked(fn, *args):
-    "`fn(*args)`, traced with dynamo's side-effect checks off: in activation checkpointing's body too, a hook changes the hooks' state once."
+    "`fn(*args)`, traced with dynamo's side-effect checks off: a hook in a checkpointed body changes state once."
     # the recomputation in the backward is not a call, so not replaying the hooks' changes there is what eager does
     call = getattr(torch._dynamo.utils, '_disable_side_effect_safety_checks_for_current_subtracer', None)
     return fn(*args) if call is None else call(fn, *args)
