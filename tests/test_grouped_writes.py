@@ -4,9 +4,17 @@ import pytest, torch
 from torch import nn
 from sqlalchemy import event
 import torchember.ember as ember
+import torchember.store.writer as writer
 from torchember import torchEmber
 
-pytestmark = pytest.mark.usefixtures('thread_writer')   # they watch or patch the writer's work in this process
+pytestmark = pytest.mark.usefixtures('thread_writer', 'unpaced')   # they watch or patch the writer's work here
+
+@pytest.fixture
+def unpaced(monkeypatch):
+    "Let every write take a whole group: these tests count transactions, and a loaded machine must not change them."
+    # the writer takes fewer steps a write where its last writes say a group would outlast `TXN_S`; step 0's first
+    # write to PostgreSQL takes about 13 ms alone, past `TXN_S / GROUP` under CI's load (test_writer_bounded tests that)
+    monkeypatch.setattr(writer, 'TXN_S', 3600.)
 
 
 class Branchy(nn.Module):
