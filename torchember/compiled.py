@@ -7,6 +7,7 @@ Docs: https://torchember.github.io/torchember/compiled.html.md"""
 # %% ../nbs/01b_compiled.ipynb #5028b8f8
 from __future__ import annotations
 import itertools, sys, warnings, weakref
+from typing import NamedTuple
 from functools import partial
 import torch
 from torch import nn
@@ -33,6 +34,14 @@ def _record_calls(ts:list, tags:list, token:torch.Tensor, key:int, plan:int):
     hooks = CompiledHooks.of(key)
     if hooks is not None: hooks.take_calls(tags, plan, ts)
 
+def _record_body(ts:list, tags:list, key:int, plan:int):
+    "`torchember::record_body`, where the graph runs it: `record_calls` inside a nested compile region's body."
+    _record_calls(ts, tags, None, key, plan)
+
+def _record_side(ts:list, tag:torch.Tensor, key:int, what:int):
+    "`torchember::record_side`, where the graph runs it: `record` inside a nested compile region's body."
+    _record(ts, None, tag, key, what)
+
 def _step(token:torch.Tensor, key:int, enter:bool, grad:bool, backward:bool):
     "`torchember::step`, where the graph runs it: the root's eager hooks."
     hooks = CompiledHooks.of(key)
@@ -40,18 +49,26 @@ def _step(token:torch.Tensor, key:int, enter:bool, grad:bool, backward:bool):
 
 def _register():
     "Define torchember's ops once a process (a notebook's rerun finds them defined); the `Library` holding them."
-    try: return torch.ops.torchember.record_calls.default and None
+    try: return torch.ops.torchember.record_body.default and None
     except (AttributeError, RuntimeError): pass
     lib = torch.library.Library('torchember', 'DEF')
     lib.define('record(Tensor[] ts, Tensor(a!) token, Tensor tag, int key, int what) -> ()')
     lib.define('record_calls(Tensor[] ts, Tensor[] tags, Tensor(a!) token, int key, int plan) -> ()')
     lib.define('step(Tensor(a!) token, int key, bool enter, bool grad, bool backward) -> ()')
+    lib.define('record_body(Tensor[] ts, Tensor[] tags, int key, int plan) -> ()')   # mutates nothing the graph sees
+    lib.define('record_side(Tensor[] ts, Tensor tag, int key, int what) -> ()')      # ... nor does this
     lib.impl('record', _record, 'CompositeExplicitAutograd')
     lib.impl('record_calls', _record_calls, 'CompositeExplicitAutograd')
     lib.impl('step', _step, 'CompositeExplicitAutograd')
+    lib.impl('record_body', _record_body, 'CompositeExplicitAutograd')
+    lib.impl('record_side', _record_side, 'CompositeExplicitAutograd')
+    for op in (torch.ops.torchember.record_body, torch.ops.torchember.record_side):
+        torch.fx.node.has_side_effect(op.default)   # so that no pass drops them
     torch.library.register_fake('torchember::record', lambda ts, token, tag, key, what: None, lib=lib)
     torch.library.register_fake('torchember::record_calls', lambda ts, tags, token, key, plan: None, lib=lib)
     torch.library.register_fake('torchember::step', lambda token, key, enter, grad, backward: None, lib=lib)
+    torch.library.register_fake('torchember::record_body', lambda ts, tags, key, plan: None, lib=lib)
+    torch.library.register_fake('torchember::record_side', lambda ts, tag, key, what: None, lib=lib)
     return lib
 
 _LIB = _register()
@@ -110,13 +127,16 @@ class CompiledHooks:
         self.grad_token = torch.zeros(1)   # ... and the backward's: a tensor the forward never touches (see below)
         self.sigs = {}
         for m, sig in zip(cap.mods, cap.sigs): self.sigs.setdefault(type(m), sig)
-        self._grads, self._tap = (None, {}), _tap_class(self.grad_token)
+        self._grads, self._tap, self._body_tap = (None, {}), _tap_class(self.grad_token), _tap_class(None)
         self.depth, self.pending, self.tagged, self.hooks = 0, [], [], []   # the traced region's, until `flush`
+        self.level, self.saved = 0, []   # nested compile regions' bodies open: how many; the lists below each
+        self.stash = (-1, [])   # a step's records of bodies, waiting for the op that says where they go
         self.open = []   # the tags of the traced module calls open now: a post-hook takes its pre-hook's
         self._regions = {}   # (plan, its tags' ids) -> its `_Region`
         self.whole = False   # while traced: the root's call is being traced (a model compiled whole)
         self.stop_check = None   # called as a traced root's step opens (`stop_on`'s: may raise `TrainingStopped`)
         self.unforeseen = False   # a recorded step ran a graph picked for an unrecorded one; said once
+        self.said_body = False    # `io_grad`'s input grads inside a nested compile region's body: said once
         _HOOKS[self.key] = weakref.ref(self)
         cap.compiled = self
         _hook_guards()   # here if dynamo is imported, else as the hooks are first traced
@@ -147,8 +167,8 @@ def keeps_hooks(self:CompiledHooks)->bool:
 # %% ../nbs/01b_compiled.ipynb #8b0e552b
 FLUSH_AT = 256   # tensors a compiled region holds for its `record_calls` op at most (then one is called)
 
-def _tap_class(token:torch.Tensor)->type:
-    "An identity `autograd.Function` whose backward records the per-sample norms of its grad, mutating `token`."
+def _tap_class(token:torch.Tensor|None)->type:
+    "An identity `autograd.Function` whose backward records the per-sample norms of its grad, mutating `token` if any."
     class GradTap(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x, tag, key:int, what:int):
@@ -159,7 +179,9 @@ def _tap_class(token:torch.Tensor)->type:
         def backward(ctx, g):
             tag, = ctx.saved_tensors
             rows = g.reshape(g.shape[0], -1) if g.dim() and g.shape[0] else g.reshape(1, -1)
-            torch.ops.torchember.record([torch.linalg.vector_norm(rows, dim=1)], token, tag, ctx.key, ctx.what)
+            norms = [torch.linalg.vector_norm(rows, dim=1)]
+            if token is None: torch.ops.torchember.record_side(norms, tag, ctx.key, ctx.what)   # a body's
+            else: torch.ops.torchember.record(norms, token, tag, ctx.key, ctx.what)
             return g, None, None, None
     return GradTap
 
@@ -167,7 +189,9 @@ def _tap_class(token:torch.Tensor)->type:
 def _pend(self:CompiledHooks, tag:torch.Tensor, what:int, ts:list):
     "A hook's tensors `ts` (`what`: their ttype and names) of the module tagged `tag`, for the region's `record_calls`."
     if self.cap.io_grad:   # a region that sets tensor hooks: dynamo loses its Python state (see below), so an op each
+        if _body_level(): return torch.ops.torchember.record_side([t.detach() for t in ts], tag, self.key, what)
         return torch.ops.torchember.record([t.detach() for t in ts], self.token, tag, self.key, what)
+    if (level := _body_level()) != self.level: self._level(level)
     # new lists, never the old ones changed: dynamo would hand every tensor out of the graph to replay that
     self.pending = self.pending + [t.detach() for t in ts]
     if isinstance(tag, int): self.hooks = self.hooks + [(what, len(ts), tag)]   # the module, known to the trace
@@ -176,10 +200,56 @@ def _pend(self:CompiledHooks, tag:torch.Tensor, what:int, ts:list):
 @patch
 def flush(self:CompiledHooks):
     "Hand what the region's hooks met so far to one `record_calls` op."
+    if (level := _body_level()) != self.level: self._level(level)
     if not self.hooks: return
     ts, tags, hooks = self.pending, self.tagged, tuple(self.hooks)
     self.pending, self.tagged, self.hooks = [], [], []
+    if self.saved and self.saved[-1][2]:   # hooks that ran before this body wait below: their op says where these go
+        pending, tagged, below, depth = self.saved[-1]
+        self.saved = self.saved[:-1] + [(pending, tagged, below + [(_SPLICE, 0, -2)], depth)]
+        hooks = ((_DEFER, 0, -2),) + hooks
+    if self.level:   # a nested compile region's body may not mutate its inputs in training: a side-effect op
+        torch.ops.torchember.record_body(ts, tags, self.key, _plan(hooks))
+        # nothing waits below: level 0 again (a frame may end in the body; its next hook opens the level anew)
+        if not any(below for _, _, below, _ in self.saved): self._level(0)
+        return
     torch.ops.torchember.record_calls(ts, tags, self.token, self.key, _plan(hooks))
+
+_SPLICE, _DEFER = -1, -2   # a plan's markers: a deferred op's records go here; this op's records wait for that
+
+@patch
+def _level(self:CompiledHooks, level:int):
+    "A nested compile region's body opens (`level` up: the lists below wait) or has closed (down: they are back)."
+    while self.level < level:
+        self.saved = self.saved + [(self.pending, self.tagged, self.hooks, self.depth)]
+        self.pending, self.tagged, self.hooks, self.level = [], [], [], self.level + 1
+    while self.level > level:
+        (self.pending, self.tagged, self.hooks, _), self.saved = self.saved[-1], self.saved[:-1]
+        self.level -= 1
+
+@_constant
+def _body_level()->int:
+    "At trace time: how many bodies of higher-order ops but checkpoints (`nested_compile_region`) enclose the hooks."
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        tracer = InstructionTranslator.current_tx().output.current_tracer
+    except Exception: return 0
+    ckpt, n = getattr(torch.ops.higher_order, 'tag_activation_checkpoint', None), 0
+    while getattr(tracer, 'parent', None) is not None:
+        n += tracer.source_target is not ckpt
+        tracer = tracer.parent
+    return n
+
+@_constant
+def _no_input_grads(key:int, cls:str)->int:
+    "At trace time: say once that `io_grad` records no input grads inside a nested compile region's body."
+    hooks = CompiledHooks.of(key)
+    if hooks is not None and not hooks.said_body:
+        hooks.said_body = True
+        warnings.warn(f"torchember: io_grad records no input grads of modules inside a nested compile region's "
+                      f"body ({cls} first): dynamo allows no tensor hook there; their output grads are recorded",
+                      stacklevel=2)
+    return 0
 
 def _unchecked(fn, *args):
     "`fn(*args)`, traced with dynamo's side-effect checks off: a hook in a checkpointed body changes state once."
@@ -195,12 +265,16 @@ def pre(self:CompiledHooks, tag:torch.Tensor|int, mod:nn.Module, args:tuple, kwa
 @patch
 def _pre(self:CompiledHooks, tag:torch.Tensor|int, mod:nn.Module, args:tuple, kwargs:dict, root:bool=False):
     "`pre`'s work."
-    if self.whole and not self.cap.io_grad: tag = self.cap.index[id(mod)]   # one graph of the model: no tag input
+    if self.whole and not self.cap.io_grad and not _body_level():   # one graph of the model: no tag input
+        tag = self.cap.index[id(mod)]     # (a body that serves several blocks takes their tags)
     if not (root or self.cap.io_grad): self.open = self.open + [tag]
     named = named_inputs(args, kwargs, self.sigs[type(mod)])
     self._pend(tag, _what(self.key, 'input', tuple(n for n, _ in named)), [t for _, t in named])
     if not self.cap.io_grad: self.depth += 1
     if self.cap.io_grad and torch.is_grad_enabled():
+        if _body_level():   # dynamo refuses tensor hooks there
+            _no_input_grads(self.key, type(mod).__name__)
+            return
         for name, t in named:
             if t.requires_grad:
                 what = _what(self.key, 'input_grad', (name,))
@@ -225,9 +299,11 @@ def _post(self:CompiledHooks, tag:torch.Tensor, mod:nn.Module, args:tuple, out):
     self._pend(tag, _what(self.key, 'output', tuple(n for n, _ in named)), [t for _, t in named])
     if not self.cap.io_grad:
         self.depth -= 1
-        if self.depth <= 0 or len(self.pending) >= FLUSH_AT: self.flush()
+        if self.depth <= 0 or len(self.pending) >= FLUSH_AT or self.level and self.depth <= self.saved[-1][3]:
+            self.flush()   # the region's outermost call, or a nested compile region body's: its tensors stay there
     if tensor and self.cap.io_grad and out.requires_grad and torch.is_grad_enabled():
-        return self._tap.apply(out, tag, self.key, _what(self.key, 'output_grad', ('output',)))
+        tap = self._body_tap if _body_level() else self._tap
+        return tap.apply(out, tag, self.key, _what(self.key, 'output_grad', ('output',)))
 
 # %% ../nbs/01b_compiled.ipynb #fc178f42
 @patch
@@ -294,7 +370,7 @@ def _call(self:CompiledHooks, mi:int, ttype:str, what:int)->int:
 def _modules(hooks:tuple, tags:list)->list:
     "The module of each hook of a plan: the one the trace knew (a model compiled whole), else the next of `tags`'."
     tags = iter(tags)
-    return [mi if mi >= 0 else int(next(tags)) for _, _, mi in hooks]
+    return [mi if mi != -1 else int(next(tags)) for _, _, mi in hooks]   # a marker's is -2
 
 @patch
 def take_calls(self:CompiledHooks, tags:list, plan:int, ts:list):
@@ -302,17 +378,30 @@ def take_calls(self:CompiledHooks, tags:list, plan:int, ts:list):
     cap = self.cap
     if not cap._open or cap._skip or not cap.armed: return
     try:
+        hooks = _PLAN[plan]
+        if hooks and hooks[0][0] == _DEFER:   # a nested compile region's body: its records go where a later op says
+            if self.stash[0] != cap.step: self.stash = (cap.step, [])
+            return self.stash[1].append((hooks, tags, cap.recorder.measure_early(ts)))   # ts live only now
         at = (plan, *map(id, tags))
-        if (reg := self._regions.get(at)) is None: reg = self._regions[at] = _Region(_PLAN[plan], tags)
+        if (reg := self._regions.get(at)) is None: reg = self._regions[at] = _Region(hooks, tags)
         if reg.fits(cap): return reg.take(cap, ts)
-        items, i = [], 0
-        for mi, (what, n, _) in zip(_modules(_PLAN[plan], tags), _PLAN[plan]):
+        cap.recorder.measure_many(self._items(hooks, tags, ts))
+    except Exception as e: cap.recorder._failed("recording inside a compiled region", e)
+
+@patch
+def _items(self:CompiledHooks, hooks:tuple, tags:list, ts:list)->list:
+    "Each hook's calls and events in turn (a nested body's where its marker is): the `(mi, call, ttype, tname, t)` met."
+    items, i = [], 0
+    for mi, (what, n, _) in zip(_modules(hooks, tags), hooks):
+        if what == _SPLICE:
+            waiting = self.stash[1] if self.stash[0] == self.cap.step else []
+            if waiting: items += self._items(*waiting.pop(0))
+        elif what != _DEFER:
             ttype, names = _WHAT[what]
             c = self._call(mi, ttype, what)
             items += [(mi, c, ttype, name, t) for name, t in zip(names, ts[i:i + n])]
-            i += n
-        cap.recorder.measure_many(items)
-    except Exception as e: cap.recorder._failed("recording inside a compiled region", e)
+        i += n
+    return items
 
 @patch
 def take(self:CompiledHooks, tag:torch.Tensor, what:int, ts:list):
@@ -341,7 +430,7 @@ class _Region:
         calls, stack, self.events, self.metas, i = {0: 1}, [], [], [], 0   # metas: (mi, call, ttype, tname, position)
         self.balanced = True
         for mi, (what, n, _) in zip(_modules(hooks, tags), hooks):
-            ttype, names = _WHAT[what]
+            ttype, names = _WHAT[what] if what >= 0 else ('marker', ())
             calls.setdefault(mi, 0)
             if ttype not in ('input', 'output'): self.balanced = False
             elif ttype == 'output' and mi and not (stack and stack[-1][0] == mi): self.balanced = False
@@ -415,12 +504,40 @@ def measure_now(self, mi:int, call:int, ttype:str, tname:str, t:torch.Tensor):
     self.rec.keys.append((mi, call, ttype, tname, shape_of(t), dtype_name(t), mrow, xi))
 
 @patch_to(Recorder)
+def measure_early(self, ts:list)->list:
+    "Measure `ts` before their memory is reused: each a `_Measured` row to key later, or a copy to measure then."
+    if self.rec is None: return ts
+    plain = (self.on_tensor is None and self._nat
+             and self.stat_fns['input'] is default_stats and self.stat_fns['output'] is default_stats)
+    out, seen, now, rows = [], {}, [], []
+    for t in ts:
+        if not (plain and native.supports(t)): out.append(t.detach().clone()); continue
+        if (row := seen.get(id(t))) is None:
+            seen[id(t)] = row = self._nm
+            self._nm += 1
+            now.append(t); rows.append(row)
+        out.append(_Measured(row, shape_of(t), dtype_name(t)))
+    if now:
+        try: self._pieces.append((rows, native_moments(now)))
+        except Exception as e:
+            self._failed("measuring the tensors of a compiled region", e)
+            self._pieces.append((rows, _unmeasured(None).expand(len(rows), 8)))
+    return out
+
+class _Measured(NamedTuple):
+    "A tensor measured already: its row of the step's moments, its shape and dtype's names."
+    row:int; shape:str; dtype:str
+
+@patch_to(Recorder)
 def measure_many(self, items:list):
     "Record `items`, `(mi, call, ttype, tname, t)` each, measured or launched before this returns."
     if self.rec is None: return
     keys, fns, plain = self.rec.keys, self.stat_fns, self.on_tensor is None
     ts, rows, seen, on = [], [], {}, {}
     for mi, call, ttype, tname, t in items:
+        if isinstance(t, _Measured):
+            keys.append((mi, call, ttype, tname, t.shape, t.dtype, t.row, -1))
+            continue
         into = None
         if plain and fns[ttype] is default_stats:
             if self._nat and native.supports(t): into = ts, rows
