@@ -440,7 +440,7 @@ def main(argv=None):
     p.add_argument('--ingest', action='store_true', help="instead: stat rows a second into SQLite and PostgreSQL, 1, 2 and 4 "
                    "writing processes, and the steps each stored of those it ran (see bench/ingest_bench.py)")
     p.add_argument('--compile', action='store_true', help="instead: armed under torch.compile against compiled bare, whole and per block "
-                   "(models gpt2, mlp32; see bench/compile_bench.py)")
+                   "(models gpt2, mlp32, gpt2_regions; see bench/compile_bench.py)")
     p.add_argument('--threads', type=int, default=2)
     p.add_argument('--keep-db', action='store_true', help="keep the scratch databases (default: removed at exit)")
     a = p.parse_args(argv)

@@ -29,7 +29,16 @@ def mlp32():
     model, make = corpus.mlp32()
     return model, make, None
 
-MODELS = {'gpt2': gpt2, 'mlp32': mlp32}
+def gpt2_regions():
+    "`gpt2` with each block's forward a `torch.compiler.nested_compile_region`: one body compiled, stamped out 6 times."
+    model, make, blocks = gpt2()
+    for b in model.blocks: b.__class__ = _RegionBlock
+    return model, make, blocks
+
+class _RegionBlock(corpus.GPTBlock):
+    forward = torch.compiler.nested_compile_region(corpus.GPTBlock.forward)
+
+MODELS = {'gpt2': gpt2, 'mlp32': mlp32, 'gpt2_regions': gpt2_regions}
 
 def _compile(model, how, blocks):
     if how == 'eager': return model
@@ -120,15 +129,15 @@ def _x(ratio:float, width:int)->str:
 def main(models, blocks_n=5, k=20, warm=3):
     print(__doc__.split('\n')[0])
     print(f"{blocks_n} rounds of {k} steps each; warm-up {warm} steps (the compile); ms are medians of a step")
-    hdr = (f"{'model':<7} {'compile':<8} {'breaks+':>7} {'graphs b/a':>10} {'recompiles':>10} {'eval b/a':>8} {'bare ms':>8} {'every1 ms':>9} "
+    hdr = (f"{'model':<12} {'compile':<8} {'breaks+':>7} {'graphs b/a':>10} {'recompiles':>10} {'eval b/a':>8} {'bare ms':>8} {'every1 ms':>9} "
            f"{'ratio':>6} {'every10 ms':>10} {'ratio':>6} {'cpu ratios':>11} {'lean10':>6} {'cpu':>5} {'compile s b/a':>14}")
     print(hdr); print('-' * len(hdr))
     for name in models:
         for how in ('eager', 'whole', 'blocks'):   # eager: the same models uncompiled, armed over bare, beside
             r = bench(name, how, blocks_n, k, warm)
             if r is None:
-                print(f"{name:<7} {how:<8} (no blocks: each of its modules is one torch's dynamo skips; compiled whole only)")
+                print(f"{name:<12} {how:<8} (no blocks: each of its modules is one torch's dynamo skips; compiled whole only)")
                 continue
-            print(f"{name:<7} {how:<8} {r['breaks']:7d} {r['graphs'][0]:>4}/{r['graphs'][1]:<5} {r['recompiles']:10d} "
+            print(f"{name:<12} {how:<8} {r['breaks']:7d} {r['graphs'][0]:>4}/{r['graphs'][1]:<5} {r['recompiles']:10d} "
                   f"{r['eval_graphs'][0]:>3}/{r['eval_graphs'][1]:<4} {r['bare_ms']:8.2f} {r['every1_ms']:9.2f} {r['r1']:5.2f}x {r['every10_ms']:10.2f} {r['r10']:5.2f}x {r['c1']:5.2f}/{r['c10']:4.2f}x {_x(r['lean10'], 5)} {_x(r['clean10'], 4)} "
                   f"{r['compile_s'][0]:6.1f}/{r['compile_s'][1]:<6.1f}", flush=True)

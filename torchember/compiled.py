@@ -42,6 +42,16 @@ def _record_side(ts:list, tag:torch.Tensor, key:int, what:int):
     "`torchember::record_side`, where the graph runs it: `record` inside a nested compile region's body."
     _record(ts, None, tag, key, what)
 
+def _grad_ready(g:torch.Tensor, key:int, pi:int):
+    "`torchember::grad_ready`, where compiled autograd's graph runs it: parameter `pi`'s grad `g` is accumulated."
+    hooks = CompiledHooks.of(key)
+    if hooks is not None: hooks.cap._grad_arrived(pi if pi >= 0 else ('flat', -1 - pi), g)
+
+def _grad_seen(g:torch.Tensor, key:int, mi:int, c:int, what:int):
+    "`torchember::grad_seen`, where compiled autograd's graph runs it: an eager tensor hook's grad of call `c` of `mi`."
+    hooks = CompiledHooks.of(key)
+    if hooks is not None: hooks.cap._on_grad(mi, c, *_WHAT[what][0:1], _WHAT[what][1][0], g)
+
 def _step(token:torch.Tensor, key:int, enter:bool, grad:bool, backward:bool):
     "`torchember::step`, where the graph runs it: the root's eager hooks."
     hooks = CompiledHooks.of(key)
@@ -57,18 +67,25 @@ def _register():
     lib.define('step(Tensor(a!) token, int key, bool enter, bool grad, bool backward) -> ()')
     lib.define('record_body(Tensor[] ts, Tensor[] tags, int key, int plan) -> ()')   # mutates nothing the graph sees
     lib.define('record_side(Tensor[] ts, Tensor tag, int key, int what) -> ()')      # ... nor does this
+    lib.define('grad_ready(Tensor g, int key, int pi) -> ()')                          # ... nor this
+    lib.define('grad_seen(Tensor g, int key, int mi, int c, int what) -> ()')          # ... nor this
     lib.impl('record', _record, 'CompositeExplicitAutograd')
     lib.impl('record_calls', _record_calls, 'CompositeExplicitAutograd')
     lib.impl('step', _step, 'CompositeExplicitAutograd')
     lib.impl('record_body', _record_body, 'CompositeExplicitAutograd')
     lib.impl('record_side', _record_side, 'CompositeExplicitAutograd')
-    for op in (torch.ops.torchember.record_body, torch.ops.torchember.record_side):
+    lib.impl('grad_ready', _grad_ready, 'CompositeExplicitAutograd')
+    lib.impl('grad_seen', _grad_seen, 'CompositeExplicitAutograd')
+    for op in (torch.ops.torchember.record_body, torch.ops.torchember.record_side, torch.ops.torchember.grad_ready,
+               torch.ops.torchember.grad_seen):
         torch.fx.node.has_side_effect(op.default)   # so that no pass drops them
     torch.library.register_fake('torchember::record', lambda ts, token, tag, key, what: None, lib=lib)
     torch.library.register_fake('torchember::record_calls', lambda ts, tags, token, key, plan: None, lib=lib)
     torch.library.register_fake('torchember::step', lambda token, key, enter, grad, backward: None, lib=lib)
     torch.library.register_fake('torchember::record_body', lambda ts, tags, key, plan: None, lib=lib)
     torch.library.register_fake('torchember::record_side', lambda ts, tag, key, what: None, lib=lib)
+    torch.library.register_fake('torchember::grad_ready', lambda g, key, pi: None, lib=lib)
+    torch.library.register_fake('torchember::grad_seen', lambda g, key, mi, c, what: None, lib=lib)
     return lib
 
 _LIB = _register()
@@ -136,7 +153,7 @@ class CompiledHooks:
         self.whole = False   # while traced: the root's call is being traced (a model compiled whole)
         self.stop_check = None   # called as a traced root's step opens (`stop_on`'s: may raise `TrainingStopped`)
         self.unforeseen = False   # a recorded step ran a graph picked for an unrecorded one; said once
-        self.said_body = False    # `io_grad`'s input grads inside a nested compile region's body: said once
+        self.said = set()   # what `io_grad` does not record in graphs traced so far (and why): said once each
         _HOOKS[self.key] = weakref.ref(self)
         cap.compiled = self
         _hook_guards()   # here if dynamo is imported, else as the hooks are first traced
@@ -241,15 +258,21 @@ def _body_level()->int:
     return n
 
 @_constant
-def _no_input_grads(key:int, cls:str)->int:
-    "At trace time: say once that `io_grad` records no input grads inside a nested compile region's body."
+def _no_grads(key:int, what:str, why:str)->int:
+    "At trace time: say once that `io_grad` records no `what` in the graph traced now, and `why`."
     hooks = CompiledHooks.of(key)
-    if hooks is not None and not hooks.said_body:
-        hooks.said_body = True
-        warnings.warn(f"torchember: io_grad records no input grads of modules inside a nested compile region's "
-                      f"body ({cls} first): dynamo allows no tensor hook there; their output grads are recorded",
-                      stacklevel=2)
+    if hooks is not None and what not in hooks.said:
+        hooks.said.add(what)
+        warnings.warn(f"torchember: io_grad records no {what}: {why}", stacklevel=2)
     return 0
+
+@_constant
+def _compiled_autograd()->bool:
+    "At trace time: whether compiled autograd is on, so that the backward of the graph traced now is traced again."
+    ca = sys.modules.get('torch._dynamo.compiled_autograd')
+    return bool(getattr(ca, 'compiled_autograd_enabled', False) or torch._dynamo.config.compiled_autograd)
+
+_CA = ('grads in compiled regions under compiled autograd', 'it fails on the hooks and taps that record them')
 
 def _unchecked(fn, *args):
     "`fn(*args)`, traced with dynamo's side-effect checks off: a hook in a checkpointed body changes state once."
@@ -273,7 +296,11 @@ def _pre(self:CompiledHooks, tag:torch.Tensor|int, mod:nn.Module, args:tuple, kw
     if not self.cap.io_grad: self.depth += 1
     if self.cap.io_grad and torch.is_grad_enabled():
         if _body_level():   # dynamo refuses tensor hooks there
-            _no_input_grads(self.key, type(mod).__name__)
+            _no_grads(self.key, 'input grads of modules inside a nested compile region', 'dynamo allows no tensor '
+                      'hook there; their output grads are recorded')
+            return
+        if _compiled_autograd():
+            _no_grads(self.key, *_CA)
             return
         for name, t in named:
             if t.requires_grad:
@@ -302,6 +329,9 @@ def _post(self:CompiledHooks, tag:torch.Tensor, mod:nn.Module, args:tuple, out):
         if self.depth <= 0 or len(self.pending) >= FLUSH_AT or self.level and self.depth <= self.saved[-1][3]:
             self.flush()   # the region's outermost call, or a nested compile region body's: its tensors stay there
     if tensor and self.cap.io_grad and out.requires_grad and torch.is_grad_enabled():
+        if _compiled_autograd():
+            _no_grads(self.key, *_CA)
+            return
         tap = self._body_tap if _body_level() else self._tap
         return tap.apply(out, tag, self.key, _what(self.key, 'output_grad', ('output',)))
 
@@ -330,6 +360,32 @@ def root_post(self:CompiledHooks, mod:nn.Module, args:tuple, out):
     backward = grad and any(t.requires_grad for _, t in named_tensors(out))
     torch.ops.torchember.step(self.token, self.key, False, grad, backward)
     return out
+
+@patch
+def grad(self:CompiledHooks, pi, p:torch.Tensor):
+    "A parameter's post-accumulate-grad hook, traced by compiled autograd: an op hands the grad over where it runs."
+    if p.grad is not None: torch.ops.torchember.grad_ready(p.grad, self.key, pi if isinstance(pi, int) else -1 - pi[1])
+
+@patch
+def eager_grad(self:CompiledHooks, mi:int, c:int, ttype:str, name:str, g):
+    "An eager tensor hook (`io_grad`, `timing`), traced by compiled autograd: an op hands grad `g` over where it runs."
+    if g is not None: torch.ops.torchember.grad_seen(g, self.key, mi, c, _what(self.key, ttype, (name,)))
+
+@patch_to(Capture)
+def _grad_arrived(self, pi, g:torch.Tensor):
+    "Parameter `pi`'s grad `g`, from compiled autograd's graph: the grads are done once each hooked one is in."
+    # no callback can be queued from that graph (one is taken and never run), so the last grad ends the backward,
+    # or else `close` does, for a parameter that got none; `.grad` is set as the graph ends, so `g` is kept
+    if self._captured or not self.recording: return
+    if self._done_at is not None: self._take()
+    if self._grads is None: self._grads = {}
+    self._grads[pi] = _Arrived(g)
+    self._late_grads = True
+    if len(self._grads) >= self._grad_hooks: self._grads_done()
+
+class _Arrived:
+    "A parameter's stand-in in `Capture._grads` whose `.grad` is the grad compiled autograd's graph handed over."
+    def __init__(self, grad:torch.Tensor): self.grad = grad
 
 @patch
 def root_call(self:CompiledHooks, enter:bool, grad:bool, backward:bool):

@@ -211,6 +211,7 @@ class Capture:
         self._captured = self._said_capture = False   # the last root call ran inside a CUDA graph's capture; said so
         self._root, self._made, self._hooked, self._params_on, self._mods_on = [], None, None, False, False
         self._grads, self._times, self._tensor_hooks = None, {}, []
+        self._late_grads, self._grad_hooks = False, 0   # compiled autograd's grads (`_grad_arrived`); params hooked
         # the open step's outputs need grad and no backward has ended since: it is not finished
         self._backward_due = False
         # a finished step, for the closer (`close_finished`)
@@ -489,6 +490,7 @@ def _hook_modules(self:Capture, on:bool=True):
 def _hook_params(self:Capture):
     "Put the per-parameter grad hooks in place, under the module hooks' key."
     key, self._params_on = self._hooked, True
+    self._grad_hooks = sum(p.requires_grad for _, _, p in self.params) + sum(fp.requires_grad for fp, _ in self.flats)
     for pi, (_, _, p) in enumerate(self.params):
         if not p.requires_grad: continue
         if p._post_accumulate_grad_hooks is None: p._post_accumulate_grad_hooks = OrderedDict()
@@ -831,6 +833,8 @@ def _watch_grads(self:Capture, mi, c, ttype, tensors):
 
 @patch
 def _on_grad(self:Capture, mi, c, ttype, name, g):
+    # traced by compiled autograd: an op in its graph calls this where the backward runs
+    if _compiling(): return None if self.compiled is None else self.compiled.eager_grad(mi, c, ttype, name, g)
     if self._done_at is not None: self._take()   # a later backward of a finished step
     if not self._open or not self.armed: return
     if self.timing and (mi, c) in self._times:
@@ -855,6 +859,8 @@ def sample_norms(g:torch.Tensor)->torch.Tensor:
 # %% ../nbs/00_core.ipynb #bba5f788
 @patch
 def _grad_hook(self:Capture, pi, p):
+    # traced by compiled autograd: an op in its graph calls `_grad_arrived` where the backward runs
+    if _compiling(): return None if self.compiled is None else self.compiled.grad(pi, p)
     # a CUDA graph's capture; a step not recorded (compiled code keeps hooks)
     if self._captured or not self.recording: return
     if self.timing and self._open and not isinstance(pi, tuple):
@@ -873,7 +879,7 @@ def _grads_done(self:Capture, again:bool=False):
     if again:   # queue once more, to run after the callbacks queued since (DDP's writes the averaged grads)
         try: return torch.autograd.Variable._execution_engine.queue_callback(_Hook(self._grads_done))
         except RuntimeError: pass
-    grads, self._grads, self._backward_due = self._grads, None, False
+    grads, self._grads, self._backward_due, self._late_grads = self._grads, None, False, False
     items = [(self.params[pi][0], self.params[pi][1], p.grad) for pi, p in grads.items()
              if not isinstance(pi, tuple) and p.grad is not None]
     for pi in grads:
@@ -884,6 +890,8 @@ def _grads_done(self:Capture, again:bool=False):
 @patch
 def close(self:Capture):
     "Close the open step, if any, handing its events to the recorder; remove the tensor hooks it made."
+    # compiled autograd's grads, where a parameter got none: no callback ends its backward (see `_grad_arrived`)
+    if self._grads is not None and self._late_grads: self._grads_done()
     if self._done_at is not None: self._take()
     # the closer's, with `strict`
     if not self._closing and (e := vars(self).pop('_late_error', None)) is not None: raise e
