@@ -124,6 +124,15 @@ def test_hook_floor_benchmark_runs_as_is():
     assert all(float(w[1]) > 0 for w in rows), r.stdout
     assert 'machine:' in r.stdout, r.stdout
 
+def test_compile_benchmark_runs_as_is():
+    "`bench.py --compile` runs end to end on blocks made nested compile regions: every way compiled, no break or recompile added; figures not checked."
+    r = subprocess.run([sys.executable, str(GPU.parent/'bench.py'), '--compile', '--models', 'gpt2_regions',
+                        '--blocks', '1', '--steps', '2'], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [l.split() for l in r.stdout.splitlines() if l.startswith('gpt2_regions ')]
+    assert [w[1] for w in rows] == ['eager', 'whole', 'blocks'], r.stdout
+    assert all(w[2] == '0' and w[4] == '0' for w in rows), r.stdout   # graph breaks added, recompiles
+
 def test_gpu_benchmark_compiled_runs_as_is():
     "`gpu.py --compile` runs end to end on the CPU (tiny GPT, inductor): both cadences timed, no break or recompile added."
     r = subprocess.run([sys.executable, str(GPU), '--device', 'cpu', '--tiny', '--blocks', '1', '--steps', '10',
