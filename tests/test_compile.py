@@ -46,7 +46,8 @@ def train(make, how, tmp, armed=True, steps=STEPS, every=EVERY, backward=context
     "Train a fresh `make()` model compiled `how`; its rows, dynamo's graph count after each step, graph breaks, parameters."
     torch._dynamo.reset(); counters.clear()
     model, batch = make()
-    te = torchEmber(model, run='r', db=str(tmp / f'{make.__name__}-{how.__name__}-{armed}-{backward.__name__}.db'), every=every, **kw) if armed else None
+    db = str(tmp / f'{make.__name__}-{how.__name__}-{armed}-{backward.__name__}.db')
+    te = torchEmber(model, run='r', db=db, every=every, **kw) if armed else None
     call = how(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     graphs = []
@@ -236,7 +237,8 @@ class RegionBlock(nn.Module):
     "A block whose forward is a nested compile region: its children's tensors alias the body's input, or its output."
     def __init__(self, residual=True, ck=False):
         super().__init__()
-        self.inner, self.residual, self.ck = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16)), residual, ck
+        self.inner = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16))
+        self.residual, self.ck = residual, ck
     @region
     def forward(self, x):
         y = checkpoint(self.inner, x, use_reentrant=False) if self.ck else self.inner(x)
@@ -245,7 +247,8 @@ class RegionBlock(nn.Module):
 class Blocks(nn.Module):
     def __init__(self, blocks, through=None):
         super().__init__()
-        self.inp, self.blocks, self.out, self.through = nn.Linear(8, 16), nn.ModuleList(blocks), nn.Linear(16, 2), through
+        self.inp, self.blocks, self.out = nn.Linear(8, 16), nn.ModuleList(blocks), nn.Linear(16, 2)
+        self.through = through
     def forward(self, x):
         x = self.inp(x)
         for b in self.blocks: x = b(x) if self.through is None else self.through(b, x)
@@ -268,7 +271,7 @@ def region_ck(): return _blocks(lambda: [RegionBlock(ck=True), RegionBlock(ck=Tr
                                       (region_ck, blocks)],   # region_calls' blocks compiled bare: "no compiled frames"
                          ids=lambda x: x.__name__)
 def test_nested_compile_region(tmp_path, make, how, io_grad):
-    "`torch.compiler.nested_compile_region` in an armed model, `fullgraph=True`: no raise, no break, eager's rows, bare's training."
+    "Nested compile regions in an armed model, `fullgraph=True`: no raise, no break, eager's rows, bare's training."
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter('always')
         c = train(make, how, tmp_path, steps=3, every=1, io_grad=io_grad)
@@ -277,19 +280,20 @@ def test_nested_compile_region(tmp_path, make, how, io_grad):
     assert c['breaks'] == 0 and c['graphs'] == b['graphs']
     cd, ed = c['df'], e['df']
     said = sum('nested compile region' in str(x.message) for x in w)
-    if io_grad:   # dynamo allows no tensor hook in a body: the input grads of modules inside one are not recorded, said once
+    if io_grad:   # dynamo allows no tensor hook in a body: input grads of modules inside one are not recorded, said
         inside = ed.module.str.startswith('blocks.') & ((ed.module.str.count(r'\.') >= 2) | (make is region_calls))
         ed = ed[~(inside & (ed.ttype == 'input_grad'))]
         assert said == 1 and (ed.ttype == 'input_grad').any() and (cd.ttype == 'output_grad').sum() > 9
     else: assert said == 0
-    assert not cd.duplicated(KEYS).any() and cd[KEYS].equals(ed[KEYS].reset_index(drop=True)) and c['events'] == e['events']
+    assert not cd.duplicated(KEYS).any() and cd[KEYS].equals(ed[KEYS].reset_index(drop=True))
+    assert c['events'] == e['events']
     assert {'blocks.0.0', 'blocks.1.0'} <= set(cd[cd.ttype == 'output'].module) if make is region_calls else \
            {'blocks.0.inner.0', 'blocks.1.inner.2', 'blocks.2.inner'} & set(cd[cd.ttype == 'output'].module)
     np.testing.assert_allclose(cd['norm'].to_numpy(float), ed['norm'].to_numpy(float), rtol=1e-5, atol=1e-6)
     for p, q in zip(c['params'], b['params']): assert torch.equal(p, q)
 
 def test_nested_compile_region_bare_unrecorded(tmp_path):
-    "Nested compile regions with `bare_unrecorded`: eager's rows at each recorded step, one graph more, bare's training."
+    "Nested compile regions, `bare_unrecorded`: eager's rows at each recorded step, one graph more, bare's training."
     c = train(regions, whole, tmp_path, steps=5, every=2, bare_unrecorded=True)
     e = train(regions, eager, tmp_path, steps=5, every=2)
     b = train(regions, whole, tmp_path, armed=False, steps=5)

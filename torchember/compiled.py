@@ -45,7 +45,7 @@ def _record_side(ts:list, tag:torch.Tensor, key:int, what:int):
 def _grad_ready(g:torch.Tensor, key:int, pi:int):
     "`torchember::grad_ready`, where compiled autograd's graph runs it: parameter `pi`'s grad `g` is accumulated."
     hooks = CompiledHooks.of(key)
-    if hooks is not None: hooks.cap._grad_arrived(pi if pi >= 0 else ('flat', -1 - pi), g)
+    if hooks is not None: hooks.grad_arrived(pi if pi >= 0 else ('flat', -1 - pi), g)
 
 def _grad_seen(g:torch.Tensor, key:int, mi:int, c:int, what:int):
     "`torchember::grad_seen`, where compiled autograd's graph runs it: an eager tensor hook's grad of call `c` of `mi`."
@@ -371,17 +371,18 @@ def eager_grad(self:CompiledHooks, mi:int, c:int, ttype:str, name:str, g):
     "An eager tensor hook (`io_grad`, `timing`), traced by compiled autograd: an op hands grad `g` over where it runs."
     if g is not None: torch.ops.torchember.grad_seen(g, self.key, mi, c, _what(self.key, ttype, (name,)))
 
-@patch_to(Capture)
-def _grad_arrived(self, pi, g:torch.Tensor):
+@patch
+def grad_arrived(self:CompiledHooks, pi, g:torch.Tensor):
     "Parameter `pi`'s grad `g`, from compiled autograd's graph: the grads are done once each hooked one is in."
     # no callback can be queued from that graph (one is taken and never run), so the last grad ends the backward,
     # or else `close` does, for a parameter that got none; `.grad` is set as the graph ends, so `g` is kept
-    if self._captured or not self.recording: return
-    if self._done_at is not None: self._take()
-    if self._grads is None: self._grads = {}
-    self._grads[pi] = _Arrived(g)
-    self._late_grads = True
-    if len(self._grads) >= self._grad_hooks: self._grads_done()
+    cap = self.cap
+    if cap._captured or not cap.recording: return
+    if cap._done_at is not None: cap._take()
+    if cap._grads is None: cap._grads = {}
+    cap._grads[pi] = _Arrived(g)
+    cap._late_grads = True
+    if len(cap._grads) >= cap._grad_hooks: cap._grads_done()
 
 class _Arrived:
     "A parameter's stand-in in `Capture._grads` whose `.grad` is the grad compiled autograd's graph handed over."

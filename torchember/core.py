@@ -211,7 +211,7 @@ class Capture:
         self._captured = self._said_capture = False   # the last root call ran inside a CUDA graph's capture; said so
         self._root, self._made, self._hooked, self._params_on, self._mods_on = [], None, None, False, False
         self._grads, self._times, self._tensor_hooks = None, {}, []
-        self._late_grads, self._grad_hooks = False, 0   # compiled autograd's grads (`_grad_arrived`); params hooked
+        self._late_grads, self._grad_hooks = False, 0   # compiled autograd's grads came (`grad_arrived`); params hooked
         # the open step's outputs need grad and no backward has ended since: it is not finished
         self._backward_due = False
         # a finished step, for the closer (`close_finished`)
@@ -859,7 +859,7 @@ def sample_norms(g:torch.Tensor)->torch.Tensor:
 # %% ../nbs/00_core.ipynb #bba5f788
 @patch
 def _grad_hook(self:Capture, pi, p):
-    # traced by compiled autograd: an op in its graph calls `_grad_arrived` where the backward runs
+    # traced by compiled autograd: an op in its graph hands the grad over where the backward runs (`grad_arrived`)
     if _compiling(): return None if self.compiled is None else self.compiled.grad(pi, p)
     # a CUDA graph's capture; a step not recorded (compiled code keeps hooks)
     if self._captured or not self.recording: return
@@ -890,7 +890,7 @@ def _grads_done(self:Capture, again:bool=False):
 @patch
 def close(self:Capture):
     "Close the open step, if any, handing its events to the recorder; remove the tensor hooks it made."
-    # compiled autograd's grads, where a parameter got none: no callback ends its backward (see `_grad_arrived`)
+    # compiled autograd's, where a parameter got no grad: no callback ends that backward (`CompiledHooks.grad_arrived`)
     if self._grads is not None and self._late_grads: self._grads_done()
     if self._done_at is not None: self._take()
     # the closer's, with `strict`
