@@ -50,7 +50,9 @@ def _grad_ready(g:torch.Tensor, key:int, pi:int):
 def _grad_seen(g:torch.Tensor, key:int, mi:int, c:int, what:int):
     "`torchember::grad_seen`, where compiled autograd's graph runs it: an eager tensor hook's grad of call `c` of `mi`."
     hooks = CompiledHooks.of(key)
-    if hooks is not None: hooks.cap._on_grad(mi, c, *_WHAT[what][0:1], _WHAT[what][1][0], g)
+    if hooks is None: return
+    ttype, names = _WHAT[what]
+    hooks.cap._on_grad(mi, c, ttype, names[0], g)
 
 def _step(token:torch.Tensor, key:int, enter:bool, grad:bool, backward:bool):
     "`torchember::step`, where the graph runs it: the root's eager hooks."
