@@ -538,10 +538,7 @@ def take(self:_Region, cap:Capture, ts:list):
         rec.rec.keys += [(mi, c, ttype, name, shape, dtype, base + r, -1)
                          for mi, c, ttype, name, shape, dtype, r in self.rows]
         rows = list(range(base, base + len(self.uniq)))
-        try: rec._pieces.append((rows, native_moments([ts[i] for i in self.uniq], self.batch, checked=True)))
-        except Exception as e:
-            rec._failed("measuring the tensors of a compiled region", e)
-            rec._pieces.append((rows, _unmeasured(None).expand(len(rows), 8)))
+        rec._native_rows(rows, [ts[i] for i in self.uniq], self.batch, checked=True)
     if self.aside: rec.measure_many([(mi, c, ttype, name, ts[i]) for mi, c, ttype, name, i in self.aside])
 
 # %% ../nbs/01b_compiled.ipynb #c4c33b74
@@ -576,11 +573,7 @@ def measure_early(self, ts:list)->list:
             self._nm += 1
             now.append(t); rows.append(row)
         out.append(_Measured(row, shape_of(t), dtype_name(t)))
-    if now:
-        try: self._pieces.append((rows, native_moments(now)))
-        except Exception as e:
-            self._failed("measuring the tensors of a compiled region", e)
-            self._pieces.append((rows, _unmeasured(None).expand(len(rows), 8)))
+    if now: self._native_rows(rows, now)
     return out
 
 class _Measured(NamedTuple):
@@ -611,8 +604,12 @@ def measure_many(self, items:list):
             into[0].append(t); into[1].append(row)
         keys.append((mi, call, ttype, tname, shape_of(t), dtype_name(t), row, -1))
     for dts, drows in on.values(): self._launch_now(dts, drows)
-    if not ts: return
-    try: self._pieces.append((rows, native_moments(ts)))
+    if ts: self._native_rows(rows, ts)
+
+@patch_to(Recorder)
+def _native_rows(self, rows:list, ts:list, *args, **kw):
+    "The step's moment `rows` of a region's `ts`: `native_moments(ts, ...)`, or unmeasured where it fails (said)."
+    try: self._pieces.append((rows, native_moments(ts, *args, **kw)))
     except Exception as e:
         self._failed("measuring the tensors of a compiled region", e)
         self._pieces.append((rows, _unmeasured(None).expand(len(rows), 8)))
