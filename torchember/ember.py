@@ -340,6 +340,8 @@ _embers = weakref.WeakSet()            # every torchEmber armed in this process
 def _close_open_steps():
     "At exit, write the step still open in every armed model (before the writers stop)."
     for te in list(_armed.values()):
+        # after the traceback of an uncaught exception (a Ctrl-C) the interpreter printed, no advice for later steps
+        if _uncaught: te.recorder.advise = False
         try: te.flush()
         except Exception: pass
     if _uncaught and isinstance(_uncaught[0], KeyboardInterrupt): _exit_as_interrupted()

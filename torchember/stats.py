@@ -369,6 +369,7 @@ class Recorder:
         self.param_extras = None   # called as `(ttype, items)`: per item a dict of more stats of weights, or None
         # (module, ttype, name) -> seen unchanged after its hook (True), or changed (False: for good)
         self._batchable = {}
+        self.advise = True         # name a custom stat function that took most of a step, as the step closes
 
     def open(self, step:int, training:bool=None, iteration:int=None, kind:str=None):
         "Start recording `step`: everything of the open step is in the attributes `_STEP_STATE` names."
@@ -631,7 +632,7 @@ SLOW_FRACTION, SLOW_S = 0.5, 0.1
 def _name_slow(self):
     "Warn once per function of a custom stat function that took most of the finished step now closing."
     # a step cut short (an interrupt, the exit) has no time of its own to compare with: nothing said after a Ctrl-C
-    if not self._spent or self._t1 is None: return
+    if not self.advise or not self._spent or self._t1 is None: return
     wall = self._t1 - self._t0
     for fn, s in self._spent.items():
         if s > SLOW_S and s > SLOW_FRACTION * wall:
