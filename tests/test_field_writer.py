@@ -514,12 +514,16 @@ def test_a_writer_that_falls_behind_thins_evenly_and_says_the_rates():
     assert max(ages) < 1.0, f"a kept item waited {max(ages):.2f} s: what is left is written within a second"
 
 
-def test_a_writer_somewhat_slower_than_the_run_paces_it_and_drops_nothing():
+@pytest.mark.parametrize('seed', [None, 1, 2, 3])
+def test_a_writer_somewhat_slower_than_the_run_paces_it_and_drops_nothing(seed):
     "A store that takes about 65 items a second, given about 100 a second: each submit waits a little, and none is dropped."
+    # with a `seed`, writes stall 60 ms one time in ten at random (a loaded machine): the store takes about 58 items a
+    # second, still more than the run paced to half its speed. Unpaced while the writer took all that waited, the run
+    # made more than that, and a step was dropped in about a third of such runs (the fresh-clone CI met it under load)
     from torchember.store import Writer
-    got, ages = [], []
+    got, ages, rnd = [], [], random.Random(seed)
     def slow(items):                      # 15 ms an item: slower than the run, but not half as fast
-        time.sleep(0.015 * len(items))
+        time.sleep(0.015 * len(items) + (0.06 if seed is not None and rnd.random() < 0.1 else 0))
         now = time.monotonic()
         got.extend(i for i, _ in items); ages.extend(now - t for _, t in items)
     w = Writer(slow, rows=lambda item: 100)
@@ -533,7 +537,7 @@ def test_a_writer_somewhat_slower_than_the_run_paces_it_and_drops_nothing():
     msgs = [str(r.message) for r in rec]
     assert w.dropped == 0 and got == list(range(200)), msgs
     assert w.paced > 0, "the run waited for the writer"
-    assert not any('falls behind' in m or 'dropped' in m for m in msgs), msgs
+    assert not any('falls behind' in m or 'fell behind' in m or 'dropped evenly' in m for m in msgs), msgs
     assert max(ages) < 1.0, f"an item waited {max(ages):.2f} s"
 
 def test_a_store_locked_by_another_program_is_not_paced_for():

@@ -145,11 +145,18 @@ class Writer:
 # %% ../../nbs/02e_store_writer.ipynb #05899586
 @patch
 def _pacing(self:Writer, now:float)->bool:
-    "Whether a step waits for the writer: the store takes items, yet one waits that came before its last write ended."
+    "Whether a step waits for the writer: it writes, yet one waits that came before its last write, or the run makes more."
     p, busy = self.pending, self._busy   # (a writer that keeps up takes, after each write, all that came meanwhile)
-    late = busy is not None and (self._took > p[0][0] or now - busy[0][0] > PACE_AT_S)   # or its write is long
-    return (PACE > 0 and self._left is not None and late and self._out is None
-            and now - self._since < STUCK_S and not (self._stop or self._urgent))
+    if not (PACE > 0 and busy is not None and self._left is not None and self._out is None
+            and now - self._since < STUCK_S and not (self._stop or self._urgent)): return False
+    return self._took > p[0][0] or now - busy[0][0] > PACE_AT_S or self._slower(now)   # or its write is long
+
+@patch
+def _slower(self:Writer, now:float)->bool:
+    "Whether the store took fewer rows than the run made, over a second or more."
+    self._sample(now)
+    made, taken = self.rates(now)
+    return now - self._rates[0][0] >= 1 and made > taken
 
 @patch
 def _pace(self:Writer, now:float):
