@@ -654,6 +654,27 @@ def test_arming_a_compiled_model(db):
     assert_bare(model, before_m, ignore=TORCH_MARKS)
     assert te.run.n_steps == 4
 
+def test_a_capture_collected_as_dynamo_traces_changes_nothing_it_reads(db):
+    "A capture freed by the garbage collector leaves `_BY_KEY` as it was: its key is dropped as a model is armed."
+    # the collector may run inside dynamo's tracing of the module hooks, as it reads `_BY_KEY`: a weakref callback that
+    # popped the key then raised "dictionary changed size during iteration" into a compiled forward (seen once in CI)
+    from torchember import core
+    model = _fresh_mlp()
+    te = torchEmber(model, run='gone', db=db)
+    torch.compile(model, backend='eager', fullgraph=True)(torch.randn(2, 4)).sum().backward()
+    key = te.capture._by_key()
+    te.disarm(); del te, model
+    gc.collect()
+    assert key in core._BY_KEY and core._BY_KEY[key]() is None, "a freed capture's key left while compiled code may run"
+    other = _fresh_mlp()
+    te = torchEmber(other, run='next', db=db)
+    torch.compile(other, backend='eager', fullgraph=True)(torch.randn(2, 4)).sum().backward()
+    assert key == te.capture._by_key() or key not in core._BY_KEY, "arming left a freed capture's key"
+    stale = object.__new__(Capture)                       # an id now another's, its entry still the freed capture's
+    core._BY_KEY[id(te.capture)] = weakref.ref(stale)
+    assert core._BY_KEY[te.capture._by_key()]() is te.capture
+    te.disarm()
+
 @pytest.mark.parametrize('same_instance', [True, False], ids=['same_model', 'other_instance'])
 @pytest.mark.filterwarnings('ignore:torchember. torch.compile had compiled')   # arming drops that code, with a warning
 def test_arming_after_compiled_code_ran_still_records(db, same_instance):

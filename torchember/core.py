@@ -402,8 +402,13 @@ _BY_KEY = {}   # key -> weakref to a `Capture` whose hooks find it by key (a com
 @patch
 def _by_key(self:Capture)->int:
     "This capture's key in `_BY_KEY`, for hooks that find it there rather than hold it."
-    key = id(self)   # the weakref's callback frees the key before the id can be another's
-    if key not in _BY_KEY: _BY_KEY[key] = weakref.ref(self, lambda _, k=key: _BY_KEY.pop(k, None))
+    # no weakref callback frees a key: the garbage collector ran one while dynamo read `_BY_KEY` in a hook it traced,
+    # and "dictionary changed size during iteration" raised into a compiled forward. Keys of captures gone are dropped
+    # here, as a model is armed; an id reused by a new capture gets its own entry
+    key = id(self)
+    if (ref := _BY_KEY.get(key)) is None or ref() is not self:
+        for k in [k for k, r in _BY_KEY.items() if r() is None]: del _BY_KEY[k]
+        _BY_KEY[key] = weakref.ref(self)
     return key
 
 # The module hooks find the capture by key, through one global, and a post-hook takes its pre-hook's tag (with io_grad
