@@ -292,6 +292,25 @@ class Wrapped(nn.Module):
         self.body = body
     def forward(self, x): return self.body(x)
 
+_REGIONS = {}   # a module class -> the block class whose forward, a nested compile region, calls one of them
+
+def _region_block(kind: type) -> type:
+    "A block class calling one `kind` module in a nested compile region: a region function of its own per kind."
+    # torch reuses a region's body for any call with the same function and inputs alike; one block class for every
+    # kind made a parameterless Dropout's region run the ReLU's body (torch 2.13), a wrong bare model
+    if kind not in _REGIONS:
+        @torch.compiler.nested_compile_region
+        def forward(self, x): return self.inner(x)
+        def __init__(self, inner):
+            nn.Module.__init__(self)
+            self.inner = inner
+        _REGIONS[kind] = type(f'{kind.__name__}Region', (nn.Module,), dict(__init__=__init__, forward=forward))
+    return _REGIONS[kind]
+
+def regioned(body: nn.Sequential) -> nn.Sequential:
+    "`body` with each child called in a nested compile region, as the blocks of a model of regions are."
+    return nn.Sequential(*[_region_block(type(m))(m) for m in body])
+
 
 class GPTBlock(nn.Module):
     "A GPT-2 block: pre-norm causal self-attention and a 4x GELU MLP."

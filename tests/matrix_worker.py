@@ -81,6 +81,7 @@ def main(db:str, options:dict, mode:str):
     torch.manual_seed(0)
     body = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(32, 32), nn.ReLU())], nn.Linear(32, 1))
     model = corpus.Wrapped(body) if options.pop('wrapped', False) else body
+    if options.pop('regions', False): model = corpus.regioned(model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     compiled = options.pop('compile', False)
     # s a step costs the run, bar its waits for the writer; and the writer, bar its sleep

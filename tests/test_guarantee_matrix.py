@@ -27,6 +27,9 @@ share code are run once.
   after a forward compiled whole, whose module hooks take their modules' numbers from the trace rather than tag inputs;
 - `bare_unrecorded=True` with `every=3` under `torch.compile` (`compiled_lean`): the module hooks come off after a step
   whose next one is not recorded and go back on before one that is, so unrecorded steps run a second graph without them;
+- `torch.compiler.nested_compile_region` (`compiled_regions`): the model compiled whole, each child in a block whose
+  forward is a region (`corpus.regioned`), so that the hooks are traced inside regions' bodies and record through ops
+  that mutate nothing, their records spliced into the step later;
 - `stop_on=['nonfinite']` (`watched`): the writer judges each written step (`torchember.watch`) and a stop hook runs
   before every call of the model; nothing fires in these runs, so every promise must hold as without it;
 - a store slower than the run (`paced`, a worker option): each step written costs the writer 1.5 times what a step
@@ -48,7 +51,7 @@ The processes (one training script, `matrix_worker.py`) run two at a time in a p
 cell needs them; each is short (a few seconds of training). On a 2-core Xeon shared with other work (load average
 about 14), the module's 46 tests took 6.5 minutes, 5.8 of them the 23 processes (PostgreSQL included); the compiled
 crossings add 19 tests and 8 processes (about 10 s of compile each): on a 2-core EPYC at load 5-10, the 8 compiled
-processes and the two locked-store tests took 2.6 minutes together. `TE_MATRIX_BREAK=linger` (the writer waits 5 s before it takes a step)
+processes and the two locked-store tests took 2.6 minutes together; `compiled_regions` adds 12 tests and 3 processes. `TE_MATRIX_BREAK=linger` (the writer waits 5 s before it takes a step)
 or `TE_MATRIX_BREAK=closer` (a finished step waits for the next call) breaks a promise on purpose: the durability
 cells then fail.
 """
@@ -63,7 +66,7 @@ from torch import nn
 
 from torchember import torchEmber
 from test_never_lose import tw
-from corpus import Wrapped
+from corpus import Wrapped, regioned
 import test_postgres
 
 WORKER = str(Path(__file__).parent/'matrix_worker.py')
@@ -72,6 +75,7 @@ OPTIONS = {'plain': {}, 'snapshot': dict(snapshot=['*.weight', '*.output', '*.we
            'compiled': dict(compile=True), 'compiled_hooks': dict(compile=True, every=3, io_grad=True, track_updates=True),
            'compiled_class': dict(compile=True, wrapped=True),   # a class of the user's: its root hooks outside the graph
            'compiled_lean': dict(compile=True, every=3, bare_unrecorded=True),   # unrecorded steps: a hook-free graph
+           'compiled_regions': dict(compile=True, regions=True),   # each child called in a nested compile region
            'watched': dict(stop_on=['nonfinite'])}   # live findings judged by the writer, a stop hook before every call
 # a store slower than the run: each step written costs the writer 1.5 times what a step costs the run (which spends
 # 20 ms a step outside torch), so the writer holds the run back (`Writer.paced`); worker options, not torchEmber's.
@@ -87,6 +91,7 @@ def _arm(model:nn.Module, run:str, db:str, options:dict):
     options = dict(options)
     compiled = options.pop('compile', False)
     if options.pop('wrapped', False): model = Wrapped(model)
+    if options.pop('regions', False): model = regioned(model)
     te = torchEmber(model, run=run, db=db, **options)
     return (torch.compile(model, fullgraph=True) if compiled else model), te
 
@@ -115,7 +120,8 @@ CELLS = ([Cell('kill9', o, w, 'sqlite') for o in OPTIONS for w in ('thread', 'pr
             Cell('sigint', 'snapshot', 'thread', 'postgresql', after=0)]
          + [Cell('pause', 'compiled', 'thread', 'sqlite'), Cell('sigterm', 'compiled_hooks', 'process', 'sqlite'),
             Cell('sigint', 'compiled', 'thread', 'sqlite', after=-1), Cell('sigint', 'compiled_hooks', 'process', 'sqlite'),
-            Cell('sigterm', 'compiled_class', 'thread', 'sqlite'), Cell('sigint', 'compiled_lean', 'thread', 'sqlite')]
+            Cell('sigterm', 'compiled_class', 'thread', 'sqlite'), Cell('sigint', 'compiled_lean', 'thread', 'sqlite'),
+            Cell('sigint', 'compiled_regions', 'process', 'sqlite')]
          + [Cell('sigterm', 'watched', 'process', 'sqlite'), Cell('sigint', 'watched', 'thread', 'sqlite')]
          + [Cell('kill9', 'paced', w, s) for w in ('thread', 'process') for s in ('sqlite', 'postgresql')])
 
@@ -315,6 +321,9 @@ def _hold(db:str, ready:threading.Event, go:threading.Event):
 
 def test_nothing_is_lost_while_another_program_holds_the_store(store, monkeypatch):
     "Every option, both writers, one store (SQLite or PostgreSQL) locked by another program for 2 s as they all train."
+    # each armed model compiles a graph of its own, where bare ones of a class share one (its capture's key is a
+    # constant in the graph): the 10 compiled models here, alive at once, pass dynamo's default limit of 8
+    monkeypatch.setattr(torch._dynamo.config, 'recompile_limit', 32)
     tes = {}
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter('always')
@@ -376,6 +385,7 @@ def test_training_and_the_rng_are_unchanged(db, option):
     if kw.get('compile'): torch._dynamo.reset()
     bare = _model(dropout=True)
     if kw.get('wrapped'): bare = Wrapped(bare)
+    if kw.get('regions'): bare = regioned(bare)
     bare = _train(torch.compile(bare, fullgraph=True) if kw.get('compile') else bare)
     call, te = _arm(_model(dropout=True), option, db, kw)
     armed = _train(call)
@@ -394,7 +404,8 @@ def _slow(t):
 def _bad(t): raise ValueError("no stat today")
 
 @pytest.mark.parametrize('fn', [_slow, _bad], ids=['slow', 'failing'])
-@pytest.mark.parametrize('option', ['plain', 'snapshot', 'compiled', 'compiled_class', 'compiled_lean', 'watched'])
+@pytest.mark.parametrize('option', ['plain', 'snapshot', 'compiled', 'compiled_class', 'compiled_lean', 'compiled_regions',
+                                    'watched'])
 @pytest.mark.parametrize('ttype', ['input', 'output', 'weight', 'weight_grad'])
 def test_a_slow_or_failing_stat_is_named_once(db, ttype, option, fn):
     "A slow stat is named in one warning; a failing one once per tensor it fails on, never again; the steps are stored."
