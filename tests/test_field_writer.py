@@ -421,6 +421,7 @@ SLOW_THEN_INTERRUPTED = textwrap.dedent('''
     import torch
     from torch import nn
     from torchember import torchEmber
+    signal.signal(signal.SIGINT, signal.default_int_handler)   # as from a terminal: a background job inherits it ignored
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     te = torchEmber(model, run='r', db=sys.argv[1])
     @te.how_record_out
