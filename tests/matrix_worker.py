@@ -84,6 +84,8 @@ def main(db:str, options:dict, mode:str):
     if options.pop('regions', False): model = corpus.regioned(model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     compiled = options.pop('compile', False)
+    if options.pop('compiled_autograd', False):   # every backward compiled, for the process's life
+        torch._dynamo.compiled_autograd._enable(torch.compile()).__enter__()
     # s a step costs the run, bar its waits for the writer; and the writer, bar its sleep
     slow, work, wrote, step_s = options.pop('slow_write', 0), [0.01], [0.], options.pop('step_s', 0)
     slow_max = options.pop('slow_max', float('inf'))

@@ -30,6 +30,9 @@ share code are run once.
 - `torch.compiler.nested_compile_region` (`compiled_regions`): the model compiled whole, each child in a block whose
   forward is a region (`corpus.regioned`), so that the hooks are traced inside regions' bodies and record through ops
   that mutate nothing, their records spliced into the step later;
+- compiled autograd (`compiled_autograd`, forward eager): the backward compiled, the parameters' grads handed to
+  torchember by an op in its graph, a step's grads done once each has arrived (kill -9 on both writers, SIGINT,
+  training and the RNG, a slow or failing stat; not the locked store, whose models share one process);
 - `stop_on=['nonfinite']` (`watched`): the writer judges each written step (`torchember.watch`) and a stop hook runs
   before every call of the model; nothing fires in these runs, so every promise must hold as without it;
 - a store slower than the run (`paced`, a worker option): each step written costs the writer 1.5 times what a step
@@ -51,7 +54,7 @@ The processes (one training script, `matrix_worker.py`) run two at a time in a p
 cell needs them; each is short (a few seconds of training). On a 2-core Xeon shared with other work (load average
 about 14), the module's 46 tests took 6.5 minutes, 5.8 of them the 23 processes (PostgreSQL included); the compiled
 crossings add 19 tests and 8 processes (about 10 s of compile each): on a 2-core EPYC at load 5-10, the 8 compiled
-processes and the two locked-store tests took 2.6 minutes together; `compiled_regions` adds 12 tests and 3 processes. `TE_MATRIX_BREAK=linger` (the writer waits 5 s before it takes a step)
+processes and the two locked-store tests took 2.6 minutes together; `compiled_regions` adds 12 tests and 3 processes, `compiled_autograd` 12 and 3. `TE_MATRIX_BREAK=linger` (the writer waits 5 s before it takes a step)
 or `TE_MATRIX_BREAK=closer` (a finished step waits for the next call) breaks a promise on purpose: the durability
 cells then fail.
 """
@@ -83,12 +86,31 @@ OPTIONS = {'plain': {}, 'snapshot': dict(snapshot=['*.weight', '*.output', '*.we
 # store much slower than that cannot keep the one-second bound (the guarantees chapter says so); uncapped, a loaded CI
 # machine (steps of 0.3 s and more) took the store there, and a step was written 1.03 s after it finished
 PACED = {'paced': dict(slow_write=1.5, slow_max=0.25, step_s=0.02)}
-RUNS = {**OPTIONS, **PACED}
+# compiled autograd (`compiled_autograd`): the backward traced and compiled, so parameter grads reach torchember through
+# an op in its graph (`grad_ready`), and a step's grads are done once each has arrived; the forward eager, whose
+# training equals the bare model's exactly (compiled as well, the last bits differ, as `01b_compiled` says). Not in
+# OPTIONS: it is turned on for the whole process (or the test), which the locked-store test's other models share
+AUTOGRAD = {'compiled_autograd': dict(compiled_autograd=True)}
+RUNS = {**OPTIONS, **PACED, **AUTOGRAD}
 EVERY = {k: v.get('every', 1) for k, v in RUNS.items()}
+
+_CA = []   # compiled autograd's context, entered by `_arm`, left as the test ends (`_compiled_autograd_off`)
+
+@pytest.fixture(autouse=True)
+def _compiled_autograd_off():
+    yield
+    while _CA: _CA.pop().__exit__(None, None, None)
+
+def _compiled_autograd():
+    "From now until the test ends, backward passes are compiled (compiled autograd, inductor)."
+    if not _CA:
+        _CA.append(torch._dynamo.compiled_autograd._enable(torch.compile()))
+        _CA[-1].__enter__()
 
 def _arm(model:nn.Module, run:str, db:str, options:dict):
     "Arm `model` with `options`, then compile it whole if they say `compile` (inductor, `fullgraph=True`): what to call, and the torchEmber."
     options = dict(options)
+    if options.pop('compiled_autograd', False): _compiled_autograd()
     compiled = options.pop('compile', False)
     if options.pop('wrapped', False): model = Wrapped(model)
     if options.pop('regions', False): model = regioned(model)
@@ -123,7 +145,9 @@ CELLS = ([Cell('kill9', o, w, 'sqlite') for o in OPTIONS for w in ('thread', 'pr
             Cell('sigterm', 'compiled_class', 'thread', 'sqlite'), Cell('sigint', 'compiled_lean', 'thread', 'sqlite'),
             Cell('sigint', 'compiled_regions', 'process', 'sqlite')]
          + [Cell('sigterm', 'watched', 'process', 'sqlite'), Cell('sigint', 'watched', 'thread', 'sqlite')]
-         + [Cell('kill9', 'paced', w, s) for w in ('thread', 'process') for s in ('sqlite', 'postgresql')])
+         + [Cell('kill9', 'paced', w, s) for w in ('thread', 'process') for s in ('sqlite', 'postgresql')]
+         + [Cell('kill9', 'compiled_autograd', w, 'sqlite') for w in ('thread', 'process')]
+         + [Cell('sigint', 'compiled_autograd', 'thread', 'sqlite')])
 
 # A writer that each step costs more than it costs the run once took up to a group (16 steps) a transaction, the
 # thread after waiting up to LINGER_S to fill one, and held the run back only between writes: a step could wait for
@@ -377,15 +401,16 @@ def _train(model, steps=4, seed=1):
         opt.step(); opt.zero_grad()
     return outs, grads, torch.get_rng_state()
 
-@pytest.mark.parametrize('option', [*OPTIONS, 'all', 'all_compiled', 'all_lean'])
+@pytest.mark.parametrize('option', [*OPTIONS, *AUTOGRAD, 'all', 'all_compiled', 'all_lean'])
 def test_training_and_the_rng_are_unchanged(db, option):
     "Outputs, grads and the RNG of the armed model equal the bare one's; compiled: the bare model compiled the same way."
     kw = {'all': ALL_ON, 'all_compiled': {**ALL_ON, 'compile': True},
-          'all_lean': {**ALL_ON, 'compile': True, 'bare_unrecorded': True}}.get(option) or OPTIONS[option]
-    if kw.get('compile'): torch._dynamo.reset()
+          'all_lean': {**ALL_ON, 'compile': True, 'bare_unrecorded': True}}.get(option) or RUNS[option]
+    if kw.get('compile') or kw.get('compiled_autograd'): torch._dynamo.reset()
     bare = _model(dropout=True)
     if kw.get('wrapped'): bare = Wrapped(bare)
     if kw.get('regions'): bare = regioned(bare)
+    if kw.get('compiled_autograd'): _compiled_autograd()
     bare = _train(torch.compile(bare, fullgraph=True) if kw.get('compile') else bare)
     call, te = _arm(_model(dropout=True), option, db, kw)
     armed = _train(call)
@@ -405,14 +430,14 @@ def _bad(t): raise ValueError("no stat today")
 
 @pytest.mark.parametrize('fn', [_slow, _bad], ids=['slow', 'failing'])
 @pytest.mark.parametrize('option', ['plain', 'snapshot', 'compiled', 'compiled_class', 'compiled_lean', 'compiled_regions',
-                                    'watched'])
+                                    'compiled_autograd', 'watched'])
 @pytest.mark.parametrize('ttype', ['input', 'output', 'weight', 'weight_grad'])
 def test_a_slow_or_failing_stat_is_named_once(db, ttype, option, fn):
     "A slow stat is named in one warning; a failing one once per tensor it fails on, never again; the steps are stored."
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 1))
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter('always')
-        call, te = _arm(model, 'stat', db, OPTIONS[option])
+        call, te = _arm(model, 'stat', db, RUNS[option])
         step = lambda: call(torch.randn(4, 8)).sum().backward()
         te.how_record(ttype, fn)
         step(); step(); te.flush()
