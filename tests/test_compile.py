@@ -550,3 +550,23 @@ def test_stop_on_fires_compiled(tmp_path, make, how):
     assert 5 <= ran < 2900
     assert counters['stats']['unique_graphs'] == 1   # the finding changed no guarded value
     te.disarm()
+
+
+def test_many_armed_models_of_a_class_alive_at_once_compile_with_fullgraph(tmp_path):
+    "Twelve armed models of one class, compiled with `fullgraph=True`, alive at once: none raises (the ninth did)."
+    # each compiles a graph of its own (bare ones share one); dynamo's recompile_limit of 8 made the ninth raise
+    torch._dynamo.reset()
+    limit = torch._dynamo.config.recompile_limit
+    try:
+        made = []
+        for i in range(12):
+            torch.manual_seed(i)
+            m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+            made.append((torch.compile(m, fullgraph=True), torchEmber(m, run=f'm{i}', db=tmp_path/'s.db')))
+        x = torch.randn(4, 8)
+        for _ in range(2):
+            for call, _ in made: call(x).sum().backward()
+        for _, te in made: assert te.flush().run.n_steps == 2
+        for _, te in made: te.disarm()
+    finally: torch._dynamo.config.recompile_limit = limit
+

@@ -345,9 +345,6 @@ def _hold(db:str, ready:threading.Event, go:threading.Event):
 
 def test_nothing_is_lost_while_another_program_holds_the_store(store, monkeypatch):
     "Every option, both writers, one store (SQLite or PostgreSQL) locked by another program for 2 s as they all train."
-    # each armed model compiles a graph of its own, where bare ones of a class share one (its capture's key is a
-    # constant in the graph): the 10 compiled models here, alive at once, pass dynamo's default limit of 8
-    monkeypatch.setattr(torch._dynamo.config, 'recompile_limit', 32)
     tes = {}
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter('always')

@@ -98,10 +98,18 @@ def _constant(fn):
     fn._dynamo_marked_constant = True
     return fn
 
+_LIMIT = []   # dynamo's `recompile_limit` before torchember first raised it
+
 def _hook_guards():
-    "Have dynamo guard on module hooks (code compiled without them is not theirs); a no-op until dynamo is imported."
+    "Have dynamo guard on module hooks, and give each armed model a recompile budget; a no-op until dynamo is imported."
     dynamo = sys.modules.get('torch._dynamo')
-    if dynamo is not None: dynamo.config.skip_nnmodule_hook_guards = False
+    if dynamo is None: return
+    dynamo.config.skip_nnmodule_hook_guards = False   # code compiled without the hooks is not theirs
+    # each armed model compiles graphs of its own (its key is a constant in them), where bare instances of a class share
+    # theirs: the ninth armed model of a class alive at once raised `FailOnRecompileLimitHit` with `fullgraph=True`
+    if not _LIMIT: _LIMIT.append(dynamo.config.recompile_limit)
+    live = sum(r() is not None for r in _HOOKS.values())
+    dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, _LIMIT[0] * 2 * max(live, 1))
 
 def _number(table:list, index:dict, item)->int:
     "The number of `item` in `table` (and `index`, item -> number), added at the end if new."
