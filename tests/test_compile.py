@@ -569,4 +569,3 @@ def test_many_armed_models_of_a_class_alive_at_once_compile_with_fullgraph(tmp_p
         for _, te in made: assert te.flush().run.n_steps == 2
         for _, te in made: te.disarm()
     finally: torch._dynamo.config.recompile_limit = limit
-
