@@ -845,13 +845,17 @@ def _on_grad(self:Capture, mi, c, ttype, name, g):
     if self.timing and (mi, c) in self._times:
         t = self._times[mi, c]
         now = self.clock()
-        if ttype == 'output_grad':
-            if t[3] is None: t[3] = now
+        if ttype == 'output_grad': _started(t, now)
         else: _ended(t, now)
     if self.io_grad and g is not None: self.recorder.tensor(mi, c, ttype, name, sample_norms(g))
 
+def _started(t:list, now):
+    "Mark the backward of the call timed by `t`, and of every call around it not yet started, as started at `now`."
+    while t is not None and t[3] is None: t[3], t = now, t[5]
+
 def _ended(t:list, now):
     "Mark the backward of the call timed by `t`, and of every call around it, as ended no earlier than `now`."
+    _started(t, now)
     while t is not None: t[4], t = now, t[5]
 
 def sample_norms(g:torch.Tensor)->torch.Tensor:
