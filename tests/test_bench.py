@@ -127,7 +127,7 @@ def test_hook_floor_benchmark_runs_as_is():
 def test_compile_benchmark_runs_as_is():
     "`bench.py --compile` on blocks made nested compile regions: each way compiled, no break or recompile added."
     r = subprocess.run([sys.executable, str(GPU.parent/'bench.py'), '--compile', '--models', 'gpt2_regions',
-                        '--blocks', '1', '--steps', '2'], capture_output=True, text=True, timeout=600)
+                        '--blocks', '1', '--steps', '2'], capture_output=True, text=True, timeout=1800)   # 372 s beside 6 busy processes on 2 cores
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [l.split() for l in r.stdout.splitlines() if l.startswith('gpt2_regions ')]
     assert [w[1] for w in rows] == ['eager', 'whole', 'blocks'], r.stdout

@@ -75,7 +75,7 @@ def job(tmp, db, runs=('ddp', 'accum', 'rank0', 'default'), world=2)->list:
     failed = []                                          # every rank's failure: one rank's error can abort the others in gloo
     try:
         for r, p in enumerate(ps):
-            _, err = p.communicate(timeout=120)
+            _, err = p.communicate(timeout=300)         # a job takes ~30 s beside 6 busy processes on 2 cores
             if p.returncode: failed.append(f'rank {r} exited with {p.returncode}:\n{err[-3000:]}')
     finally:
         for p in ps:

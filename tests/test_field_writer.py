@@ -542,10 +542,15 @@ def test_a_writer_somewhat_slower_than_the_run_paces_it_and_drops_nothing(seed):
     assert max(ages) < 1.0, f"an item waited {max(ages):.2f} s"
 
 def test_a_store_locked_by_another_program_is_not_paced_for():
-    "While the store takes nothing (locked), submit never waits: training is not slowed by a lock, only by a slow writer."
-    from torchember.store import Writer
+    "A write stuck past `STUCK_S` waits for a lock: submit then never waits; training is slowed by a slow writer, not a lock."
+    from torchember.store import Writer, writer
     gate = threading.Event()
     w = Writer(lambda items: gate.wait())
+    w.submit(-1)
+    deadline = time.monotonic() + 60
+    while w._busy is None and time.monotonic() < deadline: time.sleep(0.01)
+    assert w._busy is not None, "the writer took the first item"
+    time.sleep(writer.STUCK_S + 0.2)         # (before, a stuck write may be a slow one, and may pace: however loaded the machine)
     for i in range(200):
         w.submit(i); time.sleep(0.001)
     gate.set(); w.flush(); w.close()

@@ -94,7 +94,8 @@ def test_live_explorer_diagnoses_at_most_every_few_seconds(scaled, store, monkey
         ex.refresh()
         assert len(calls) == 1
         ex.live_toggle.value = True
-        ex.stop_button.click(); ex._thread.join(5)
+        ex.stop_button.click(); ex._thread.join(60)
+        assert not ex._thread.is_alive()                             # no poll of its own among the counted refreshes
         with ex._quiet(): ex.live_toggle.value = True                 # live, without its thread: refreshes by hand
         for _ in range(3):
             ex._steps.append(ex._steps[-1] + 1)

@@ -320,12 +320,14 @@ CYCLE = textwrap.dedent('''
 
 def test_self_referencing_argument_does_not_hang(tmp_path):
     "Run in a process of its own, so a hang costs a timeout rather than the test session."
+    # the process imports torch and torchember (3 s idle, 20-22 s beside 6 busy processes on 2 cores): a hang is
+    # told by the timeout, never by how long it took
     (tmp_path/'cycle.py').write_text(CYCLE)
     try:
         r = subprocess.run([sys.executable, str(tmp_path/'cycle.py'), str(tmp_path/'cycle.db')], capture_output=True,
-                           text=True, timeout=25, env={**os.environ, 'TORCHEMBER_COMPILE': '0'})
+                           text=True, timeout=300, env={**os.environ, 'TORCHEMBER_COMPILE': '0'})
     except subprocess.TimeoutExpired:
-        pytest.fail("an armed forward with a self-referencing argument did not return within 25 s")
+        pytest.fail("an armed forward with a self-referencing argument did not return within 300 s")
     assert r.returncode == 0 and r.stdout.strip() == 'done', r.stderr[-3000:]
 
 
@@ -556,7 +558,11 @@ def _junk_fn(kind):
     return fn
 
 @pytest.mark.parametrize('kind', JUNK)
-def test_failing_stat_function_warns_once_and_training_goes_on(db, kind):
+def test_failing_stat_function_warns_once_and_training_goes_on(db, kind, monkeypatch):
+    from torchember import stats
+    # a loaded machine stalls a step 0.1 s inside the stat function now and then: its advice that the function is
+    # slow (`stats.SLOW_S`) would be a second warning here, and says nothing of a failing one
+    monkeypatch.setattr(stats, 'SLOW_S', float('inf'))
     model = _stat_model()
     bare = copy.deepcopy(model)
     te = torchEmber(model, run='junk', db=db)
