@@ -190,9 +190,14 @@ def test_explorer_renders_in_jupyterlab(lab):
             # a click on a cell of the model map (module 2's weight grads at step 12): its history of that ttype and stat
             page.select_option('.widget-dropdown:has(label:text-is("stat")) select', label='std')
             page.wait_for_timeout(1500)
-            x, y, _ = page.evaluate(MAP_CELL, [12, 1])                   # its hover names the step's iteration and kind
-            page.mouse.move(x, y)
-            page.wait_for_function(f"() => {HOVER}.some(t => t.includes('step 12 · iteration 12 · train'))", timeout=20_000)
+            for attempt in range(3):                                     # (a map drawn again under the mouse drops its hover)
+                x, y, _ = page.evaluate(MAP_CELL, [12, 1])               # its hover names the step's iteration and kind
+                page.mouse.move(0, 0); page.mouse.move(x, y, steps=3)
+                try:
+                    page.wait_for_function(f"() => {HOVER}.some(t => t.includes('step 12 · iteration 12 · train'))", timeout=20_000)
+                    break
+                except Exception:
+                    if attempt == 2: raise
             for attempt in range(3):
                 x, y, label = page.evaluate(MAP_CELL, [12, 1])
                 page.mouse.click(x, y)
