@@ -3,7 +3,7 @@
 Inference mode (Lightning's validation), tensor hooks on long-lived leaves (parametrizations), backward times of
 containers, activation checkpointing, copies of an armed model, and torch.compile.
 """
-import copy, gc, io, os, pickle, subprocess, sys, textwrap, uuid, warnings
+import copy, gc, io, math, os, pickle, subprocess, sys, textwrap, uuid, warnings
 
 import pytest, torch
 from torch import nn
@@ -191,6 +191,25 @@ def test_containers_get_their_backward_time(db, io_grad):
         for outer in ('', 'body', 'body.0', 'body.1', 'head'):        # a container's backward holds every call inside it,
             inner = c[[m for m in c.index if m.startswith(outer + '.' if outer else '') and m != outer]]
             assert c[outer] >= inner.max(), (outer, c)                # even one that shares its output (head.1, body.1.1)
+
+
+class DroppedCall(nn.Module):
+    "A layer called twice, the first call's output dropped: its weights get grads, that call gets none."
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(3, 3)
+    def forward(self, x):
+        self.l(x)
+        return self.l(x)
+
+def test_a_call_no_grad_reached_has_no_backward_time(db):
+    model = DroppedCall()
+    te = torchEmber(model, run=run_name(), db=db, timing=True)
+    model(torch.randn(2, 3)).sum().backward()
+    calls = te.flush().run.calls().set_index(['module', 'call']).bwd_ms
+    te.disarm()
+    assert math.isnan(calls['l', 0]), calls                  # not 0, nor the time its module's weight grads took
+    assert calls['l', 1] >= 0 and calls['', 0] >= calls['l', 1], calls
 
 
 # ---------------------------------------------------------------- 6. activation checkpointing: recomputation is not a call

@@ -845,8 +845,8 @@ def _on_grad(self:Capture, mi, c, ttype, name, g):
     if self.timing and (mi, c) in self._times:
         t = self._times[mi, c]
         now = self.clock()
-        if ttype == 'output_grad': _started(t, now)
-        else: _ended(t, now)
+        _started(t, now)                  # (an input's grad first: an `Identity`, whose input is its output)
+        if ttype == 'input_grad': _ended(t, now)
     if self.io_grad and g is not None: self.recorder.tensor(mi, c, ttype, name, sample_norms(g))
 
 def _started(t:list, now):
@@ -855,7 +855,6 @@ def _started(t:list, now):
 
 def _ended(t:list, now):
     "Mark the backward of the call timed by `t`, and of every call around it, as ended no earlier than `now`."
-    _started(t, now)
     while t is not None: t[4], t = now, t[5]
 
 def sample_norms(g:torch.Tensor)->torch.Tensor:
