@@ -49,7 +49,7 @@ def _hf_trainer(hf, model, out, cb, **args):
     data = [{'input_ids': ids, 'labels': int(ids.sum()) % 2} for ids in torch.randint(0, 50, (24, 8))]
     args = hf.TrainingArguments(output_dir=str(out), **{**dict(max_steps=6, logging_steps=2, per_device_train_batch_size=4, use_cpu=True,
                                 report_to=[], save_strategy='no', disable_tqdm=True), **args})
-    return hf.Trainer(model=model, args=args, train_dataset=data, callbacks=[cb])
+    return hf.Trainer(model=model, args=args, train_dataset=data, callbacks=[cb] if cb is not None else [])
 
 def test_hf_trainer_records_the_run(hf, db, tmp_path):
     from torchember.callbacks import EmberHFCallback
@@ -83,6 +83,28 @@ def test_hf_run_name_options_and_a_second_training(hf, db, tmp_path):
     named = EmberHFCallback(run='mine', db=db)
     _hf_trainer(hf, model, tmp_path/'out', named, max_steps=2).train()
     assert load('mine', db).n_steps == 2
+
+def test_hf_trainer_torch_compile(hf, db, tmp_path):
+    "`TrainingArguments(torch_compile=True)`: armed at train start, the trainer's compiled model adds no graph break, records eager's rows, trains as bare."
+    from torchember.callbacks import EmberHFCallback
+    import torch._dynamo as dynamo
+    def train(cb, compiled):
+        model = _bert(hf)
+        dynamo.reset(); dynamo.utils.counters.clear()
+        trainer = _hf_trainer(hf, model, tmp_path/'out', cb, max_steps=4, torch_compile=compiled)
+        trainer.train()
+        assert isinstance(trainer.model_wrapped, torch._dynamo.eval_frame.OptimizedModule) == compiled
+        return model, sum(dynamo.utils.counters['graph_break'].values()), dict(dynamo.utils.counters['stats'])
+    bare, bare_breaks, bare_graphs = train(None, True)
+    armed, breaks, graphs = train(EmberHFCallback(db=db, run='compiled'), True)
+    assert breaks == bare_breaks == 0 and graphs['unique_graphs'] == bare_graphs['unique_graphs']
+    for (n, p), q in zip(bare.named_parameters(), armed.parameters()): assert torch.equal(p, q), n   # dropout's RNG too
+    train(EmberHFCallback(db=db, run='eager'), False)
+    key = ['step', 'module', 'call', 'ttype', 'tname']
+    c, e = (load(n, db).df().sort_values(key).reset_index(drop=True) for n in ('compiled', 'eager'))
+    assert sorted(c.step.unique()) == [0, 1, 2, 3] and c[key].equals(e[key])
+    w = (c.step == 0) & (c.ttype == 'weight')             # before the first update: the same weights, eager or compiled
+    assert w.sum() > 20 and c[w]['norm'].tolist() == pytest.approx(e[w]['norm'].tolist(), rel=1e-6)
 
 def test_hf_non_main_process_records_nothing(hf, db, tmp_path):
     from torchember.callbacks import EmberHFCallback
