@@ -123,8 +123,13 @@ MAP_CELL = """([j, i]) => {
   return [r.left + L.xaxis._offset + L.xaxis.l2p(tr.x[j]), r.top + L.yaxis._offset + L.yaxis.l2p(i), tr.y[i]];
 }"""
 STAT_PICKED = "[...document.querySelectorAll('.widget-select-multiple select option')].filter(o => o.selected).map(o => o.textContent)"
+# the explorer's figure: its width, and how far its right edge is past its output area's (over 0: cut off)
+FITS = ("(() => { const g = document.querySelector('.js-plotly-plot'), o = g.closest('.jp-OutputArea-output');"
+        " return [g._fullLayout.width, Math.round(g.getBoundingClientRect().right - o.getBoundingClientRect().right)]; })()")
 STATUS = "[...document.querySelectorAll('.widget-label')].map(l => l.textContent).join('|')"
-TITLES = "[...document.querySelectorAll('.js-plotly-plot .gtitle, .js-plotly-plot .annotation-text')].map(t => t.textContent)"
+# a title the explorer broke into lines (its figure as wide as the page leaves it) read as one, its lines joined by spaces
+TITLES = ("[...document.querySelectorAll('.js-plotly-plot .gtitle, .js-plotly-plot .annotation-text')]"
+          ".map(t => { const ls = [...t.querySelectorAll('tspan.line')]; return ls.length ? ls.map(l => l.textContent).join(' ') : t.textContent; })")
 HOVER = "[...document.querySelectorAll('.js-plotly-plot .hoverlayer .hovertext')].map(t => t.textContent)"
 GRAPH_NODE = """(name) => {
   const gd = document.querySelector('.js-plotly-plot');
@@ -164,6 +169,13 @@ def test_explorer_renders_in_jupyterlab(lab):
             bars = page.locator('.js-plotly-plot .barlayer .point path')
             assert bars.count() == 2                                    # two Linear layers with weight grads
             assert any('0 · output over steps' in t for t in page.evaluate(f"() => {TITLES}"))
+            # the figure as wide as the page leaves it: inside the notebook's column, following the window as it is resized
+            page.wait_for_function(f"() => {FITS}[1] <= 0 && {FITS}[0] != 980", timeout=20_000)
+            wide = page.evaluate(f"() => {FITS}")[0]
+            page.set_viewport_size({'width': 1200, 'height': 1700})
+            page.wait_for_function(f"() => {FITS}[0] < {wide} && {FITS}[1] <= 0", timeout=20_000)
+            page.set_viewport_size({'width': 1500, 'height': 1700})
+            page.wait_for_function(f"() => {FITS}[0] == {wide}", timeout=20_000)
             assert '· 20 steps' in page.evaluate(f"() => {STATUS}")
 
             # live mode: the thread's updates reach the page, and the page's stop button reaches the thread

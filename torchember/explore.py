@@ -7,6 +7,7 @@ Docs: https://torchember.github.io/torchember/explore.html.md"""
 # %% ../nbs/05a_explore.ipynb #f53175b4
 from __future__ import annotations
 import html, os, re, threading, time
+import anywidget, traitlets
 import numpy as np
 from contextlib import contextmanager
 import pandas as pd
@@ -32,7 +33,8 @@ import math
 import numpy as np
 
 # %% auto #0
-__all__ = ['PLOTS', 'ORDER', 'TIME', 'ALL', 'SPREAD', 'KINDS', 'DIAGNOSE_EVERY', 'tree_options', 'Plot', 'Explorer', 'explore']
+__all__ = ['PLOTS', 'ORDER', 'TIME', 'ALL', 'SPREAD', 'KINDS', 'DIAGNOSE_EVERY', 'tree_options', 'Plot', 'ViewWidth', 'fig_width',
+           'Explorer', 'explore']
 
 # %% ../nbs/05a_explore.ipynb #fb5ede98
 def tree_options(tree:dict, filter:str='')->list:
@@ -53,6 +55,8 @@ PLOTS = ('map', 'scalars', 'history', 'histogram', 'bars', 'evidence', 'graph')
 ORDER = ('evidence', 'map', 'graph', *PLOTS[1:5])
 # px: above the first plot, between two (a title, the x axis above), below the last
 _TOP, _GAP, _BOTTOM, _WIDTH = 60, 110, 90, 980
+# px: the selectors' column beside the figure; the figure's narrowest and widest
+_SIDE, _MIN_WIDTH, _MAX_WIDTH = 270, 560, 1800
 
 def _ref(ref:str, axes:list)->str:
     "Axis reference `ref` of a plot's own figure ('x2', 'y domain', 'paper') as it reads in the explorer's figure."
@@ -74,7 +78,8 @@ class Plot:
     def shown(self)->bool: return self.height > 0
     @property
     def title(self)->str:
-        return next((a.text for a in self.fig.layout.annotations if a.name == f'{self.name} title'), '')
+        t = next((a.text for a in self.fig.layout.annotations if a.name == f'{self.name} title'), '')
+        return t.replace('<br>', ' ')   # as `_fitted` found it
     @property
     def annotations(self)->tuple:
         "The plot's other annotations, e.g. the titles of its subplots."
@@ -106,11 +111,19 @@ def _traces(p:Plot, f:go.Figure)->list:
         out.append(t)
     return out
 
-def _layout(plots:list, n_axes:int)->dict:
+def _fitted(title:str, width:int)->tuple:
+    "`(title, lines)`: `title` broken at spaces into lines that a figure `width` px wide holds (bold 15 px: ~8.5 px a character)."
+    most, lines = max(int((width - 70) / 8.5), 20), ['']
+    for word in title.split(' '):
+        if lines[-1] and len(lines[-1]) + 1 + len(word) > most: lines.append(word)
+        else: lines[-1] = f"{lines[-1]} {word}" if lines[-1] else word
+    return '<br>'.join(lines), len(lines)
+
+def _layout(plots:list, n_axes:int, width:int=_WIDTH)->dict:
     "The explorer figure's layout: `plots` stacked in bands as tall as their `height`, with axes and decorations."
     shown = [p for p in plots if p.shown]
     inner = max(sum(p.height for p in shown) + _GAP * (len(shown) - 1), 1)
-    lay = dict(height=_TOP + inner + _BOTTOM, width=_WIDTH, template='plotly_white', barmode='group',
+    lay = dict(height=_TOP + inner + _BOTTOM, width=width, template='plotly_white', barmode='group',
                hovermode='closest',
                margin=dict(l=60, r=150, t=_TOP, b=_BOTTOM), annotations=[], shapes=[], showlegend=True)
     top, used = 0, set()
@@ -130,9 +143,10 @@ def _layout(plots:list, n_axes:int)->dict:
         if not p.shown: continue
         lay[f'legend{PLOTS.index(p.name) + 2}'] = dict(x=1.02, xanchor='left', y=hi, yanchor='top',
                                                        bgcolor='rgba(255,255,255,0.8)')
-        title = src.get('title', {}).get('text', '')
+        title, lines = _fitted(src.get('title', {}).get('text', ''), width)
         lay['annotations'].append(dict(text=title, name=f'{p.name} title', xref='paper', x=0, xanchor='left',
-                                       yref='paper', y=hi, yanchor='bottom', yshift=30, showarrow=False,
+                                       yref='paper', y=hi, yanchor='bottom', yshift=max(30 - 22 * (lines - 1), 4),
+                                       showarrow=False,
                                        font=dict(size=15, weight='bold')))
         for key, named in (('annotations', p.name), ('shapes', None)):
             for o in src.get(key, []):
@@ -162,6 +176,28 @@ def _kinds_in_order(kinds)->list:
     "The ttypes in `kinds` in the selectors' order: forward, weights, grads; unknown ones after."
     return sorted(set(kinds), key=lambda k: (KINDS.index(k) if k in KINDS else len(KINDS), k))
 
+# %% ../nbs/05a_explore.ipynb #b390d85a
+class ViewWidth(anywidget.AnyWidget):
+    "An empty widget that sends Python its width in px when a browser draws it, and again as the page resizes it."
+    _esm = """
+    function render({ model, el }) {
+      el.style.width = '100%';
+      const seen = () => {
+        const w = Math.round(el.getBoundingClientRect().width);
+        if (w > 0 && w !== model.get('width')) { model.set('width', w); model.save_changes(); }
+      };
+      const watch = new ResizeObserver(seen);
+      watch.observe(el);
+      return () => watch.disconnect();
+    }
+    export default { render };
+    """
+    width = traitlets.Int(0).tag(sync=True)   # 0: not drawn yet
+
+def fig_width(shown:int)->int:
+    "The explorer's figure's width in an explorer drawn `shown` px wide (0: not drawn, `_WIDTH`)."
+    return _WIDTH if shown <= 0 else min(max(shown - _SIDE, _MIN_WIDTH), _MAX_WIDTH)
+
 # %% ../nbs/05a_explore.ipynb #60b10ecd
 class Explorer(W.VBox):
     "A widget on a store: a module's stats over steps, its histogram over steps, and every module at the latest step."
@@ -185,7 +221,7 @@ class Explorer(W.VBox):
         self.rank_picker = W.Dropdown(description='rank', layout=W.Layout(width='200px', display='none'))
         self.live_toggle = W.ToggleButton(description='live', icon='play',
                                           tooltip='poll the store and follow new steps', layout=W.Layout(width='80px'))
-        self.stop_button = W.Button(description='stop', icon='stop', layout=W.Layout(width='80px'))
+        self.stop_button = W.Button(description='stop', icon='stop', layout=W.Layout(width='92px'))
         self.status = W.Label()
         self.module_filter = W.Text(placeholder='filter modules', layout=wide)
         self.module_picker = W.Select(rows=16, layout=W.Layout(width='auto'))
@@ -204,20 +240,21 @@ class Explorer(W.VBox):
                                           tooltip="map rows folded by the module tree (click a ▸ row to open it); "
                                                   "off: a row per module")
         self._collapsed = None   # the map's folded modules: None until the run's first map, then `auto_collapse`'s
-        self.graph_toggle = W.ToggleButton(description='graph', icon='sitemap', layout=W.Layout(width='80px'),
+        self.graph_toggle = W.ToggleButton(description='graph', icon='sitemap', layout=W.Layout(width='100px'),
                                            tooltip="the model as a graph of its modules' data flow, "
                                                    "coloured as the map")
         self.graph_search = W.Text(placeholder='find in the graph', layout=W.Layout(width='180px', display='none'))
         self._gview, self._graph_hits = None, []   # the run's `GraphView` (per run and rank), the nodes search found
         self.findings, self._finding, self._diag_at, self._diag_key = findings_frame([]), None, -math.inf, None
         self.findings_head = W.HTML()
-        self.findings_picker = W.Select(rows=5, layout=W.Layout(width='1240px', display='none'))
+        self.findings_picker = W.Select(rows=5, layout=W.Layout(width='auto', max_width='1240px', display='none'))
         self.finding_text = W.HTML()
         axes = {f"xaxis{k}": {} for k in range(2, len(PLOTS) + 1)}   # there from the start: zooms are followed on them
         # one figure: one copy of plotly.js
         self.fig = go.FigureWidget(layout=dict(width=_WIDTH, height=_TOP + _BOTTOM, template='plotly_white', **axes))
         self.plots = {n: Plot(self.fig, n) for n in PLOTS}
         self._n_axes, self._map_rows, self._mark = len(PLOTS), {}, None
+        self._width, self.view_width = _WIDTH, ViewWidth()   # the figure's width: what the browser leaves it
         # a plot's zoomed step range: re-read at full resolution
         self._zoom, self._drawing, self._deferred = {'map': None, 'history': None}, False, False
         self._follow_zooms()
@@ -231,7 +268,7 @@ class Explorer(W.VBox):
                                  self.stop_button, self.status]),
                          W.VBox([self.findings_head, self.findings_picker, self.finding_text]),
                          W.HBox([self.ov_ttype, self.ov_stat, self.fold_toggle, self.graph_toggle, self.graph_search,
-                                 hint]), W.HBox([side, self.fig])]
+                                 hint]), W.HBox([side, self.fig]), self.view_width]
         for w, fn in ((self.run_picker, 'show_run'), (self.overlay_picker, '_on_overlay'),
                       (self.rank_picker, '_on_rank'), (self.module_filter, '_on_filter'),
                       (self.module_picker, '_on_module'), (self.ttype_picker, '_on_ttype'),
@@ -243,6 +280,7 @@ class Explorer(W.VBox):
                       (self.graph_search, '_on_graph_search')):
             w.observe(self._guard(fn), 'value')
         self.stop_button.on_click(lambda _: self.stop())
+        self.view_width.observe(lambda change: self._fit(change['new']), 'width')
         names = self._fill_runs()
         if run is not None and run not in names: load(run, db)   # raises, naming the runs there are
         if names: self.show_run(run or self._newest())
@@ -390,7 +428,7 @@ def _redraw(self:Explorer, p:Plot, new:list, old:tuple):
 @patch
 def _relayout(self:Explorer):
     "Lay the figure out for the plots as they are: bands, axes, titles, colour bars beside their plots."
-    lay = _layout([self.plots[n] for n in ORDER], self._n_axes)
+    lay = _layout([self.plots[n] for n in ORDER], self._n_axes, self._width)
     self._drawing, was = True, self._drawing   # the layout set here is no zoom of the user's
     try:
         with self.fig.batch_update():
@@ -416,6 +454,14 @@ def _laid_out_once(self:Explorer):
     try: yield
     finally:
         self._deferred = False
+        self._relayout()
+
+@patch
+def _fit(self:Explorer, shown:int):
+    "Lay the figure out again for an explorer drawn `shown` px wide (`ViewWidth`'s report)."
+    with self._lock:
+        if (w := fig_width(shown)) == self._width: return
+        self._width = w
         self._relayout()
 
 # %% ../nbs/05a_explore.ipynb #63295ccd
