@@ -112,8 +112,8 @@ def _traces(p:Plot, f:go.Figure)->list:
     return out
 
 def _fitted(title:str, width:int)->tuple:
-    "`(title, lines)`: `title` broken at spaces into lines that a figure `width` px wide holds (bold 15 px: ~8.5 px a character)."
-    most, lines = max(int((width - 70) / 8.5), 20), ['']
+    "`(title, lines)`: `title` broken at spaces into lines that a figure `width` px wide holds."
+    most, lines = max(int((width - 70) / 8.5), 20), ['']   # bold 15 px: about 8.5 px a character
     for word in title.split(' '):
         if lines[-1] and len(lines[-1]) + 1 + len(word) > most: lines.append(word)
         else: lines[-1] = f"{lines[-1]} {word}" if lines[-1] else word
@@ -182,13 +182,15 @@ class ViewWidth(anywidget.AnyWidget):
     _esm = """
     function render({ model, el }) {
       el.style.width = '100%';
-      const seen = () => {
+      let wait = null;
+      const send = () => {   // a change of a few px (a scroll bar) is left alone: the figure has that much to spare
         const w = Math.round(el.getBoundingClientRect().width);
-        if (w > 0 && w !== model.get('width')) { model.set('width', w); model.save_changes(); }
+        if (w > 0 && Math.abs(w - model.get('width')) >= 8) { model.set('width', w); model.save_changes(); }
       };
-      const watch = new ResizeObserver(seen);
+      // once the window has stopped changing: a drag of its edge would lay the figure out at every pixel
+      const watch = new ResizeObserver(() => { clearTimeout(wait); wait = setTimeout(send, 150); });
       watch.observe(el);
-      return () => watch.disconnect();
+      return () => { clearTimeout(wait); watch.disconnect(); };
     }
     export default { render };
     """
