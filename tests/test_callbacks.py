@@ -85,7 +85,7 @@ def test_hf_run_name_options_and_a_second_training(hf, db, tmp_path):
     assert load('mine', db).n_steps == 2
 
 def test_hf_trainer_torch_compile(hf, db, tmp_path):
-    "`TrainingArguments(torch_compile=True)`: armed at train start, the trainer's compiled model adds no graph break, records eager's rows, trains as bare."
+    "`torch_compile=True`: no graph break added, parameters as the bare compiled run's, eager's row keys and first weights."
     from torchember.callbacks import EmberHFCallback
     import torch._dynamo as dynamo
     def train(cb, compiled):
